@@ -1,0 +1,43 @@
+# The two commands: `make run` (set up .venv, start the local mesh) and
+# `make test` (set up .venv, run every test). Everything else is a helper.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+BUF    := npx --yes @bufbuild/buf@1.75.0
+ARGS   ?=
+
+.PHONY: run test proto lint bench clean venv
+
+venv: $(STAMP)
+
+# torch first and pinned: 2.13.0 is the CPU build on disk here; an unpinned
+# torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pdmesh up $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q $(ARGS)
+
+proto: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+lint: $(STAMP)
+	$(BUF) lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,78 @@
+"""The KV block layout every engine and transport agrees on.
+
+A KV pool is one contiguous tensor shaped
+    [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
+so the KV of one block (all layers) is one contiguous region of `block_bytes`
+bytes at `base + block_id * block_bytes`. A transfer moves whole blocks; block
+lists need not be contiguous. Both sides check the layout before moving bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LayoutMismatch(ValueError):
+    """Two KV layouts differ; moving bytes between them would give garbage."""
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; one of {sorted(_DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KvLayout.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * self.torch_dtype.itemsize
+
+    def bytes_per_token(self) -> int:
+        return self.block_bytes // self.block_size
+
+    def allocate_pool(self, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """A zeroed pool tensor [num_blocks, *block_shape] in this layout."""
+        return torch.zeros((num_blocks, *self.block_shape), dtype=self.torch_dtype, device=device)
+
+    def check_compatible(self, other: KvLayout) -> None:
+        """Raise LayoutMismatch naming every field that differs."""
+        diffs = [
+            f"{name}: {getattr(self, name)} != {getattr(other, name)}"
+            for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+            if getattr(self, name) != getattr(other, name)
+        ]
+        if diffs:
+            raise LayoutMismatch("KV layout mismatch (" + "; ".join(diffs) + ")")
+
+    def check_pool(self, pool: torch.Tensor) -> None:
+        """Raise LayoutMismatch unless `pool` is a contiguous pool in this layout."""
+        if tuple(pool.shape[1:]) != self.block_shape or pool.dtype != self.torch_dtype:
+            raise LayoutMismatch(
+                f"pool {tuple(pool.shape)} {pool.dtype} is not in layout {self.block_shape} {self.dtype}"
+            )
+        if not pool.is_contiguous():
+            raise LayoutMismatch("KV pool must be contiguous")

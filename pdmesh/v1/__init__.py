@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the pdmesh.v1 contract (never edit; run `make proto`)."""

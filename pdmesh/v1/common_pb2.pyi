@@ -1,0 +1,241 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+
+class AcceleratorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACCELERATOR_KIND_UNSPECIFIED: _ClassVar[AcceleratorKind]
+    ACCELERATOR_KIND_CPU: _ClassVar[AcceleratorKind]
+    ACCELERATOR_KIND_CUDA: _ClassVar[AcceleratorKind]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_ABORT: FinishReason
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+ACCELERATOR_KIND_UNSPECIFIED: AcceleratorKind
+ACCELERATOR_KIND_CPU: AcceleratorKind
+ACCELERATOR_KIND_CUDA: AcceleratorKind
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class WorkflowContext(_message.Message):
+    __slots__ = ("workflow_id", "step_index", "tokens_spent")
+    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SPENT_FIELD_NUMBER: _ClassVar[int]
+    workflow_id: str
+    step_index: int
+    tokens_spent: int
+    def __init__(self, workflow_id: _Optional[str] = ..., step_index: _Optional[int] = ..., tokens_spent: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "computed_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    computed_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "block_bytes")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    block_bytes: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class NixlBlockDescriptors(_message.Message):
+    __slots__ = ("agent_name", "layout", "block_ids", "num_tokens", "kv_source_address")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    layout: KvLayout
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    kv_source_address: str
+    def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., kv_source_address: _Optional[str] = ...) -> None: ...
+
+class EngineState(_message.Message):
+    __slots__ = ("backend", "opaque_state", "first_gen_tokens", "ctx_request_id", "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    OPAQUE_STATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_GEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CTX_DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CTX_INFO_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    opaque_state: bytes
+    first_gen_tokens: _containers.RepeatedScalarFieldContainer[int]
+    ctx_request_id: int
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    disagg_request_id: int
+    ctx_dp_rank: int
+    ctx_info_endpoint: str
+    def __init__(self, backend: _Optional[str] = ..., opaque_state: _Optional[bytes] = ..., first_gen_tokens: _Optional[_Iterable[int]] = ..., ctx_request_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., disagg_request_id: _Optional[int] = ..., ctx_dp_rank: _Optional[int] = ..., ctx_info_endpoint: _Optional[str] = ...) -> None: ...
+
+class KvHandle(_message.Message):
+    __slots__ = ("handle_id", "issued_to", "lease_expires_unix_ms", "model_id", "num_tokens", "nixl_blocks", "engine_state")
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_TO_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
+    handle_id: str
+    issued_to: str
+    lease_expires_unix_ms: int
+    model_id: str
+    num_tokens: int
+    nixl_blocks: NixlBlockDescriptors
+    engine_state: EngineState
+    def __init__(self, handle_id: _Optional[str] = ..., issued_to: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., model_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., nixl_blocks: _Optional[_Union[NixlBlockDescriptors, _Mapping]] = ..., engine_state: _Optional[_Union[EngineState, _Mapping]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "role", "model_id", "block_size", "accelerator", "kv_capacity_blocks", "free_blocks", "engine_backend", "max_model_len", "kv_agent_name")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    role: WorkerRole
+    model_id: str
+    block_size: int
+    accelerator: AcceleratorKind
+    kv_capacity_blocks: int
+    free_blocks: int
+    engine_backend: str
+    max_model_len: int
+    kv_agent_name: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., accelerator: _Optional[_Union[AcceleratorKind, str]] = ..., kv_capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., engine_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_agent_name: _Optional[str] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_DECODE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    tokens_waiting: int
+    used_blocks: int
+    free_blocks: int
+    estimated_wait_ms: float
+    active_decode_blocks: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ..., active_decode_blocks: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("seq", "stored", "removed", "cleared")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored: KvBlocksStored
+    removed: KvBlocksRemoved
+    cleared: KvCacheCleared
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[KvBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KvCacheCleared, _Mapping]] = ...) -> None: ...
+
+class KvBlocksStored(_message.Message):
+    __slots__ = ("parent_hash", "block_hashes")
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    parent_hash: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parent_hash: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvCacheCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineCounters(_message.Message):
+    __slots__ = ("prompt_tokens_computed", "decode_tokens_computed", "prompt_tokens_cached", "prompt_tokens_transferred", "preemptions")
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens_computed: int
+    decode_tokens_computed: int
+    prompt_tokens_cached: int
+    prompt_tokens_transferred: int
+    preemptions: int
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_transferred: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...

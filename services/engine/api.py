@@ -1,0 +1,302 @@
+"""The `Engine` protocol: what prefill and decode workers need from an engine.
+
+Backends (torch, sim, trtllm) implement this and are chosen by name in
+`services.engine.factory.create_engine`. Everything here is a boundary type: the
+services never see an engine's sequences, block tables or scheduler.
+
+Lifecycle of a request inside an engine (one owner of transitions: the engine):
+    WAITING -> PREFILLING -> DECODING -> FINISHED / ABORTED          (generate)
+    WAITING -> PREFILLING -> HELD -> released                        (prefill)
+    WAITING_FOR_REMOTE_KV -> DECODING -> FINISHED / ABORTED          (external KV)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvtransfer.layout import KvLayout
+
+
+class EngineError(Exception):
+    """Base of the engine's typed errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request cannot be served as given (bad field value, too long, ...).
+
+    `field` names the offending request field, for INVALID_ARGUMENT messages.
+    """
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class EngineCapacityError(EngineError):
+    """Not enough KV blocks to admit the request now (RESOURCE_EXHAUSTED)."""
+
+
+class UnknownRequestError(EngineError, KeyError):
+    """No request / held KV with that id (already released, finished or aborted)."""
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; validated by `validate` against the engine's model.
+
+    With a seed, the draw for output position i depends only on (seed, i)
+    (position-deterministic), so a token sampled by a prefill worker equals the
+    one the decode worker would have drawn.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first invalid field."""
+        if self.max_tokens < 1:
+            raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not (0.0 <= self.temperature <= 2.0) or self.temperature != self.temperature:
+            raise InvalidRequestError("sampling.temperature", f"must be in [0, 2], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.top_k <= vocab_size):
+            raise InvalidRequestError("sampling.top_k", f"must be in [0, {vocab_size}], got {self.top_k}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise InvalidRequestError("sampling.seed", "must fit in 64 unsigned bits")
+        for t in self.stop_token_ids:
+            if not (0 <= t < vocab_size):
+                raise InvalidRequestError("sampling.stop_token_ids", f"token {t} not in [0, {vocab_size})")
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A tokenized request.
+
+    `resume_token_ids` are output tokens an earlier attempt already produced
+    (migration): the engine treats prompt + resume as context, samples the next
+    token at output position len(resume_token_ids), counts them against
+    max_tokens, and does not emit them again.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    resume_token_ids: Sequence[int] = ()
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens of one request after one engine step (possibly none when finished)."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    # Set on the first output of a request:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Prompt tokens this engine computed for the request so far (prefill work).
+    num_computed_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class HeldKv:
+    """KV blocks an engine holds for another worker after a prefill-only request."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    layout: KvLayout
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token_id: int
+    finished: bool
+    finish_reason: FinishReason | None
+    cached_prefix_tokens: int
+    computed_tokens: int
+    # None when `finished` (nothing is held) or when the engine moves KV itself.
+    held: HeldKv | None
+    # Engine-specific handoff state (trtllm's DisaggregatedParams fields).
+    engine_state: dict | None = None
+
+
+@dataclass(frozen=True)
+class ExternalKvReservation:
+    """Blocks reserved for a request whose prompt KV arrives from outside.
+
+    `block_ids[i]` receives block i of the prompt. The first
+    `num_cached_tokens // block_size` blocks are already filled from this
+    engine's own prefix cache and need no transfer: `transfer_block_ids` are the
+    ones to write (with `first_transfer_block` the prompt block index of the first).
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    first_transfer_block: int
+
+    @property
+    def transfer_block_ids(self) -> tuple[int, ...]:
+        return self.block_ids[self.first_transfer_block :]
+
+
+class KvEventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    """A prefix-cache event; `seq` grows by 1 per event of one engine."""
+
+    seq: int
+    kind: KvEventKind
+    block_hashes: tuple[int, ...] = ()
+    parent_hash: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    held_blocks: int
+    tokens_waiting: int
+    active_decode_blocks: int
+    prompt_tokens_computed: int
+    decode_tokens_computed: int
+    prompt_tokens_cached: int
+    prompt_tokens_transferred: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    # True when the engine moves KV itself (trtllm's cache transceiver): the
+    # decode service then skips the kvtransfer pull and forwards engine_state.
+    moves_kv_itself: bool = False
+    # True when kv_pool() returns a tensor transports can register.
+    exports_kv_pool: bool = True
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    backend: str
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    layout: KvLayout | None
+    eos_token_ids: tuple[int, ...]
+    device: str
+    capabilities: EngineCapabilities = field(default_factory=EngineCapabilities)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a worker needs from an engine. All methods are called from one
+    asyncio event loop; the engine runs its step loop on its own thread.
+
+    Every call that takes a request validates it first and raises
+    InvalidRequestError (nothing allocated) when it is bad.
+    """
+
+    info: EngineInfo
+    tokenizer: Tokenizer
+
+    async def start(self) -> None:
+        """Load the model and start the step loop."""
+
+    async def close(self) -> None:
+        """Abort everything, stop the loop, free the pool."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Prefill locally (reusing cached prefix) and stream the output.
+
+        Closing the iterator early (or cancelling the task consuming it) aborts
+        the request and frees its blocks.
+        """
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Prefill only: compute the prompt's KV, sample the first output token,
+        and hold the blocks (state HELD) until `release(request_id)`. If the
+        first token finishes the request, nothing is held. Cancelling the call
+        frees everything."""
+
+    def release(self, request_id: str) -> bool:
+        """Free blocks held by a prefill-only request; False if unknown."""
+
+    async def reserve_external(self, request: EngineRequest) -> ExternalKvReservation:
+        """Reserve blocks for the request's prompt (+resume) KV, reusing this
+        engine's own cached prefix; the request waits in WAITING_FOR_REMOTE_KV.
+        Raises EngineCapacityError when the blocks are not free."""
+
+    def generate_external(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:
+        """The reserved blocks now hold the prompt's KV and `first_token_id` was
+        sampled remotely: emit it, then decode the rest. Closing the iterator
+        aborts and frees."""
+
+    def cancel_external(self, request_id: str) -> None:
+        """Free a reservation that will not be completed (transfer failed)."""
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state; False if unknown."""
+
+    def kv_pool(self) -> torch.Tensor | None:
+        """The whole KV pool [num_blocks, *layout.block_shape] for transports to
+        register once (None when the engine moves KV itself)."""
+
+    def prefix_lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of `token_ids` whose KV is cached here (a multiple of block_size)."""
+
+    def stats(self) -> EngineStats: ...
+
+    def kv_events_since(self, seq: int) -> list[KvEvent]:
+        """Buffered events with seq > `seq` (may start later than seq+1 when the
+        buffer overflowed: the subscriber must then resync from a snapshot)."""
+
+    def kv_snapshot(self) -> tuple[int, list[tuple[int | None, int]]]:
+        """(last event seq, [(parent_hash, block_hash) for every cached block])."""
+
+    async def wait_kv_events(self, after_seq: int) -> None:
+        """Return once an event with seq > after_seq exists."""
