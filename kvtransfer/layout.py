@@ -10,10 +10,13 @@ lists need not be contiguous. Both sides check the layout before moving bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily so the router never loads it
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype name -> bytes per element
+_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class LayoutMismatch(ValueError):
@@ -37,6 +40,12 @@ class KvLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def itemsize(self) -> int:
         return _DTYPES[self.dtype]
 
     @property
@@ -49,13 +58,15 @@ class KvLayout:
         n = 1
         for d in self.block_shape:
             n *= d
-        return n * self.torch_dtype.itemsize
+        return n * self.itemsize
 
     def bytes_per_token(self) -> int:
         return self.block_bytes // self.block_size
 
     def allocate_pool(self, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
         """A zeroed pool tensor [num_blocks, *block_shape] in this layout."""
+        import torch
+
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.torch_dtype, device=device)
 
     def check_compatible(self, other: KvLayout) -> None:

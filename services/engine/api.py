@@ -15,11 +15,12 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvtransfer.layout import KvLayout
+
+if TYPE_CHECKING:  # the router imports this module and must not load torch
+    import torch
 
 
 class EngineError(Exception):

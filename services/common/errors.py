@@ -1,0 +1,125 @@
+"""Typed errors inside, gRPC status codes at the edge.
+
+Cores and engines raise domain errors; `status_of` maps any of them to a gRPC
+status once, and `grpc_errors` wraps a servicer method so that a domain error
+becomes `context.abort(code, message)` and an unexpected exception becomes
+INTERNAL with a generic message (the traceback goes to the log, never to the
+client).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from kvtransfer.layout import LayoutMismatch
+from services.engine.api import EngineCapacityError, InvalidRequestError, UnknownRequestError
+
+log = structlog.get_logger()
+
+
+class MeshError(Exception):
+    """Base of pdmesh's domain errors; `code` is the gRPC status at the edge."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InvalidArgument(MeshError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(MeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(MeshError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(MeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFound(MeshError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class PermissionDenied(MeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(MeshError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The gRPC status for a known domain error, None for anything else."""
+    if isinstance(exc, MeshError):
+        return exc.code, str(exc)
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LayoutMismatch):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, EngineCapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, UnknownRequestError):
+        return grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc)
+    return None
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Abort the call with the status of `exc` (INTERNAL for unknown errors)."""
+    mapped = status_of(exc)
+    if mapped is None:
+        log.error("internal_error", method=_method(context), exc_info=exc)
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
+    code, message = mapped
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))
+    await context.abort(code, message)
+
+
+def _method(context: grpc.aio.ServicerContext) -> str:
+    try:
+        return context._rpc_event.call_details.method.decode()  # type: ignore[attr-defined]
+    except AttributeError:
+        return "?"
+
+
+def grpc_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a servicer method (unary or server-streaming) with `abort_for`."""
+
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except (grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception as e:  # the edge: every error becomes a status
+                await abort_for(context, e)
+
+        return stream_wrapper
+
+    @functools.wraps(fn)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # the edge: every error becomes a status
+            await abort_for(context, e)
+
+    return unary_wrapper

@@ -1,0 +1,32 @@
+"""Prometheus metrics: one registry per service instance and its HTTP port.
+
+A service creates its metric objects against its own `CollectorRegistry` (no
+global registry, so several services can live in one test process) and serves
+it with `start_metrics_server`. Names follow `pdmesh_<service>_<what>_<unit>`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+# Latency buckets in seconds, from sub-millisecond router hops to long prefills.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class MetricsServer:
+    """The HTTP server exposing one registry on /metrics."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer | None:
+    """Serve `registry` on host:port (0 = any free port); None when port < 0 (disabled)."""
+    if port < 0:
+        return None
+    return MetricsServer(registry, host, port)

@@ -1,0 +1,268 @@
+"""Server bootstrap shared by every pdmesh service.
+
+`MeshServer` owns one grpc.aio server with:
+  - grpc.health.v1: "" = live (SERVING once started), the service's own name =
+    ready (set by the service once its model is loaded / peers reachable);
+  - gRPC reflection;
+  - a drain gate: on SIGTERM health goes NOT_SERVING, new application calls
+    get UNAVAILABLE, in-flight calls finish (up to `drain_grace_s`), then the
+    server stops;
+  - optionally the Prometheus metrics HTTP server and a port file that tells a
+    parent process (pdmesh up, e2e tests) the ports bound when asked for port 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from services.common.config import require, setting
+from services.common.metrics import MetricsServer, start_metrics_server
+
+log = structlog.get_logger()
+
+_ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "gRPC port (0 = any free port; see --port-file)")
+    metrics_port: int = setting(-1, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
+    port_file: str = setting("", "write the bound ports as JSON to this file once serving")
+    drain_grace_s: float = setting(30.0, "seconds in-flight calls may take to finish on SIGTERM")
+    max_message_bytes: int = setting(64 * 1024 * 1024, "largest gRPC message accepted or sent")
+    log_level: str = setting("info", "debug, info, warning or error")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        require(
+            -1 <= self.metrics_port <= 65535, f"metrics_port must be in [-1, 65535], got {self.metrics_port}"
+        )
+        require(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        require(self.max_message_bytes >= 4096, "max_message_bytes must be >= 4096")
+
+
+class _DrainGate(grpc.aio.ServerInterceptor):
+    """Counts in-flight application calls and refuses new ones while draining."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _enter(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_ALWAYS_ALLOWED):
+            return handler
+        return self._wrap(handler)
+
+    def _wrap(self, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        gate = self
+        ser = {"request_deserializer": h.request_deserializer, "response_serializer": h.response_serializer}
+
+        async def refuse(context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another instance")
+
+        if h.unary_unary is not None:
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if gate.draining:
+                    await refuse(context)
+                gate._enter()
+                try:
+                    return await h.unary_unary(request, context)
+                finally:
+                    gate._exit()
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, **ser)
+
+        if h.unary_stream is not None:
+            inner = h.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if gate.draining:
+                    await refuse(context)
+                gate._enter()
+                try:
+                    if inspect.isasyncgenfunction(inner) or inspect.isasyncgenfunction(
+                        getattr(inner, "__func__", None)
+                    ):
+                        async for item in inner(request, context):
+                            yield item
+                    else:
+                        await inner(request, context)
+                finally:
+                    gate._exit()
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **ser)
+
+        return h  # client-streaming kinds: not used by pdmesh services
+
+
+class MeshServer:
+    """A grpc.aio server with health, reflection, drain and metrics."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        service_name: str,
+        registry: CollectorRegistry | None = None,
+        reflection_names: Sequence[str] = (),
+    ):
+        self.config = config
+        self.service_name = service_name
+        self.registry = registry
+        self._gate = _DrainGate()
+        options = [
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(interceptors=[self._gate], options=options)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [
+            *reflection_names,
+            service_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = 0
+        self.metrics: MetricsServer | None = None
+        self._stopped = asyncio.Event()
+        self._drain_task: asyncio.Future[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def inflight(self) -> int:
+        return self._gate.inflight
+
+    @property
+    def draining(self) -> bool:
+        return self._gate.draining
+
+    async def start(self) -> int:
+        """Bind, start serving ("" = SERVING, ready = NOT_SERVING) and return the port."""
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.registry is not None:
+            self.metrics = start_metrics_server(self.registry, self.config.host, self.config.metrics_port)
+        self._write_port_file()
+        log.info(
+            "serving",
+            service=self.service_name,
+            address=self.address,
+            metrics_port=self.metrics.port if self.metrics else None,
+        )
+        return self.port
+
+    def _write_port_file(self) -> None:
+        if not self.config.port_file:
+            return
+        data = {
+            "port": self.port,
+            "metrics_port": self.metrics.port if self.metrics else None,
+            "pid": os.getpid(),
+        }
+        tmp = self.config.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.config.port_file)  # atomic: readers never see half a file
+
+    async def set_ready(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        if not self._gate.draining:
+            await self.health.set(self.service_name, status)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, refuse new calls, let in-flight calls finish, stop."""
+        if self._gate.draining:
+            await self._stopped.wait()
+            return
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        self._gate.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("draining", service=self.service_name, inflight=self._gate.inflight, grace_s=grace)
+        finished = await self._gate.wait_idle(grace)
+        if not finished:
+            log.warning("drain_grace_expired", service=self.service_name, inflight=self._gate.inflight)
+        await self.server.stop(0.5)
+        if self.metrics is not None:
+            self.metrics.close()
+        self._stopped.set()
+        log.info("stopped", service=self.service_name)
+
+    async def stop(self) -> None:
+        """Stop at once (tests, failures): in-flight calls are cancelled."""
+        self._gate.draining = True
+        await self.server.stop(0)
+        if self.metrics is not None:
+            self.metrics.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def install_signal_handlers(self, on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """SIGTERM / SIGINT start a drain (then `on_drain`, e.g. closing the engine)."""
+        loop = asyncio.get_running_loop()
+
+        async def drain_then() -> None:
+            await self.drain()
+            if on_drain is not None:
+                await on_drain()
+
+        def handler(signame: str) -> None:
+            log.info("signal", signal=signame, service=self.service_name)
+            if not self._gate.draining and self._drain_task is None:
+                self._drain_task = asyncio.ensure_future(drain_then())
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, handler, sig.name)
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    """Run a service's async main on uvloop."""
+    import uvloop
+
+    return uvloop.run(main())

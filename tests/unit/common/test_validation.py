@@ -1,0 +1,72 @@
+import pytest
+
+from pdmesh.v1 import common_pb2, decode_pb2
+from services.common.errors import InvalidArgument
+from services.common.validation import (
+    RequestLimits,
+    check_enum,
+    check_priority,
+    check_prompt,
+    sampling_from_proto,
+)
+
+LIMITS = RequestLimits(max_tokens_limit=100)
+
+
+def sp(**kw):
+    return common_pb2.SamplingParams(**kw)
+
+
+def test_defaults_and_conversion():
+    p = sampling_from_proto(None, LIMITS, vocab_size=300)
+    assert p.max_tokens == 16 and p.temperature == 0 and p.top_p == 1.0 and p.seed is None
+    p = sampling_from_proto(sp(max_tokens=5, temperature=0.7, top_k=3, stop=["x"], seed=9), LIMITS, 300)
+    assert (p.max_tokens, p.top_k, p.stop, p.seed) == (5, 3, ("x",), 9)
+
+
+def test_unseeded_sampling_gets_a_seed_so_workers_agree():
+    p = sampling_from_proto(sp(temperature=1.0), LIMITS, 300)
+    assert p.seed is not None
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"max_tokens": 0}, "sampling.max_tokens"),
+        ({"max_tokens": -3}, "sampling.max_tokens"),
+        ({"max_tokens": 101}, "sampling.max_tokens"),
+        ({"temperature": -0.1}, "sampling.temperature"),
+        ({"temperature": float("nan")}, "sampling.temperature"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"top_k": -1}, "sampling.top_k"),
+        ({"top_k": 301}, "sampling.top_k"),
+        ({"stop": [""]}, "sampling.stop"),
+        ({"stop": ["s"] * 17}, "sampling.stop"),
+        ({"stop": ["x" * 257]}, "sampling.stop"),
+        ({"stop_token_ids": [300]}, "sampling.stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_names_the_field(kw, field):
+    with pytest.raises(InvalidArgument, match=field):
+        sampling_from_proto(sp(**kw), LIMITS, vocab_size=300)
+
+
+def test_prompt_checks():
+    check_prompt([1, 2, 3], 4, vocab_size=10, max_model_len=64, limits=LIMITS)
+    with pytest.raises(InvalidArgument, match="empty"):
+        check_prompt([], 4, 10, 64, LIMITS)
+    with pytest.raises(InvalidArgument, match="model context"):
+        check_prompt([1] * 64, 1, 10, 64, LIMITS)
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        check_prompt([1] * 60, 8, 10, 64, LIMITS)
+    with pytest.raises(InvalidArgument, match="token 10"):
+        check_prompt([1, 10], 1, 10, 64, LIMITS)
+
+
+def test_priority_and_enum_checks():
+    check_priority(3, LIMITS)
+    with pytest.raises(InvalidArgument, match="priority"):
+        check_priority(11, LIMITS)
+    check_enum(decode_pb2.DISAGG_MODE_REMOTE, decode_pb2.DisaggMode, "disagg_mode")
+    with pytest.raises(InvalidArgument, match="disagg_mode: unknown value 9"):
+        check_enum(9, decode_pb2.DisaggMode, "disagg_mode")
