@@ -1,0 +1,59 @@
+import pytest
+
+from services.common.config import ConfigError
+from services.decode.disagg_policy import (
+    Candidate,
+    DisaggConfig,
+    DisaggregationPolicy,
+    Mode,
+    Path,
+    Reason,
+)
+
+P = DisaggregationPolicy(DisaggConfig(max_local_prefill_tokens=100))
+C = [Candidate("p1", "a:1", estimated_wait_s=0.1)]
+
+
+def test_short_uncached_prompt_stays_local():
+    d = P.decide(prompt_tokens=100, cached_tokens=0, candidates=C, local_wait_s=0)
+    assert (d.path, d.reason, d.candidate) == (Path.LOCAL, Reason.SHORT_PROMPT, None)
+
+
+def test_long_prompt_goes_remote_to_the_best_healthy_candidate():
+    cands = [Candidate("p0", "a:0", healthy=False), *C]
+    d = P.decide(prompt_tokens=101, cached_tokens=0, candidates=cands, local_wait_s=1.0)
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.LONG_PROMPT)
+    assert d.candidate.worker_id == "p1"
+    assert d.label == "remote/long_prompt"
+
+
+def test_cached_prefix_counts_against_the_threshold():
+    d = P.decide(prompt_tokens=1000, cached_tokens=950, candidates=C, local_wait_s=1.0)
+    assert d.reason is Reason.SHORT_PROMPT
+
+
+def test_no_healthy_candidate_means_local():
+    d = P.decide(1000, 0, [Candidate("p", "a", healthy=False)], local_wait_s=0)
+    assert (d.path, d.reason) == (Path.LOCAL, Reason.NO_CANDIDATE)
+    assert P.decide(1000, 0, [], 0).reason is Reason.NO_CANDIDATE
+
+
+def test_busy_prefill_worker_means_local():
+    d = P.decide(1000, 0, [Candidate("p", "a", estimated_wait_s=2.0)], local_wait_s=0.5)
+    assert (d.path, d.reason) == (Path.LOCAL, Reason.PREFILL_BUSY)
+    margin = DisaggregationPolicy(DisaggConfig(max_local_prefill_tokens=100, busy_margin_s=2.0))
+    assert margin.decide(1000, 0, [Candidate("p", "a", estimated_wait_s=2.0)], 0.5).path is Path.REMOTE
+
+
+def test_forced_modes():
+    assert P.decide(10, 0, C, 0, Mode.LOCAL).reason is Reason.FORCED_LOCAL
+    d = P.decide(10, 0, C, 0, Mode.REMOTE)
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.FORCED_REMOTE)
+    # Forced remote ignores the wait estimate but still needs a candidate.
+    assert P.decide(10, 0, [Candidate("p", "a", estimated_wait_s=9)], 0, Mode.REMOTE).path is Path.REMOTE
+    assert P.decide(10, 0, [], 0, Mode.REMOTE).reason is Reason.NO_CANDIDATE
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError):
+        DisaggConfig(max_local_prefill_tokens=-1)
