@@ -1,0 +1,212 @@
+"""Routing policies: rank candidate workers for one request, best first.
+
+Owns the `Policy` protocol, its three implementations and the one factory that
+chooses among them (`make_policy`), plus the boundary types a policy reads:
+`WorkerLoad` (what heartbeats report), `Candidate` (a worker as the registry
+sees it) and `Choice` (a ranked worker with its cost). The registry builds
+candidates; the prefix index gives overlaps; the servicer calls `rank` once for
+decode workers and once for prefill candidates, and walks the ranking until a
+worker's breaker lets the request through.
+
+- `round_robin`: rotate through candidates in worker-id order.
+- `least_loaded`: lowest load cost (below, with no prefix credit).
+- `kv_aware`: Dynamo's cost (lib/kv-router/src/scheduling/selector.rs):
+
+      cost = prefill_weight * (max(prompt_blocks - overlap_blocks, 0) + queued_prefill_blocks)
+             + active_decode_blocks
+
+  where queued_prefill_blocks = ceil(tokens_waiting / block_size) is the
+  prefill work already queued on the worker (Dynamo's active_prefill_blocks).
+  Lowest cost wins; ties are broken by the injected RNG. With temperature > 0
+  the ranking is sampled (without replacement) from softmax(-normalized cost /
+  temperature), normalized to [0, 1] by the spread of costs, as Dynamo does.
+
+Unhealthy candidates are dropped even though the caller should not pass them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.common.config import require, setting
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """Load of a worker (mirrors pdmesh.v1.WorkerLoad)."""
+
+    running: int = 0
+    waiting: int = 0
+    tokens_waiting: int = 0
+    used_blocks: int = 0
+    free_blocks: int = 0
+    estimated_wait_ms: float = 0.0
+    active_decode_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A worker a request may go to. `inflight`: the router's own count of
+    requests it has running there (fresher than the last heartbeat)."""
+
+    worker_id: str
+    load: WorkerLoad = WorkerLoad()
+    healthy: bool = True
+    inflight: int = 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker_id: str
+    cost: float
+    overlap_blocks: int
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    block_size: int = setting(16, "tokens per KV block (converts queued prefill tokens to blocks)")
+    prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
+    temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
+
+    def __post_init__(self) -> None:
+        require(self.block_size >= 1, "block_size must be >= 1")
+        require(
+            self.prefill_weight >= 0 and math.isfinite(self.prefill_weight), "prefill_weight must be >= 0"
+        )
+        require(self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0")
+
+
+class Policy(Protocol):
+    name: str
+
+    def rank(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_blocks: int = 0,
+        overlaps: Mapping[str, int] | None = None,
+    ) -> list[Choice]:
+        """Healthy candidates, best first (empty when there are none).
+
+        `prompt_blocks`: full blocks of the prompt; `overlaps`: worker id ->
+        leading prompt blocks that worker has cached (PrefixIndex.match).
+        """
+        ...
+
+
+def _healthy(candidates: Sequence[Candidate]) -> list[Candidate]:
+    return [c for c in candidates if c.healthy]
+
+
+def _queued_prefill_blocks(load: WorkerLoad, block_size: int) -> int:
+    return -(-load.tokens_waiting // block_size)
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+        healthy = sorted(_healthy(candidates), key=lambda c: c.worker_id)
+        if not healthy:
+            return []
+        start = self._next % len(healthy)
+        self._next += 1
+        order = healthy[start:] + healthy[:start]
+        overlaps = overlaps or {}
+        return [Choice(c.worker_id, float(i), overlaps.get(c.worker_id, 0)) for i, c in enumerate(order)]
+
+
+class LeastLoadedPolicy:
+    """Lowest queued prefill + active decode blocks; then fewest router in-flight
+    requests; then random."""
+
+    name = "least_loaded"
+
+    def __init__(self, config: PolicyConfig, rng: random.Random):
+        self.config = config
+        self._rng = rng
+
+    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+        overlaps = overlaps or {}
+        cfg = self.config
+        keyed = []
+        for c in _healthy(candidates):
+            cost = (
+                cfg.prefill_weight * _queued_prefill_blocks(c.load, cfg.block_size)
+                + c.load.active_decode_blocks
+            )
+            keyed.append((cost, c.inflight, self._rng.random(), c))
+        keyed.sort(key=lambda k: k[:3])
+        return [Choice(c.worker_id, cost, overlaps.get(c.worker_id, 0)) for cost, _, _, c in keyed]
+
+
+class KvAwarePolicy:
+    name = "kv_aware"
+
+    def __init__(self, config: PolicyConfig, rng: random.Random):
+        self.config = config
+        self._rng = rng
+
+    def cost(self, candidate: Candidate, prompt_blocks: int, overlap_blocks: int) -> float:
+        cfg = self.config
+        to_prefill = max(prompt_blocks - overlap_blocks, 0)
+        queued = _queued_prefill_blocks(candidate.load, cfg.block_size)
+        return cfg.prefill_weight * (to_prefill + queued) + candidate.load.active_decode_blocks
+
+    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+        overlaps = overlaps or {}
+        scored = []
+        for c in _healthy(candidates):
+            overlap = min(overlaps.get(c.worker_id, 0), prompt_blocks)
+            scored.append(Choice(c.worker_id, self.cost(c, prompt_blocks, overlap), overlap))
+        if self.config.temperature > 0 and len(scored) > 1:
+            return self._sample(scored)
+        keyed = [(ch.cost, self._rng.random(), ch) for ch in scored]
+        keyed.sort(key=lambda k: k[:2])
+        return [ch for _, _, ch in keyed]
+
+    def _sample(self, scored: list[Choice]) -> list[Choice]:
+        """Sequential sampling without replacement from softmax(-norm cost / T)."""
+        lo = min(ch.cost for ch in scored)
+        spread = max(ch.cost for ch in scored) - lo
+        temperature = self.config.temperature
+        weights = [math.exp(-((ch.cost - lo) / spread if spread > 0 else 0.0) / temperature) for ch in scored]
+        remaining = list(range(len(scored)))
+        ranked: list[Choice] = []
+        while remaining:
+            total = sum(weights[i] for i in remaining)
+            if total <= 0:  # every weight underflowed (tiny temperature): uniform
+                pick = self._rng.choice(remaining)
+            else:
+                r = self._rng.random() * total
+                pick = remaining[-1]
+                for i in remaining:
+                    r -= weights[i]
+                    if r < 0:
+                        pick = i
+                        break
+            remaining.remove(pick)
+            ranked.append(scored[pick])
+        return ranked
+
+
+POLICY_NAMES = ("round_robin", "least_loaded", "kv_aware")
+
+
+def make_policy(name: str, config: PolicyConfig | None = None, rng: random.Random | None = None) -> Policy:
+    """The routing policy called `name` (one of POLICY_NAMES)."""
+    config = config or PolicyConfig()
+    rng = rng or random.Random()
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy(config, rng)
+    if name == "kv_aware":
+        return KvAwarePolicy(config, rng)
+    raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
