@@ -1,0 +1,405 @@
+"""Admission control: who may start now, who waits, who is shed.
+
+Owns the per-tenant token buckets (requests/s and tokens/s, tokens = prompt +
+max_tokens), the in-flight count against `max_inflight`, and a bounded wait
+queue ordered by priority (higher first) then arrival. The servicer calls
+`try_admit` before routing and `release` when the request ends; it sheds with
+the typed errors below (RESOURCE_EXHAUSTED with a "retry-after-ms" hint, or
+DEADLINE_EXCEEDED).
+
+The core is synchronous. A queued request gets a `Waiter`; the async edge
+wraps it in a future of its own and resolves it from the return values of
+`release` (waiters granted a slot), `expire` (waiters that timed out; call it
+at `next_expiry()`) and `cancel` (client went away while queued). A released
+slot goes straight to the next waiter, so while anyone waits every slot is
+taken and a newcomer cannot jump the queue.
+
+Deadlines are absolute times on the controller's clock. A request that cannot
+start before its deadline is refused at once (`DeadlineUnreachable`) rather
+than queued to die: when the deadline has passed, when its tenant's bucket
+refills only after it, or when the estimated queue wait ends after it. The wait
+estimate is (position + 1) x mean slot hold time / max_inflight, with the mean
+an EWMA of observed holds: a lower bound when later arrivals outrank it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from services.common.config import require, setting
+from services.router.token_bucket import TokenBucket
+
+
+class AdmissionRejected(Exception):
+    """Shed: RESOURCE_EXHAUSTED at the edge, with `retry_after_s` as a hint.
+
+    `reason` is a short label for metrics: "rate_limited", "queue_full",
+    "queue_timeout", "deadline_unreachable".
+    """
+
+    def __init__(self, reason: str, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineUnreachable(AdmissionRejected):
+    """The request could not start before its deadline: DEADLINE_EXCEEDED at the edge."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__("deadline_unreachable", message, retry_after_s)
+
+
+class InvalidAdmission(ValueError):
+    """A priority or cost out of range (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """Quota of one tenant; a rate of None means unlimited."""
+
+    requests_per_s: float | None = None
+    request_burst: float = 10.0
+    tokens_per_s: float | None = None
+    token_burst: float = 100_000.0
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_s", "tokens_per_s"):
+            rate = getattr(self, name)
+            require(rate is None or (rate > 0 and math.isfinite(rate)), f"{name} must be > 0 or None")
+        require(self.request_burst >= 1, "request_burst must be >= 1")
+        require(self.token_burst >= 1, "token_burst must be >= 1")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_inflight: int = setting(64, "requests the router runs at once; more wait in the queue")
+    queue_limit_per_priority: int = setting(128, "waiting requests per priority level before shedding")
+    queue_timeout_s: float = setting(30.0, "longest a request waits in the queue")
+    min_priority: int = setting(-10, "lowest accepted priority")
+    max_priority: int = setting(10, "highest accepted priority")
+    initial_hold_s: float = setting(2.0, "assumed mean request duration before any has finished")
+    min_retry_after_s: float = setting(0.05, "floor of the retry-after hint")
+    max_retry_after_s: float = setting(60.0, "cap of the retry-after hint")
+    max_tenants: int = setting(10_000, "tenant buckets kept; least recently used beyond this are dropped")
+    default_limits: TenantLimits = field(
+        default_factory=TenantLimits, metadata={"help": "quota of a tenant without its own", "cli": False}
+    )
+    tenant_limits: Mapping[str, TenantLimits] = field(
+        default_factory=dict, metadata={"help": "quota per tenant id", "cli": False}
+    )
+
+    def __post_init__(self) -> None:
+        require(self.max_inflight >= 1, "max_inflight must be >= 1")
+        require(self.queue_limit_per_priority >= 0, "queue_limit_per_priority must be >= 0")
+        require(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
+        require(self.min_priority <= self.max_priority, "min_priority must be <= max_priority")
+        require(self.initial_hold_s > 0, "initial_hold_s must be > 0")
+        require(0 < self.min_retry_after_s <= self.max_retry_after_s, "need 0 < min_retry_after_s <= max")
+        require(self.max_tenants >= 1, "max_tenants must be >= 1")
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A granted slot; hand it back with `release` exactly when the request ends."""
+
+    id: int
+    tenant: str
+    priority: int
+    cost_tokens: int
+    granted_at: float
+
+
+class WaiterState(enum.Enum):
+    WAITING = "waiting"
+    GRANTED = "granted"  # `ticket` is set
+    EXPIRED = "expired"  # `rejection` says why
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A queued request. Mutated only by the controller; the edge reads it."""
+
+    id: int
+    tenant: str
+    priority: int
+    cost_tokens: int
+    deadline: float | None
+    enqueued_at: float
+    expires_at: float  # queue timeout or deadline, whichever is first
+    state: WaiterState = WaiterState.WAITING
+    ticket: Ticket | None = None
+    rejection: AdmissionRejected | None = None
+
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    inflight: int
+    queued: int
+    admitted: int  # granted at once or from the queue
+    queued_total: int
+    rejected: Mapping[str, int]  # by reason, queue timeouts included
+    cancelled_waiting: int
+
+
+class _TenantBuckets:
+    def __init__(self, limits: TenantLimits, now: float):
+        self.requests = (
+            TokenBucket(limits.requests_per_s, limits.request_burst, now) if limits.requests_per_s else None
+        )
+        self.tokens = (
+            TokenBucket(limits.tokens_per_s, limits.token_burst, now) if limits.tokens_per_s else None
+        )
+
+    def wait_s(self, cost: int, now: float) -> float:
+        wait = self.requests.wait_s(1, now) if self.requests else 0.0
+        return max(wait, self.tokens.wait_s(cost, now)) if self.tokens else wait
+
+    def take(self, cost: int, now: float) -> None:
+        if self.requests:
+            self.requests.take(1, now)
+        if self.tokens:
+            self.tokens.take(cost, now)
+
+    def refund(self, cost: int, now: float) -> None:
+        if self.requests:
+            self.requests.refund(1, now)
+        if self.tokens:
+            self.tokens.refund(cost, now)
+
+    def idle(self, now: float) -> bool:
+        return all(b is None or b.is_full(now) for b in (self.requests, self.tokens))
+
+
+class AdmissionController:
+    _EWMA_ALPHA = 0.2  # weight of the latest slot hold in the mean
+
+    def __init__(self, config: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config or AdmissionConfig()
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._tenants: OrderedDict[str, _TenantBuckets] = OrderedDict()
+        self._live: dict[int, Ticket] = {}
+        # Heaps with lazy deletion: entries of waiters no longer WAITING are skipped.
+        self._queue: list[tuple[int, int, Waiter]] = []  # (-priority, id, waiter)
+        self._expiry: list[tuple[float, int, Waiter]] = []  # (expires_at, id, waiter)
+        self._waiting_by_priority: dict[int, int] = {}
+        self._expired_unreported: list[Waiter] = []
+        self._mean_hold_s = self.config.initial_hold_s
+        self._admitted = 0
+        self._queued_total = 0
+        self._cancelled_waiting = 0
+        self._rejected: dict[str, int] = {}
+
+    # ---- admission ----------------------------------------------------------
+
+    def try_admit(
+        self, tenant: str, priority: int = 0, cost_tokens: int = 0, deadline: float | None = None
+    ) -> Ticket | Waiter:
+        """A `Ticket` when the request may start now, a `Waiter` when it queues.
+
+        Raises `DeadlineUnreachable` or `AdmissionRejected` when shed, and
+        `InvalidAdmission` for a priority outside the configured range.
+        """
+        cfg = self.config
+        if not (cfg.min_priority <= priority <= cfg.max_priority):
+            raise InvalidAdmission(
+                f"priority must be in [{cfg.min_priority}, {cfg.max_priority}], got {priority}"
+            )
+        if cost_tokens < 0:
+            raise InvalidAdmission(f"cost_tokens must be >= 0, got {cost_tokens}")
+        now = self._clock()
+        if deadline is not None and deadline <= now:
+            self._reject(DeadlineUnreachable("the deadline passed before admission"))
+        buckets = self._buckets(tenant, now)
+        wait = buckets.wait_s(cost_tokens, now)
+        if wait > 0:
+            retry = self._clamp_retry(wait)
+            if deadline is not None and now + wait >= deadline:
+                self._reject(
+                    DeadlineUnreachable(f"tenant {tenant!r} is over quota until after the deadline", retry)
+                )
+            self._reject(AdmissionRejected("rate_limited", f"tenant {tenant!r} is over its quota", retry))
+        if self.inflight < cfg.max_inflight:
+            buckets.take(cost_tokens, now)
+            return self._grant(tenant, priority, cost_tokens, now)
+        waiting_here = self._waiting_by_priority.get(priority, 0)
+        if waiting_here >= cfg.queue_limit_per_priority:
+            ahead = self._waiting_at_or_above(priority + 1)
+            retry = self._clamp_retry((ahead + 1) * self._slot_interval_s())
+            self._reject(AdmissionRejected("queue_full", f"queue for priority {priority} is full", retry))
+        est = self.estimated_wait_s(priority)
+        if deadline is not None and now + est >= deadline:
+            self._reject(
+                DeadlineUnreachable(
+                    f"estimated queue wait {est:.3f}s ends after the deadline", self._clamp_retry(est)
+                )
+            )
+        buckets.take(cost_tokens, now)
+        expires_at = (
+            now + cfg.queue_timeout_s if deadline is None else min(now + cfg.queue_timeout_s, deadline)
+        )
+        waiter = Waiter(next(self._ids), tenant, priority, cost_tokens, deadline, now, expires_at)
+        heapq.heappush(self._queue, (-priority, waiter.id, waiter))
+        heapq.heappush(self._expiry, (expires_at, waiter.id, waiter))
+        self._waiting_by_priority[priority] = waiting_here + 1
+        self._queued_total += 1
+        return waiter
+
+    def release(self, ticket: Ticket) -> list[Waiter]:
+        """The request holding `ticket` ended. Returns the waiters now granted
+        (state GRANTED, `ticket` set), to be woken by the edge. Idempotent."""
+        if self._live.pop(ticket.id, None) is None:
+            return []
+        now = self._clock()
+        hold = max(now - ticket.granted_at, 0.0)
+        self._mean_hold_s += self._EWMA_ALPHA * (hold - self._mean_hold_s)
+        self._collect_expired(now)
+        granted: list[Waiter] = []
+        while self._queue and self.inflight < self.config.max_inflight:
+            _, _, waiter = heapq.heappop(self._queue)
+            if waiter.state is not WaiterState.WAITING:
+                continue
+            self._leave_queue(waiter, WaiterState.GRANTED)
+            waiter.ticket = self._grant(waiter.tenant, waiter.priority, waiter.cost_tokens, now)
+            granted.append(waiter)
+        return granted
+
+    def cancel(self, waiter: Waiter) -> bool:
+        """Withdraw a queued request (client gone). False if it was no longer waiting;
+        a GRANTED waiter's ticket must then be released instead."""
+        if waiter.state is not WaiterState.WAITING:
+            return False
+        self._leave_queue(waiter, WaiterState.CANCELLED)
+        self._refund(waiter, self._clock())
+        self._cancelled_waiting += 1
+        return True
+
+    def expire(self, now: float | None = None) -> list[Waiter]:
+        """Waiters whose queue timeout or deadline passed (state EXPIRED,
+        `rejection` set): the edge fails them with that error."""
+        self._collect_expired(self._clock() if now is None else now)
+        out, self._expired_unreported = self._expired_unreported, []
+        return out
+
+    def next_expiry(self) -> float | None:
+        """When the earliest waiting request expires (None: nobody waits)."""
+        while self._expiry and self._expiry[0][2].state is not WaiterState.WAITING:
+            heapq.heappop(self._expiry)
+        return self._expiry[0][0] if self._expiry else None
+
+    # ---- views --------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return len(self._live)
+
+    @property
+    def queued(self) -> int:
+        return sum(self._waiting_by_priority.values())
+
+    def estimated_wait_s(self, priority: int) -> float:
+        """Estimated wait of a request of `priority` that queued now (0 when a slot is free)."""
+        if self.inflight < self.config.max_inflight:
+            return 0.0
+        return (self._waiting_at_or_above(priority) + 1) * self._slot_interval_s()
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(
+            inflight=self.inflight,
+            queued=self.queued,
+            admitted=self._admitted,
+            queued_total=self._queued_total,
+            rejected=dict(self._rejected),
+            cancelled_waiting=self._cancelled_waiting,
+        )
+
+    # ---- internals ----------------------------------------------------------
+
+    def _grant(self, tenant: str, priority: int, cost: int, now: float) -> Ticket:
+        ticket = Ticket(next(self._ids), tenant, priority, cost, now)
+        self._live[ticket.id] = ticket
+        self._admitted += 1
+        return ticket
+
+    def _reject(self, err: AdmissionRejected) -> None:
+        self._rejected[err.reason] = self._rejected.get(err.reason, 0) + 1
+        raise err
+
+    def _slot_interval_s(self) -> float:
+        """Mean time between slot releases when all slots are busy."""
+        return self._mean_hold_s / self.config.max_inflight
+
+    def _clamp_retry(self, seconds: float) -> float:
+        return min(max(seconds, self.config.min_retry_after_s), self.config.max_retry_after_s)
+
+    def _waiting_at_or_above(self, priority: int) -> int:
+        return sum(n for p, n in self._waiting_by_priority.items() if p >= priority)
+
+    def _leave_queue(self, waiter: Waiter, state: WaiterState) -> None:
+        waiter.state = state
+        n = self._waiting_by_priority[waiter.priority] - 1
+        if n:
+            self._waiting_by_priority[waiter.priority] = n
+        else:
+            del self._waiting_by_priority[waiter.priority]
+        self._compact()
+
+    def _collect_expired(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, waiter = heapq.heappop(self._expiry)
+            if waiter.state is not WaiterState.WAITING:
+                continue
+            self._leave_queue(waiter, WaiterState.EXPIRED)
+            self._refund(waiter, now)
+            if waiter.deadline is not None and waiter.expires_at >= waiter.deadline:
+                err: AdmissionRejected = DeadlineUnreachable("the deadline passed while queued")
+            else:
+                retry = self._clamp_retry(self.estimated_wait_s(waiter.priority))
+                err = AdmissionRejected("queue_timeout", "queued longer than the queue timeout", retry)
+            self._rejected[err.reason] = self._rejected.get(err.reason, 0) + 1
+            waiter.rejection = err
+            self._expired_unreported.append(waiter)
+
+    def _refund(self, waiter: Waiter, now: float) -> None:
+        """Give back the quota of a request that never ran."""
+        buckets = self._tenants.get(waiter.tenant)
+        if buckets is not None:
+            buckets.refund(waiter.cost_tokens, now)
+
+    def _compact(self) -> None:
+        """Drop dead heap entries once they outnumber the live ones (bounded memory)."""
+        live = self.queued
+        if len(self._queue) > 2 * live + 64:
+            self._queue = [e for e in self._queue if e[2].state is WaiterState.WAITING]
+            heapq.heapify(self._queue)
+        if len(self._expiry) > 2 * live + 64:
+            self._expiry = [e for e in self._expiry if e[2].state is WaiterState.WAITING]
+            heapq.heapify(self._expiry)
+
+    def _buckets(self, tenant: str, now: float) -> _TenantBuckets:
+        """The tenant's buckets (LRU order). Full buckets at the cold end are
+        dropped: a full bucket equals a fresh one, so nothing is lost."""
+        buckets = self._tenants.get(tenant)
+        if buckets is None:
+            limits = self.config.tenant_limits.get(tenant, self.config.default_limits)
+            buckets = _TenantBuckets(limits, now)
+            self._tenants[tenant] = buckets
+        else:
+            self._tenants.move_to_end(tenant)
+        for _ in range(4):  # amortised pruning: a few idle tenants per call
+            oldest, b = next(iter(self._tenants.items()))
+            if oldest == tenant or not b.idle(now):
+                break
+            del self._tenants[oldest]
+        while len(self._tenants) > self.config.max_tenants:
+            self._tenants.popitem(last=False)
+        return buckets

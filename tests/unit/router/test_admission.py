@@ -1,0 +1,275 @@
+import pytest
+
+from services.common.config import ConfigError
+from services.router.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRejected,
+    DeadlineUnreachable,
+    InvalidAdmission,
+    TenantLimits,
+    Ticket,
+    Waiter,
+    WaiterState,
+)
+from tests.unit.router.fakes import FakeClock
+
+
+def controller(clock=None, **cfg) -> tuple[AdmissionController, FakeClock]:
+    clock = clock or FakeClock()
+    return AdmissionController(AdmissionConfig(**cfg), clock), clock
+
+
+def fill(ctl: AdmissionController, n: int) -> list[Ticket]:
+    tickets = [ctl.try_admit("fill") for _ in range(n)]
+    assert all(isinstance(t, Ticket) for t in tickets)
+    return tickets
+
+
+# ---- tenant token buckets ------------------------------------------------------
+
+
+def test_request_rate_limit_rejects_with_the_refill_time_and_refills():
+    ctl, clock = controller(default_limits=TenantLimits(requests_per_s=2, request_burst=2))
+    assert isinstance(ctl.try_admit("t"), Ticket)
+    assert isinstance(ctl.try_admit("t"), Ticket)
+    with pytest.raises(AdmissionRejected) as e:
+        ctl.try_admit("t")
+    assert e.value.reason == "rate_limited"
+    assert e.value.retry_after_s == pytest.approx(0.5)
+    clock.advance(0.5)
+    assert isinstance(ctl.try_admit("t"), Ticket)
+
+
+def test_token_rate_limit_charges_prompt_plus_max_tokens():
+    ctl, clock = controller(default_limits=TenantLimits(tokens_per_s=100, token_burst=1000))
+    ctl.try_admit("t", cost_tokens=800)
+    with pytest.raises(AdmissionRejected) as e:
+        ctl.try_admit("t", cost_tokens=300)
+    assert e.value.retry_after_s == pytest.approx(1.0)  # 100 more tokens at 100/s
+    clock.advance(1.0)
+    assert isinstance(ctl.try_admit("t", cost_tokens=300), Ticket)
+
+
+def test_a_request_larger_than_the_burst_runs_once_the_bucket_is_full_and_pays_it_back():
+    ctl, clock = controller(default_limits=TenantLimits(tokens_per_s=100, token_burst=1000))
+    assert isinstance(ctl.try_admit("t", cost_tokens=2500), Ticket)
+    with pytest.raises(AdmissionRejected) as e:
+        ctl.try_admit("t", cost_tokens=100)
+    assert e.value.retry_after_s == pytest.approx(16.0)  # from -1500 up to 100 at 100/s
+    clock.advance(16.0)
+    assert isinstance(ctl.try_admit("t", cost_tokens=100), Ticket)
+
+
+def test_tenants_have_separate_buckets_and_overrides():
+    ctl, _ = controller(
+        default_limits=TenantLimits(requests_per_s=1, request_burst=1),
+        tenant_limits={"gold": TenantLimits(requests_per_s=100, request_burst=5)},
+    )
+    ctl.try_admit("a")
+    with pytest.raises(AdmissionRejected):
+        ctl.try_admit("a")
+    assert isinstance(ctl.try_admit("b"), Ticket)
+    assert all(isinstance(ctl.try_admit("gold"), Ticket) for _ in range(5))
+
+
+def test_tenant_buckets_are_bounded():
+    ctl, clock = controller(max_tenants=3, default_limits=TenantLimits(requests_per_s=1, request_burst=1))
+    for i in range(10):
+        ctl.try_admit(f"t{i}")
+    assert len(ctl._tenants) <= 3
+    clock.advance(5)  # every bucket is full again: idle tenants are dropped as others arrive
+    ctl.try_admit("new")
+    assert "t9" not in ctl._tenants
+
+
+# ---- concurrency and the priority queue ---------------------------------------------------
+
+
+def test_over_max_inflight_a_request_queues_and_release_hands_it_the_slot():
+    ctl, _ = controller(max_inflight=2)
+    t1, _ = fill(ctl, 2)
+    waiter = ctl.try_admit("t")
+    assert isinstance(waiter, Waiter) and waiter.state is WaiterState.WAITING
+    assert (ctl.inflight, ctl.queued) == (2, 1)
+    assert ctl.release(t1) == [waiter]
+    assert waiter.state is WaiterState.GRANTED and isinstance(waiter.ticket, Ticket)
+    assert (ctl.inflight, ctl.queued) == (2, 0)
+
+
+def test_release_is_idempotent():
+    ctl, _ = controller(max_inflight=1)
+    (t1,) = fill(ctl, 1)
+    ctl.try_admit("t")
+    ctl.try_admit("t")
+    assert len(ctl.release(t1)) == 1
+    assert ctl.release(t1) == []
+    assert (ctl.inflight, ctl.queued) == (1, 1)
+
+
+def test_waiters_are_served_by_priority_then_arrival():
+    ctl, _ = controller(max_inflight=1)
+    (ticket,) = fill(ctl, 1)
+    a = ctl.try_admit("t", priority=0)
+    b = ctl.try_admit("t", priority=5)
+    c = ctl.try_admit("t", priority=0)
+    d = ctl.try_admit("t", priority=5)
+    e = ctl.try_admit("t", priority=-3)
+    order = []
+    for _ in range(5):
+        (w,) = ctl.release(ticket)
+        order.append(w)
+        ticket = w.ticket
+    assert order == [b, d, a, c, e]
+
+
+def test_each_priority_has_its_own_queue_limit():
+    ctl, _ = controller(max_inflight=1, queue_limit_per_priority=2)
+    fill(ctl, 1)
+    ctl.try_admit("t", priority=0)
+    ctl.try_admit("t", priority=0)
+    with pytest.raises(AdmissionRejected) as e:
+        ctl.try_admit("t", priority=0)
+    assert e.value.reason == "queue_full"
+    assert isinstance(ctl.try_admit("t", priority=1), Waiter)
+    assert ctl.queued == 3
+
+
+def test_queue_full_retry_after_counts_the_slots_needed_ahead():
+    # 2 slots, requests held 4 s on average: a slot frees every 2 s.
+    ctl, _ = controller(max_inflight=2, queue_limit_per_priority=1, initial_hold_s=4.0)
+    fill(ctl, 2)
+    ctl.try_admit("t", priority=0)
+    with pytest.raises(AdmissionRejected) as e:
+        ctl.try_admit("t", priority=0)
+    assert e.value.retry_after_s == pytest.approx(2.0)  # the waiter ahead leaves after one release
+    ctl.try_admit("t", priority=3)
+    with pytest.raises(AdmissionRejected) as e:
+        ctl.try_admit("t", priority=0)
+    assert e.value.retry_after_s == pytest.approx(4.0)  # and the higher-priority one first
+
+
+def test_wait_estimate_learns_the_mean_hold_time():
+    ctl, clock = controller(max_inflight=1, initial_hold_s=1.0)
+    (t,) = fill(ctl, 1)
+    before = ctl.estimated_wait_s(0)
+    clock.advance(11.0)
+    ctl.release(t)
+    fill(ctl, 1)
+    assert before == pytest.approx(1.0)
+    assert ctl.estimated_wait_s(0) == pytest.approx(1.0 + 0.2 * (11.0 - 1.0))
+
+
+# ---- deadlines and timeouts -----------------------------------------------------
+
+
+def test_a_passed_deadline_is_rejected_immediately():
+    ctl, clock = controller()
+    with pytest.raises(DeadlineUnreachable):
+        ctl.try_admit("t", deadline=clock() - 0.001)
+    assert ctl.inflight == 0
+
+
+def test_a_deadline_before_the_estimated_queue_wait_is_rejected_not_queued():
+    ctl, clock = controller(max_inflight=1, initial_hold_s=5.0)
+    fill(ctl, 1)
+    with pytest.raises(DeadlineUnreachable) as e:
+        ctl.try_admit("t", deadline=clock() + 4.0)  # first in line waits ~5 s
+    assert isinstance(e.value, AdmissionRejected)  # the edge may catch both together
+    assert ctl.queued == 0
+    assert isinstance(ctl.try_admit("t", deadline=clock() + 6.0), Waiter)
+
+
+def test_a_deadline_before_the_quota_refills_is_deadline_unreachable():
+    ctl, clock = controller(default_limits=TenantLimits(requests_per_s=0.1, request_burst=1))
+    ctl.try_admit("t")
+    with pytest.raises(DeadlineUnreachable):
+        ctl.try_admit("t", deadline=clock() + 5.0)  # next token in 10 s
+    with pytest.raises(AdmissionRejected) as e:
+        ctl.try_admit("t", deadline=clock() + 20.0)
+    assert not isinstance(e.value, DeadlineUnreachable)
+    assert e.value.reason == "rate_limited"
+
+
+def test_queue_timeout_expires_waiters_and_refunds_their_quota():
+    ctl, clock = controller(
+        max_inflight=1,
+        queue_timeout_s=3.0,
+        default_limits=TenantLimits(tokens_per_s=1, token_burst=100),
+    )
+    fill(ctl, 1)
+    waiter = ctl.try_admit("t", cost_tokens=100)
+    assert ctl.next_expiry() == pytest.approx(clock() + 3.0)
+    clock.advance(2.9)
+    assert ctl.expire() == []
+    clock.advance(0.1)
+    assert ctl.expire() == [waiter]
+    assert waiter.state is WaiterState.EXPIRED
+    assert waiter.rejection.reason == "queue_timeout" and waiter.rejection.retry_after_s > 0
+    assert ctl.queued == 0 and ctl.next_expiry() is None
+    # The quota it took was given back: another 100-token request is admitted at once.
+    assert isinstance(ctl.try_admit("t", cost_tokens=100), Waiter)
+
+
+def test_a_waiter_whose_deadline_passes_in_the_queue_expires_as_deadline_unreachable():
+    ctl, clock = controller(max_inflight=1, queue_timeout_s=30.0, initial_hold_s=0.1)
+    fill(ctl, 1)
+    waiter = ctl.try_admit("t", deadline=clock() + 2.0)
+    clock.advance(2.0)
+    assert ctl.expire() == [waiter]
+    assert isinstance(waiter.rejection, DeadlineUnreachable)
+
+
+def test_release_does_not_grant_a_waiter_that_already_expired():
+    ctl, clock = controller(max_inflight=1, queue_timeout_s=1.0)
+    (t,) = fill(ctl, 1)
+    waiter = ctl.try_admit("t")
+    clock.advance(1.5)
+    assert ctl.release(t) == []  # the slot stays free ...
+    assert ctl.expire() == [waiter]  # ... and the waiter is reported expired
+    assert ctl.inflight == 0
+
+
+def test_a_cancelled_waiter_is_skipped():
+    ctl, _ = controller(max_inflight=1)
+    (t,) = fill(ctl, 1)
+    gone = ctl.try_admit("t")
+    stays = ctl.try_admit("t")
+    assert ctl.cancel(gone) is True
+    assert ctl.cancel(gone) is False
+    assert ctl.release(t) == [stays]
+    assert gone.state is WaiterState.CANCELLED
+
+
+def test_dead_queue_entries_are_compacted():
+    ctl, _ = controller(max_inflight=1, queue_limit_per_priority=10_000)
+    fill(ctl, 1)
+    for _ in range(1000):
+        ctl.cancel(ctl.try_admit("t"))
+    assert len(ctl._queue) < 200 and len(ctl._expiry) < 200
+
+
+# ---- validation and stats ------------------------------------------------------
+
+
+def test_priority_out_of_range_is_invalid():
+    ctl, _ = controller()
+    with pytest.raises(InvalidAdmission):
+        ctl.try_admit("t", priority=11)
+    with pytest.raises(ConfigError):
+        AdmissionConfig(max_inflight=0)
+    with pytest.raises(ConfigError):
+        TenantLimits(requests_per_s=0)
+
+
+def test_stats_count_admissions_and_rejections_by_reason():
+    ctl, clock = controller(max_inflight=1, queue_limit_per_priority=1)
+    fill(ctl, 1)
+    ctl.try_admit("t")
+    with pytest.raises(AdmissionRejected):
+        ctl.try_admit("t")
+    with pytest.raises(DeadlineUnreachable):
+        ctl.try_admit("t", deadline=clock())
+    s = ctl.stats()
+    assert (s.inflight, s.queued, s.admitted, s.queued_total) == (1, 1, 1, 1)
+    assert s.rejected == {"queue_full": 1, "deadline_unreachable": 1}
