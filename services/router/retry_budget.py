@@ -1,0 +1,82 @@
+"""The retry budget: retries may add at most a fixed fraction to recent traffic.
+
+Owns a sliding window of first attempts and granted retries. A retry is
+granted while
+
+    retries in window < min_retries_per_second * window_s + retry_ratio * requests in window
+
+so when every worker fails, the router sends at most (1 + retry_ratio) times
+the client traffic plus a small constant, instead of (1 + max retries) times:
+retries cannot amplify an outage. The servicer calls `record_request` once per
+client request (first attempt only; retries do not earn budget) and
+`try_acquire_retry` before each retry (a failure before the first token).
+Migrations after the first token are bounded per request by the journey's
+migration limit, not by this budget.
+
+Defaults, and why (cf. Finagle's RetryBudget: 20%, 10 s TTL, 10 retries/s
+minimum; Envoy's retry_budget: 20%, min_retry_concurrency 3):
+- retry_ratio 0.1: an LLM request costs seconds of accelerator time, so the
+  router allows half the fraction of those RPC proxies;
+- window 10 s in 10 buckets of 1 s: long enough to hold many requests at
+  LLM request rates, short enough to track an outage;
+- min_retries_per_second 0.3 (3 per window): a quiet router (a request every
+  few seconds, where 10% of the window is less than one retry) can still retry
+  an isolated failure, while Finagle's 10/s would be more retries than a small
+  mesh has requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.config import require, setting
+from services.router.sliding_window import SlidingWindow
+
+_REQUESTS, _RETRIES = 0, 1
+
+
+@dataclass(frozen=True)
+class RetryBudgetConfig:
+    retry_ratio: float = setting(0.1, "retries allowed as a fraction of requests in the window")
+    min_retries_per_second: float = setting(0.3, "retries allowed regardless of traffic, per second")
+    window_s: float = setting(10.0, "sliding window of the retry budget")
+    buckets: int = setting(10, "buckets of the sliding window")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.retry_ratio <= 1, "retry_ratio must be in [0, 1]")
+        require(self.min_retries_per_second >= 0, "min_retries_per_second must be >= 0")
+        require(self.window_s > 0, "window_s must be > 0")
+        require(self.buckets >= 1, "buckets must be >= 1")
+
+
+class RetryBudget:
+    def __init__(self, config: RetryBudgetConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config or RetryBudgetConfig()
+        self._clock = clock
+        self._window = SlidingWindow(self.config.window_s, self.config.buckets, fields=2)
+        self.requests = 0  # lifetime counters, for metrics
+        self.retries_granted = 0
+        self.retries_denied = 0
+
+    def record_request(self) -> None:
+        """A client request's first attempt (earns budget)."""
+        self._window.add(self._clock(), _REQUESTS)
+        self.requests += 1
+
+    def available(self) -> float:
+        """Retries that would be granted now (may be fractional)."""
+        requests, retries = self._window.totals(self._clock())
+        cfg = self.config
+        allowance = cfg.min_retries_per_second * cfg.window_s + cfg.retry_ratio * requests
+        return max(allowance - retries, 0.0)
+
+    def try_acquire_retry(self) -> bool:
+        """Take one retry from the budget; False (and counted) when it is spent."""
+        if self.available() >= 1.0 - 1e-9:  # tolerate float error in ratio * requests
+            self._window.add(self._clock(), _RETRIES)
+            self.retries_granted += 1
+            return True
+        self.retries_denied += 1
+        return False
