@@ -180,6 +180,7 @@ class Summary:
     itl: Dist
     icl: Dist
     e2e: Dist
+    send_lag: Dist  # send - scheduled arrival, all requests: > ~ms means the client could not keep up
     output_tokens: int
     output_tok_s: float
     request_rps: float
@@ -227,6 +228,7 @@ def summarize(
         itl=Dist.of([g for r in good for g in r.itl_s()]),
         icl=Dist.of([g for r in good for g in r.icl_s()]),
         e2e=Dist.of([r.e2e_s for r in good]),
+        send_lag=Dist.of([r.send_s - r.scheduled_s for r in records]),
         output_tokens=out_tokens,
         output_tok_s=per_s(out_tokens),
         request_rps=per_s(len(good)),
@@ -248,7 +250,8 @@ def format_summary(s: Summary, scaling: str) -> str:
         f"requests={s.requests} ok={s.ok} failed={s.failed} duration_s={s.duration_s:.2f}",
         "errors " + (" ".join(f"{k}={v}" for k, v in s.errors_by_code.items()) or "none"),
     ]
-    for name, d in (("ttft", s.ttft), ("tpot", s.tpot), ("itl", s.itl), ("icl", s.icl), ("e2e", s.e2e)):
+    dists = {"ttft": s.ttft, "tpot": s.tpot, "itl": s.itl, "icl": s.icl, "e2e": s.e2e, "send_lag": s.send_lag}
+    for name, d in dists.items():
         lines.append(
             f"{name}_ms n={d.count} mean={_ms(d.mean)} p50={_ms(d.p50)} p90={_ms(d.p90)} p99={_ms(d.p99)}"
         )

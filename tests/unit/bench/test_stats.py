@@ -155,3 +155,10 @@ def test_every_summary_line_states_the_scaling():
     kv = summary_kv(s)
     assert kv["ok"] == "5" and kv["errors"] == "3" and kv["slo_attainment"] == "0.375"
     assert kv["ttft_p50_ms"] == "300.00" and kv["goodput_rps"] == "0.300"
+
+
+def test_send_lag_covers_every_request():
+    late = replace(RECORDS[5], scheduled_s=3.5)  # a failed request sent 0.5 s after its arrival
+    s = summarize([*RECORDS[:5], late], 1.0, 1.0, 10.0)
+    assert s.send_lag.count == 6
+    assert s.send_lag.p50 == 0.0 and s.send_lag.mean == pytest.approx(0.5 / 6)
