@@ -1,0 +1,92 @@
+"""Paged attention over the block-major KV pool.
+
+A step's tokens are one flat batch [T]: first the prompt chunks (one segment
+per sequence), then one token per decoding sequence. Each layer writes the new
+K/V into the pool at (block, offset) slots, then attends:
+- a prompt chunk with nothing before it attends causally to its own K/V;
+- a prompt chunk after cached / earlier tokens gathers its context from its blocks;
+- all decode tokens together: K/V gathered through the padded block tables
+  once per layer, one SDPA call with a padding mask. Query heads that share a
+  KV head are folded into the query-length axis ([B, Hkv, G, D]), so GQA needs
+  no copy of K/V per query head.
+ModelRunner builds the AttentionMetadata; the model passes it to every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # flat token index of the chunk's first token
+    end: int
+    num_context: int  # tokens before the chunk whose KV is already in the pool
+    block_ids: torch.Tensor  # [ceil((num_context + n) / bs)] long; used when num_context > 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [T] long: block of each new token
+    slot_offsets: torch.Tensor  # [T] long: offset within the block
+    prefills: list[PrefillSegment]
+    num_prefill_tokens: int
+    num_decodes: int
+    decode_block_ids: torch.Tensor | None  # [Bd * M] long, padded block tables, flattened
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, M * bs] bool: key position < context length
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, Hkv, D]; kv_layer: this layer's pool view [N, 2, bs, Hkv, D].
+    Returns [T, H * D]."""
+    kv_layer[meta.slot_blocks, 0, meta.slot_offsets] = k
+    kv_layer[meta.slot_blocks, 1, meta.slot_offsets] = v
+    outs = [
+        _prefill(q[s.start : s.end], k[s.start : s.end], v[s.start : s.end], kv_layer, s)
+        for s in meta.prefills
+    ]
+    if meta.num_decodes:
+        outs.append(_decode(q[meta.num_prefill_tokens :], kv_layer, meta))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.flatten(1)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, seg: PrefillSegment):
+    n = q.shape[0]
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if seg.num_context == 0:
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+        v = v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        total = seg.num_context + n
+        k = _gather(kv_layer, 0, seg.block_ids, 1)[:, :total]  # [1, S, Hkv, D]
+        v = _gather(kv_layer, 1, seg.block_ids, 1)[:, :total]
+        # Query i sits at position num_context + i and sees keys 0..num_context + i.
+        mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=seg.num_context)
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
+    return out.squeeze(0).transpose(0, 1)  # [n, H, D]
+
+
+def _decode(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = kv_layer.shape[3]
+    k = _gather(kv_layer, 0, meta.decode_block_ids, bsz).transpose(1, 2).contiguous()  # [B, Hkv, S, D]
+    v = _gather(kv_layer, 1, meta.decode_block_ids, bsz).transpose(1, 2).contiguous()
+    q = q.view(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask)
+    return out.view(bsz, num_heads, head_dim)
+
+
+def _gather(kv_layer: torch.Tensor, kv: int, block_ids: torch.Tensor, bsz: int) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) of `block_ids` ([bsz * M]) as [bsz, M * bs, Hkv, D]."""
+    hkv, d = kv_layer.shape[3:]
+    rows = kv_layer[:, kv].flatten(1).index_select(0, block_ids)  # [bsz * M, bs * Hkv * D]
+    return rows.view(bsz, -1, hkv, d)

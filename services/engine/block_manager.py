@@ -1,0 +1,176 @@
+"""BlockManager: who uses which KV block, and which blocks form the prefix cache.
+
+It owns block accounting only (the KV tensor itself belongs to ModelRunner):
+reference counts, the free queue, the hash -> block map of the prefix cache, and
+the KvEventLog that tells routers what is cached. Created and driven by the
+Scheduler; other threads may only call the read methods marked thread-safe.
+
+Free queue = LRU eviction order. A block whose ref count drops to 0 keeps its
+hash (it stays a cache hit) and joins the tail; blocks without a hash join the
+head, so they are reused before any cached block is evicted. A sequence frees
+its blocks last-first, so a chain is evicted from its end and a surviving
+prefix stays matchable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from services.common.hashing import block_hashes
+from services.engine.kv_events import KvEventLog
+from services.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_hash", "block_id", "parent_hash", "ref_count")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        # Set only while the block is the prefix cache's entry for this hash.
+        self.block_hash: int | None = None
+        self.parent_hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, event_capacity: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.events = KvEventLog(event_capacity)
+        # Guards `_cached` + the event log together, for readers on other threads.
+        self._lock = threading.Lock()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no user: never used, or cached and evictable."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix of `seq` within its first `max_tokens` tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = seq.block_hashes(min(max_tokens, seq.num_tokens) // self.block_size)
+        hits: list[int] = []
+        for h in hashes:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
+        """Leading tokens of `token_ids` cached here, a multiple of block_size. Thread-safe."""
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = block_hashes(token_ids, self.block_size)
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._cached:
+                    break
+                n += 1
+        return n * self.block_size
+
+    def allocate_slots(self, seq: Sequence, num_tokens: int, cached: Seq[int] = ()) -> bool:
+        """Grow `seq.block_table` to cover `num_tokens` tokens, first taking the
+        prefix-cache hits `cached` (admission only). All or nothing: False, with
+        nothing changed, when too few blocks are free."""
+        need = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(cached))
+        # A hit nobody references sits in the free queue: taking it uses a free slot.
+        idle_hits = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if need + idle_hits > len(self._free):
+            return False
+        if cached:
+            for block_id in cached:
+                self._ref(block_id)
+            seq.block_table.extend(cached)
+            seq.num_registered_blocks = len(seq.block_table)
+        evicted: list[int] = []
+        with self._lock:
+            for _ in range(need):
+                seq.block_table.append(self._take_free(evicted))
+            self.events.removed(evicted)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references, last block first; blocks stay cached until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer `seq`'s newly full, computed blocks to the prefix cache and emit
+        `stored` events for the ones it did not have yet."""
+        num_full = seq.num_computed_tokens // self.block_size
+        start = seq.num_registered_blocks
+        if not self.enable_prefix_caching or num_full <= start:
+            return
+        hashes = seq.block_hashes(num_full)
+        with self._lock:
+            run: list[int] = []
+            run_parent: int | None = None
+            for i in range(start, num_full):
+                block = self.blocks[seq.block_table[i]]
+                if hashes[i] in self._cached:
+                    # Another sequence computed the same block first: keep its entry.
+                    self.events.stored(run_parent, run)
+                    run = []
+                    continue
+                block.block_hash = hashes[i]
+                block.parent_hash = hashes[i - 1] if i else None
+                self._cached[hashes[i]] = block.block_id
+                if not run:
+                    run_parent = block.parent_hash
+                run.append(hashes[i])
+            self.events.stored(run_parent, run)
+        seq.num_registered_blocks = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay allocated) and emit `cleared`."""
+        with self._lock:
+            for block_id in self._cached.values():
+                self.blocks[block_id].block_hash = None
+            self._cached.clear()
+            self.events.cleared()
+
+    def snapshot(self) -> tuple[int, list[tuple[int | None, int]]]:
+        """(last event seq, [(parent_hash, block_hash)] of every cached block). Thread-safe."""
+        with self._lock:
+            pairs = [(self.blocks[b].parent_hash, h) for h, b in self._cached.items()]
+            return self.events.last_seq, pairs
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self, evicted: list[int]) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: the caller holds the lock
+            del self._cached[block.block_hash]
+            evicted.append(block.block_hash)
+            block.block_hash = None
+            block.parent_hash = None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,79 @@
+"""EngineConfig: everything an engine is built from, validated once.
+
+Made once by a worker's `main()` from flags and environment (fields carry help
+text for `services.common.config.add_arguments` / `build`, e.g. with prefix
+"engine_") and passed to `services.engine.factory.create_engine`. Nothing
+below reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import setting
+from services.engine.model_config import PRESETS
+
+BACKENDS = ("torch", "sim", "trtllm")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = setting("torch", f"engine backend, one of {BACKENDS}")
+    model_path: str | None = setting(
+        None,
+        "Hugging Face model folder (config.json, *.safetensors, tokenizer.json); unset = built-in preset",
+    )
+    preset: str = setting("tiny", f"built-in model when no model_path, one of {tuple(PRESETS)}")
+    model_id: str | None = setting(None, "model id to report; default: preset or folder name")
+    dtype: str = setting("float32", f"weights and KV dtype, one of {DTYPES}")
+    device: str = setting("cpu", "torch device: cpu or cuda[:n]")
+    block_size: int = setting(16, "tokens per KV block (must match the router's)")
+    num_blocks: int | None = setting(
+        None,
+        "KV pool size in blocks; unset = what kv_cache_bytes allows, capped at max_num_seqs full contexts",
+    )
+    kv_cache_bytes: int = setting(256 * 2**20, "KV pool memory budget when num_blocks is unset")
+    max_num_seqs: int = setting(64, "most sequences in the running batch")
+    max_num_batched_tokens: int = setting(
+        1024, "token budget of one step (decodes + prompt chunks); longer prompts are chunked"
+    )
+    max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
+    num_threads: int = setting(0, "torch intra-op threads of the step loop; 0 = torch's default")
+    seed: int = setting(0, "seed of the built-in model's random weights")
+    enable_prefix_caching: bool = setting(True, "reuse KV of cached prompt prefixes")
+    kv_event_buffer: int = setting(4096, "KV events kept for subscribers that fall behind")
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.model_path is None and self.preset not in PRESETS:
+            raise ValueError(f"EngineConfig.preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+        positive = (
+            "block_size",
+            "kv_cache_bytes",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_event_buffer",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
+        if self.num_threads < 0:
+            raise ValueError(f"EngineConfig.num_threads must be >= 0, got {self.num_threads}")
+
+    @property
+    def resolved_model_id(self) -> str:
+        if self.model_id:
+            return self.model_id
+        if self.model_path is not None:
+            return self.model_path.rstrip("/").rsplit("/", 1)[-1]
+        return f"builtin-{self.preset}"

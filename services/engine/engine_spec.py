@@ -1,0 +1,78 @@
+"""EngineSpec: what an EngineConfig resolves to before any weight is loaded.
+
+Reads the model's config and tokenizer (cheap), sizes the KV pool and the
+context limit, and describes the engine (EngineInfo). The async engine builds
+it at construction so `info` and `tokenizer` exist before `start()`;
+LLMEngine and ModelRunner are built from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtransfer.layout import KvLayout
+from services.engine.api import EngineCapabilities, EngineInfo, Tokenizer
+from services.engine.config import EngineConfig
+from services.engine.model_config import ModelConfig
+from services.engine.tokenizer import ByteTokenizer, HfTokenizer
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    config: EngineConfig
+    model: ModelConfig
+    tokenizer: Tokenizer
+    layout: KvLayout
+    num_blocks: int
+    # Context limit: the configured one, capped by what the pool can hold.
+    max_model_len: int
+    info: EngineInfo
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> EngineSpec:
+        if config.model_path is not None:
+            model = ModelConfig.from_hf_folder(config.model_path)
+            tokenizer: Tokenizer = HfTokenizer(config.model_path, model.vocab_size, model.eos_token_ids)
+        else:
+            model = ModelConfig.from_preset(config.preset)
+            tokenizer = ByteTokenizer()
+        eos = model.eos_token_ids or tuple(tokenizer.eos_token_ids)
+        layout = KvLayout(
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=config.dtype,
+            block_size=config.block_size,
+        )
+        max_len = _context_limit(config, model)
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            by_memory = config.kv_cache_bytes // layout.block_bytes
+            by_use = config.max_num_seqs * -(-max_len // config.block_size)
+            num_blocks = max(1, min(by_memory, by_use))
+        max_len = min(max_len, num_blocks * config.block_size)
+        info = EngineInfo(
+            backend="torch",
+            model_id=config.resolved_model_id,
+            vocab_size=model.vocab_size,
+            max_model_len=max_len,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            layout=layout,
+            eos_token_ids=eos,
+            device=config.device,
+            capabilities=EngineCapabilities(moves_kv_itself=False, exports_kv_pool=True),
+        )
+        return cls(config, model, tokenizer, layout, num_blocks, max_len, info)
+
+
+def _context_limit(config: EngineConfig, model: ModelConfig) -> int:
+    limit = model.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    # Only dynamic NTK extends the context (see rope.py); other configs already state theirs.
+    if config.max_model_len > limit and model.rope_scaling.rope_type != "dynamic":
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's context of {limit} tokens"
+        )
+    return config.max_model_len

@@ -1,0 +1,282 @@
+"""LLMEngine: the synchronous core of the torch engine.
+
+Owns the Scheduler (and through it the BlockManager), the ModelRunner (model +
+KV pool) and every live Sequence. `step()` = schedule -> run -> postprocess.
+Not thread-safe: one thread drives it (the async engine's step thread, or a
+test / benchmark directly). Methods marked thread-safe only read structures
+that guard themselves (prefix cache map, event log).
+
+Request paths (api.py has the lifecycle):
+- generate: `add_request`, then `step()` until its output is finished;
+- prefill-only: `add_request(prefill_only=True)`; after the first token the
+  sequence is HELD with its blocks (`held_kv`) until `release`;
+- external KV: `reserve_external` -> (KV written into the reserved blocks)
+  -> `commit_external(first_token)` -> `step()` as for generate.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvtransfer.layout import KvLayout, LayoutMismatch
+from services.engine.api import (
+    EngineCapacityError,
+    EngineRequest,
+    EngineStats,
+    ExternalKvReservation,
+    FinishReason,
+    HeldKv,
+    InvalidRequestError,
+    KvEvent,
+    RequestOutput,
+    UnknownRequestError,
+)
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.engine_spec import EngineSpec
+from services.engine.model_runner import ModelRunner, scratch_sequence
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.tokenizer import IncrementalDetokenizer
+from services.engine.validation import check_token_ids, validate_request
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, spec: EngineSpec | None = None):
+        self.spec = spec or EngineSpec.resolve(config)
+        self.config = config
+        self.info = self.spec.info
+        self.tokenizer = self.spec.tokenizer
+        self.block_size = config.block_size
+        self.runner = ModelRunner(self.spec)
+        block_manager = BlockManager(
+            self.spec.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_event_buffer
+        )
+        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.block_manager = block_manager  # read-only here: the Scheduler drives it
+        self._seqs: dict[str, Sequence] = {}
+        self.prompt_tokens_computed = 0
+        self.decode_tokens_computed = 0
+        self.prompt_tokens_transferred = 0
+        # Tokens the last step computed (0: nothing could be scheduled).
+        self.last_step_tokens = 0
+
+    # ---- requests -------------------------------------------------------
+
+    def validate(self, request: EngineRequest) -> None:
+        validate_request(request, self.info)
+        if request.request_id in self._seqs:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+
+    def add_request(self, request: EngineRequest, *, prefill_only: bool = False) -> None:
+        """Queue a request (validated first; nothing is allocated when it is bad)."""
+        self.validate(request)
+        seq = self._new_sequence(request, prefill_only)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_tokens
+        if not out.scheduled:
+            return []
+        sampled = self.runner.run(out.scheduled)
+        outputs = []
+        for (seq, n), token in zip(out.scheduled, sampled, strict=True):
+            self._account(seq, n)
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token is not None:
+                outputs.append(self._append(seq, token))
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state and free its blocks; False if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, SequenceStatus.ABORTED, FinishReason.ABORT)
+        return True
+
+    def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
+        """Run `requests` (and anything already queued) to completion; output ids per request."""
+        for r in requests:
+            self.add_request(r)
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                tokens.setdefault(o.request_id, []).extend(o.token_ids)
+            if self.last_step_tokens == 0:
+                raise EngineCapacityError("no request can be scheduled: KV blocks are held")
+        return tokens
+
+    # ---- prefill-only (HELD) ---------------------------------------------
+
+    def held_kv(self, request_id: str) -> HeldKv | None:
+        seq = self.scheduler.held.get(request_id)
+        if seq is None:
+            return None
+        return HeldKv(tuple(seq.block_table), seq.num_computed_tokens, self.spec.layout)
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a HELD request; False if none is held under that id."""
+        seq = self.scheduler.held.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, SequenceStatus.FINISHED, seq.finish_reason)
+        return True
+
+    # ---- external KV ------------------------------------------------------
+
+    def reserve_external(self, request: EngineRequest) -> ExternalKvReservation:
+        """Blocks for the request's context (prompt + resume), own cached prefix reused."""
+        self.validate(request)
+        seq = self._new_sequence(request, prefill_only=False)
+        if not self.scheduler.reserve_remote(seq):
+            needed = self.block_manager.blocks_for(seq.num_tokens)
+            raise EngineCapacityError(
+                f"request {seq.request_id!r} needs up to {needed} KV blocks, "
+                f"{self.block_manager.num_free_blocks} free"
+            )
+        self._seqs[seq.request_id] = seq
+        first = seq.num_cached_tokens // self.block_size
+        return ExternalKvReservation(seq.request_id, tuple(seq.block_table), seq.num_cached_tokens, first)
+
+    def commit_external(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The reserved blocks hold the context's KV; emit the remotely sampled first token."""
+        seq = self._remote(request_id)
+        check_token_ids("first_token_id", [first_token_id], self.info.vocab_size)
+        self.prompt_tokens_transferred += seq.num_tokens - seq.num_cached_tokens
+        self.scheduler.commit_remote(seq)
+        return self._append(seq, first_token_id)
+
+    def cancel_external(self, request_id: str) -> bool:
+        seq = self.scheduler.remote.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, SequenceStatus.ABORTED, FinishReason.ABORT)
+        return True
+
+    def import_blocks(self, block_ids: Seq[int], blocks: torch.Tensor, layout: KvLayout) -> None:
+        """Write transferred KV into blocks reserved for transfer (layout checked first)."""
+        layout.check_compatible(self.spec.layout)
+        expected = (len(block_ids), *self.spec.layout.block_shape)
+        if tuple(blocks.shape) != expected or blocks.dtype != self.spec.layout.torch_dtype:
+            raise LayoutMismatch(
+                f"KV blocks {tuple(blocks.shape)} {blocks.dtype} != {expected} {layout.dtype}"
+            )
+        writable = {
+            b
+            for s in self.scheduler.remote.values()
+            for b in s.block_table[s.num_cached_tokens // self.block_size :]
+        }
+        stray = [b for b in block_ids if b not in writable]
+        if stray:
+            raise InvalidRequestError("block_ids", f"blocks {stray[:8]} are not reserved for a KV transfer")
+        self.runner.import_blocks(list(block_ids), blocks)
+
+    def export_blocks(self, block_ids: Seq[int]) -> torch.Tensor:
+        """A copy [len(block_ids), *layout.block_shape] of the blocks' KV."""
+        bad = [b for b in block_ids if not 0 <= b < self.spec.num_blocks]
+        if bad:
+            raise InvalidRequestError("block_ids", f"blocks {bad[:8]} not in [0, {self.spec.num_blocks})")
+        return self.runner.export_blocks(list(block_ids))
+
+    # ---- views (thread-safe unless noted) ----------------------------------
+
+    def kv_pool(self) -> torch.Tensor:
+        return self.runner.kv_pool
+
+    def prefix_lookup(self, token_ids: Seq[int]) -> int:
+        return self.block_manager.cached_prefix_tokens(token_ids)
+
+    def kv_events_since(self, seq: int) -> list[KvEvent]:
+        return self.block_manager.events.since(seq)
+
+    def kv_snapshot(self) -> tuple[int, list[tuple[int | None, int]]]:
+        return self.block_manager.snapshot()
+
+    def stats(self) -> EngineStats:
+        """Counters and queue sizes. Step thread only (it walks the queues)."""
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            total_blocks=bm.num_blocks,
+            free_blocks=bm.num_free_blocks,
+            cached_blocks=bm.num_cached_blocks,
+            held_blocks=sched.num_held_blocks(),
+            tokens_waiting=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+            active_decode_blocks=sum(len(s.block_table) for s in sched.running),
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            decode_tokens_computed=self.decode_tokens_computed,
+            prompt_tokens_cached=sched.prompt_tokens_cached,
+            prompt_tokens_transferred=self.prompt_tokens_transferred,
+            preemptions=sched.num_preemptions,
+        )
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [S, V] of every prompt position (scratch blocks, not cached)."""
+        check_token_ids("prompt_token_ids", token_ids, self.info.vocab_size)
+        seq = scratch_sequence(token_ids, self.block_size)
+        if not self.block_manager.allocate_slots(seq, len(token_ids)):
+            raise EngineCapacityError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
+        try:
+            return self.runner.prompt_logits(seq)
+        finally:
+            self.block_manager.free(seq)
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    # ---- internals ----------------------------------------------------------
+
+    def _new_sequence(self, request: EngineRequest, prefill_only: bool) -> Sequence:
+        seed = request.sampling.seed
+        if seed is None and not request.sampling.greedy:
+            seed = secrets.randbits(64)  # fixed from here on, across preemption and handoff
+        detok = IncrementalDetokenizer(self.tokenizer) if request.sampling.stop else None
+        return Sequence(request, self.block_size, seed, prefill_only=prefill_only, detokenizer=detok)
+
+    def _remote(self, request_id: str) -> Sequence:
+        seq = self.scheduler.remote.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"no KV reservation for request {request_id!r}")
+        return seq
+
+    def _account(self, seq: Sequence, n: int) -> None:
+        c = seq.num_computed_tokens
+        prompt = max(0, min(c + n, seq.prefill_target) - c)
+        seq.num_computed_prompt_tokens += prompt
+        self.prompt_tokens_computed += prompt
+        self.decode_tokens_computed += n - prompt
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.append_token(token)
+        reason = seq.check_stop(token, self.info.eos_token_ids, self.info.max_model_len)
+        if reason is not None:
+            self._finish(seq, SequenceStatus.FINISHED, reason)
+        elif seq.prefill_only:
+            self.scheduler.hold(seq)
+        else:
+            seq.status = SequenceStatus.DECODING
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=seq.take_new_output(),
+            finished=seq.status.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
+        )
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason: FinishReason | None) -> None:
+        self.scheduler.finish(seq, status)
+        seq.finish_reason = reason
+        self._seqs.pop(seq.request_id, None)

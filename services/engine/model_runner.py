@@ -1,0 +1,158 @@
+"""ModelRunner: owns the model weights and the KV pool tensor; runs one step.
+
+Turns the Scheduler's (sequence, new tokens) list into flat input tensors and
+AttentionMetadata (block tables -> slots, gather indices, masks), runs the
+forward pass, and samples a token for every sequence whose computed tokens
+reach its length. Results go back to LLMEngine. The pool is allocated once
+with `KvLayout.allocate_pool` and never reallocated, so transports can
+register its memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.api import EngineRequest
+from services.engine.attention import AttentionMetadata, PrefillSegment
+from services.engine.engine_spec import EngineSpec
+from services.engine.loader import load_hf_weights
+from services.engine.model import LlamaModel
+from services.engine.sampler import Sampler, SampleRow
+from services.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    meta: AttentionMetadata
+    logits_index: torch.Tensor  # [B'] flat index of each sampled row's last token
+    sample_rows: list[SampleRow]
+    sample_items: list[int]  # index into the ordered chunk list, per sampled row
+
+
+class ModelRunner:
+    def __init__(self, spec: EngineSpec):
+        cfg = spec.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.block_size = cfg.block_size
+        self.device = torch.device(cfg.device)
+        model = LlamaModel(spec.model, spec.max_model_len)
+        if cfg.model_path is not None:
+            load_hf_weights(model, cfg.model_path)
+        else:
+            model.init_random(cfg.seed)
+        self.model = model.to(device=self.device, dtype=spec.layout.torch_dtype).eval().requires_grad_(False)
+        self.kv_pool = spec.layout.allocate_pool(spec.num_blocks, self.device)
+        # Per-layer views [N, 2, bs, Hkv, Dh] of the one pool tensor.
+        self.kv_layers = [self.kv_pool[:, i] for i in range(spec.model.num_layers)]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
+        """Compute the scheduled tokens; return the sampled token per entry (None mid-prompt)."""
+        # Prompt chunks first, then single-token (decode) entries: see attention.py.
+        order = [i for i, (_, n) in enumerate(scheduled) if n > 1]
+        order += [i for i, (_, n) in enumerate(scheduled) if n == 1]
+        inputs = self._prepare([scheduled[i] for i in order])
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers)
+        results: list[int | None] = [None] * len(scheduled)
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.logits_index])
+            tokens = self.sampler(logits, inputs.sample_rows)
+            for item, token in zip(inputs.sample_items, tokens, strict=True):
+                results[order[item]] = token
+        return results
+
+    @torch.inference_mode()
+    def prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        """Logits [S, V] (float32) of every position of `seq` (blocks allocated, nothing computed)."""
+        inputs = self._prepare([(seq, seq.num_tokens)])
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers)
+        return self.model.compute_logits(hidden)
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy [len(block_ids), *block_shape] of the blocks."""
+        return self.kv_pool[torch.tensor(block_ids, dtype=torch.long, device=self.device)]
+
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.kv_pool[torch.tensor(block_ids, dtype=torch.long, device=self.device)] = blocks.to(self.device)
+
+    def _prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions, slot_blocks, slot_offsets = [], [], []
+        segments: list[PrefillSegment] = []
+        decodes: list[Sequence] = []
+        logits_index: list[int] = []
+        rows: list[SampleRow] = []
+        items: list[int] = []
+        start = 0
+        for j, (seq, n) in enumerate(chunks):
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c : c + n])
+            if n > 1:
+                pos = torch.arange(c, c + n)
+                table = torch.tensor(seq.block_table, dtype=torch.long)
+                positions.append(pos)
+                slot_blocks.append(table[pos // bs])
+                slot_offsets.append(pos % bs)
+                segments.append(PrefillSegment(start, start + n, c, table))
+            else:
+                decodes.append(seq)
+            start += n
+            if c + n == seq.num_tokens:
+                logits_index.append(start - 1)
+                rows.append(SampleRow(seq.sampling, seq.seed, seq.num_output_tokens))
+                items.append(j)
+        num_prefill = start - len(decodes)
+        decode_ids, decode_mask = None, None
+        if decodes:
+            pos, blocks, offsets, decode_ids, decode_mask = self._decode_inputs(decodes)
+            positions.append(pos)
+            slot_blocks.append(blocks)
+            slot_offsets.append(offsets)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_blocks=torch.cat(slot_blocks).to(dev),
+            slot_offsets=torch.cat(slot_offsets).to(dev),
+            prefills=segments,
+            num_prefill_tokens=num_prefill,
+            num_decodes=len(decodes),
+            decode_block_ids=None if decode_ids is None else decode_ids.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions).to(dev),
+            meta=meta,
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+            sample_rows=rows,
+            sample_items=items,
+        )
+
+    def _decode_inputs(self, seqs: list[Sequence]):
+        """One new token per sequence: positions, slots, padded block tables, mask."""
+        bs = self.block_size
+        pos = [s.num_computed_tokens for s in seqs]
+        blocks = [s.block_table[p // bs] for s, p in zip(seqs, pos, strict=True)]
+        width = max(p // bs for p in pos) + 1  # blocks in the longest context
+        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        ctx = torch.tensor(pos) + 1
+        mask = torch.arange(width * bs)[None, :] < ctx[:, None]  # [B, S]
+        pos_t = torch.tensor(pos)
+        return (
+            pos_t,
+            torch.tensor(blocks, dtype=torch.long),
+            pos_t % bs,
+            torch.tensor(tables, dtype=torch.long).flatten(),
+            mask[:, None, None, :],
+        )
+
+
+def scratch_sequence(token_ids: list[int], block_size: int) -> Sequence:
+    """A throwaway sequence for `prompt_logits`."""
+    return Sequence(EngineRequest("<prompt-logits>", token_ids), block_size, None)

@@ -1,0 +1,72 @@
+"""Rotary position embedding with the scalings Llama-family checkpoints use.
+
+Frequencies follow transformers' `modeling_rope_utils` (default, linear,
+dynamic NTK, llama3); cos/sin are computed in float32 once for every position
+up to the context limit and indexed by position at run time.
+
+Dynamic NTK is applied statically (as vLLM does): the base is scaled for the
+engine's whole context limit when it exceeds the original one, instead of per
+forward pass. Within the original context it equals the unscaled RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from services.engine.model_config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling, max_len: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    kind = scaling.rope_type
+    if kind == "dynamic":
+        original = scaling.original_max_position_embeddings or max_len
+        if max_len > original:
+            theta = theta * ((scaling.factor * max_len / original) - (scaling.factor - 1)) ** (
+                head_dim / (head_dim - 2)
+            )
+    inv_freq = 1.0 / (theta**exponents)
+    if kind == "linear":
+        return inv_freq / scaling.factor
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    old_len = s.original_max_position_embeddings
+    if old_len is None:
+        raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, max_len: int):
+        super().__init__()
+        inv_freq = inv_frequencies(head_dim, theta, scaling, max_len)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]. Rotates halves (HF's rotate_half)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

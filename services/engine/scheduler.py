@@ -1,0 +1,161 @@
+"""Scheduler: which sequences compute how many tokens in the next step.
+
+Owns the waiting queue, the running batch, held (prefill-only) and
+remote-KV sequences, and the BlockManager that gives them blocks. Each
+`schedule()` serves the running batch first (decodes and unfinished prompt
+chunks, in admission order), then admits waiting sequences while the token
+budget, `max_num_seqs` and free blocks allow; a prompt longer than what is left
+of the budget is computed in chunks over several steps. When a running sequence
+cannot get a block, the most recently admitted one is preempted: its blocks are
+freed and it recomputes later (its full blocks usually survive as cache hits).
+
+The output goes to ModelRunner; LLMEngine reports back with `finish` / `hold`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (sequence, tokens to compute this step), running order.
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}
+        self.remote: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        # Prompt tokens served from the prefix cache at first admission / reservation.
+        self.prompt_tokens_cached = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind those of equal or higher priority."""
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority < seq.priority:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow_or_preempt(seq, n, out.preempted):
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        if not out.preempted:  # admitting now would only preempt again
+            budget = self._admit(budget, out)
+        return out
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        """Blocks for `n` more tokens of `seq`, preempting from the back; False if `seq` itself went."""
+        while not self.block_manager.allocate_slots(seq, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # The last token is always computed: its logits give the next sample.
+            cached = bm.match_prefix(seq, seq.num_tokens - 1)
+            num_cached = len(cached) * self.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not bm.allocate_slots(seq, num_cached + n, cached):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:  # a recompute's hits are its own earlier work
+                seq.num_cached_tokens = num_cached
+                self.prompt_tokens_cached += num_cached
+            seq.prefill_target = seq.num_tokens
+            seq.status = SequenceStatus.PREFILLING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take `seq` out of whatever queue holds it and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.held.pop(seq.request_id, None)
+        self.remote.pop(seq.request_id, None)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    def hold(self, seq: Sequence) -> None:
+        """Prefill-only: keep the blocks of a sequence that stops computing."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.HELD
+        self.held[seq.request_id] = seq
+
+    def reserve_remote(self, seq: Sequence) -> bool:
+        """Blocks for all of `seq`'s tokens, cached prefix reused; False if not enough free."""
+        bm = self.block_manager
+        cached = bm.match_prefix(seq, seq.num_tokens)
+        if not bm.allocate_slots(seq, seq.num_tokens, cached):
+            return False
+        seq.num_cached_tokens = len(cached) * self.block_size
+        self.prompt_tokens_cached += seq.num_cached_tokens
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        self.remote[seq.request_id] = seq
+        return True
+
+    def commit_remote(self, seq: Sequence) -> None:
+        """The reserved blocks hold every token's KV: the sequence joins the running batch."""
+        del self.remote[seq.request_id]
+        seq.num_computed_tokens = seq.prefill_target = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        seq.status = SequenceStatus.DECODING
+        self.running.append(seq)
+
+    def num_held_blocks(self) -> int:
+        return sum(len(s.block_table) for s in self.held.values())
