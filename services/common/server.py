@@ -45,6 +45,9 @@ class ServerConfig:
     drain_grace_s: float = setting(30.0, "seconds in-flight calls may take to finish on SIGTERM")
     max_message_bytes: int = setting(64 * 1024 * 1024, "largest gRPC message accepted or sent")
     log_level: str = setting("info", "debug, info, warning or error")
+    so_reuseport: bool = setting(
+        False, "set SO_REUSEPORT so several processes can share one listening port (same host and port)"
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -146,7 +149,7 @@ class MeshServer:
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if config.so_reuseport else 0),
         ]
         self.server = grpc.aio.server(interceptors=[self._gate], options=options)
         self.health = health.aio.HealthServicer()
