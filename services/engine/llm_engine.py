@@ -104,6 +104,13 @@ class LLMEngine:
         self._finish(seq, SequenceStatus.ABORTED, FinishReason.ABORT)
         return True
 
+    def abort_all(self) -> list[str]:
+        """Abort every request (shutdown); the ids that were live."""
+        ids = list(self._seqs)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
         """Run `requests` (and anything already queued) to completion; output ids per request."""
         for r in requests:
@@ -203,17 +210,18 @@ class LLMEngine:
         return self.block_manager.snapshot()
 
     def stats(self) -> EngineStats:
-        """Counters and queue sizes. Step thread only (it walks the queues)."""
+        """Counters and queue sizes. Thread-safe: walks copies of the queues (copied under the GIL)."""
         sched, bm = self.scheduler, self.block_manager
+        waiting, running, held = list(sched.waiting), list(sched.running), list(sched.held.values())
         return EngineStats(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
+            running=len(running),
+            waiting=len(waiting),
             total_blocks=bm.num_blocks,
             free_blocks=bm.num_free_blocks,
             cached_blocks=bm.num_cached_blocks,
-            held_blocks=sched.num_held_blocks(),
-            tokens_waiting=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
-            active_decode_blocks=sum(len(s.block_table) for s in sched.running),
+            held_blocks=sum(len(s.block_table) for s in held),
+            tokens_waiting=sum(s.num_tokens - s.num_computed_tokens for s in waiting),
+            active_decode_blocks=sum(len(s.block_table) for s in running),
             prompt_tokens_computed=self.prompt_tokens_computed,
             decode_tokens_computed=self.decode_tokens_computed,
             prompt_tokens_cached=sched.prompt_tokens_cached,
@@ -228,7 +236,7 @@ class LLMEngine:
         if not self.block_manager.allocate_slots(seq, len(token_ids)):
             raise EngineCapacityError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
         try:
-            return self.runner.prompt_logits(seq)
+            return self.runner.chunk_logits(seq, seq.num_tokens)
         finally:
             self.block_manager.free(seq)
 

@@ -68,9 +68,9 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
-    def prompt_logits(self, seq: Sequence) -> torch.Tensor:
-        """Logits [S, V] (float32) of every position of `seq` (blocks allocated, nothing computed)."""
-        inputs = self._prepare([(seq, seq.num_tokens)])
+    def chunk_logits(self, seq: Sequence, n: int) -> torch.Tensor:
+        """Compute `seq`'s next `n` tokens (blocks allocated); float32 logits [n, V] of each."""
+        inputs = self._prepare([(seq, n)])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers)
         return self.model.compute_logits(hidden)
 
@@ -154,5 +154,5 @@ class ModelRunner:
 
 
 def scratch_sequence(token_ids: list[int], block_size: int) -> Sequence:
-    """A throwaway sequence for `prompt_logits`."""
+    """A throwaway sequence for `chunk_logits`."""
     return Sequence(EngineRequest("<prompt-logits>", token_ids), block_size, None)

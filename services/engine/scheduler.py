@@ -156,6 +156,3 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq)
         seq.status = SequenceStatus.DECODING
         self.running.append(seq)
-
-    def num_held_blocks(self) -> int:
-        return sum(len(s.block_table) for s in self.held.values())
