@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported lazily so the router never loads it
+    from collections.abc import Iterable
+
     import torch
+
+    from pdmesh.v1 import common_pb2
 
 # dtype name -> bytes per element
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -87,3 +91,48 @@ class KvLayout:
             )
         if not pool.is_contiguous():
             raise LayoutMismatch("KV pool must be contiguous")
+
+
+def layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
+    """The wire form of `layout`, with the derived block_bytes filled in."""
+    from pdmesh.v1 import common_pb2
+
+    return common_pb2.KvLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        block_bytes=layout.block_bytes,
+    )
+
+
+def layout_from_proto(msg: common_pb2.KvLayout) -> KvLayout:
+    """Parse a wire layout; LayoutMismatch when it is invalid or its block_bytes
+    disagrees with the fields (a sender with another notion of a block)."""
+    try:
+        layout = KvLayout(
+            num_layers=msg.num_layers,
+            num_kv_heads=msg.num_kv_heads,
+            head_dim=msg.head_dim,
+            dtype=msg.dtype,
+            block_size=msg.block_size,
+        )
+    except ValueError as e:
+        raise LayoutMismatch(f"invalid KV layout: {e}") from e
+    if msg.block_bytes and msg.block_bytes != layout.block_bytes:
+        raise LayoutMismatch(
+            f"KV layout block_bytes {msg.block_bytes} != {layout.block_bytes} derived from its fields"
+        )
+    return layout
+
+
+def check_block_ids(block_ids: Iterable[int], num_blocks: int, what: str = "block_ids") -> None:
+    """Raise ValueError unless every id is in [0, num_blocks) and none repeats."""
+    seen = set()
+    for b in block_ids:
+        if not 0 <= b < num_blocks:
+            raise ValueError(f"{what}: block {b} is not in [0, {num_blocks})")
+        if b in seen:
+            raise ValueError(f"{what}: block {b} appears twice")
+        seen.add(b)

@@ -1,0 +1,403 @@
+"""KV over NIXL (UCX backend): one-sided READs from the holder's pool into ours.
+
+Holder: `start()` creates the agent, registers the whole pool once (DRAM on
+CPU, VRAM on GPU) and announces the agent (metadata, pool region, layout) to
+the KV-transfer service. `attach_source(leases)` starts a loop that drains
+NIXL notifications: a receiver's completed READ carries `pdmesh-kv:<handle>`,
+which marks that lease pulled and releases it.
+
+Receiver: `pull` looks the holder up in the `AgentDirectory`, loads its
+metadata into our agent and prepares its block descriptors once per holder
+incarnation (`prep_xfer_dlist`, one descriptor per block; NIXL merges adjacent
+ones), then posts one prepped READ straight into the destination blocks and
+polls it to completion. A holder that restarted under the same name is noticed
+by its incarnation (or a failed READ) and reloaded: stale metadata costs at
+most one failed attempt.
+
+The agent is used from one dedicated thread only (every call goes through
+`_call`): NIXL agents are not thread-safe by default, and on CPU the UCX CMA
+transport copies synchronously inside `transfer()`, which must not stall the
+event loop. On failure or timeout the READ is released (NIXL cancels it) before
+`on_failure` frees the destination; see `kvtransfer.transport`.
+
+A NIXL READ cannot be pinned on the holder: if the holder's lease ended
+mid-READ its blocks could be reused under us. The pull therefore ends at the
+lease's end minus `lease_margin_s` at the latest (the handle carries it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from kvtransfer.agents import AgentDirectory, AgentRecord
+from kvtransfer.errors import FailureKind, KvTransferFailed
+from kvtransfer.layout import LayoutMismatch
+from kvtransfer.leases import LeaseManager
+from kvtransfer.pool import PoolView
+from kvtransfer.transport import (
+    BlockHandle,
+    Quarantined,
+    TransferReporter,
+    TransferStats,
+    check_pull,
+    guarded_pull,
+)
+
+log = structlog.get_logger()
+
+NOTIF_PREFIX = b"pdmesh-kv:"
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    backends: tuple[str, ...] = field(default=("UCX",), metadata={"help": "NIXL backends to create"})
+    progress_thread: bool = field(default=True, metadata={"help": "run the NIXL/UCX progress thread"})
+    num_threads: int = field(default=0, metadata={"help": "UCX backend worker threads (0 = NIXL default)"})
+    notif_poll_s: float = field(
+        default=0.005, metadata={"help": "holder: seconds between notification polls"}
+    )
+    xfer_poll_max_s: float = field(
+        default=0.002, metadata={"help": "receiver: longest wait between READ polls"}
+    )
+    liveness_check_s: float = field(
+        default=1.0, metadata={"help": "receiver: ask the directory whether the holder lives this often"}
+    )
+    lease_margin_s: float = field(
+        default=0.25, metadata={"help": "receiver: finish a READ this long before the holder's lease ends"}
+    )
+    cancel_grace_s: float = field(
+        default=2.0, metadata={"help": "receiver: wait this long for a READ that refuses to cancel"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("NixlConfig.backends must name at least one backend")
+        for name in ("notif_poll_s", "xfer_poll_max_s", "liveness_check_s", "cancel_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"NixlConfig.{name} must be > 0")
+
+
+@dataclass
+class _Peer:
+    record: AgentRecord
+    dlist: Any  # nixl_prepped_dlist_handle over all of the holder's blocks
+
+
+class NixlTransport:
+    kind = "nixl"
+
+    def __init__(
+        self,
+        agent_name: str,
+        pool: PoolView,
+        directory: AgentDirectory,
+        *,
+        worker_id: str = "",
+        config: NixlConfig | None = None,
+        reporter: TransferReporter | None = None,
+    ):
+        from nixl_cu12 import _bindings  # fail here, in the factory's try, when NIXL is missing
+
+        # The typed errors the NIXL bindings raise (nixlBackendError, nixlRemoteDisconnectError, ...).
+        self._nixl_errors: tuple[type[BaseException], ...] = tuple(
+            v for k, v in vars(_bindings).items() if k.startswith("nixl") and k.endswith("Error")
+        )
+        self._disconnect: type[BaseException] = _bindings.nixlRemoteDisconnectError
+        self.agent_name = agent_name
+        self.pool = pool
+        self.layout = pool.layout
+        self.directory = directory
+        self.worker_id = worker_id
+        self.config = config or NixlConfig()
+        self.reporter = reporter
+        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{agent_name}")
+        self._agent: Any = None
+        self._reg: Any = None
+        self._local: Any = None
+        self._peers: dict[str, _Peer] = {}
+        self._load_lock = asyncio.Lock()  # one (re)load of a holder at a time
+        self._leases: LeaseManager | None = None
+        self._notif_task: asyncio.Task[None] | None = None
+        self.quarantined_blocks = 0
+        self.reloads = 0
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one agent call on the agent's thread; wait for it even if cancelled,
+        so no caller proceeds (e.g. frees blocks) while the call still runs."""
+        fut = asyncio.get_running_loop().run_in_executor(self._exec, functools.partial(fn, *args))
+        cancelled = False
+        while True:
+            try:
+                result = await asyncio.shield(fut)
+                break
+            except asyncio.CancelledError:
+                if fut.done():
+                    raise
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
+
+    # -- both sides ----------------------------------------------------------------
+    async def start(self, kv_source_address: str = "") -> None:
+        await self._call(self._create_agent)
+        metadata = await self._call(lambda: self._agent.get_agent_metadata())
+        record = AgentRecord(
+            name=self.agent_name,
+            metadata=metadata,
+            layout=self.layout,
+            num_blocks=self.pool.num_blocks,
+            address=self.pool.base_address,
+            length=self.pool.nbytes,
+            device_id=self.pool.device_id,
+            memory_type=self.pool.memory_type,
+            worker_id=self.worker_id,
+            kv_source_address=kv_source_address,
+        )
+        await self.directory.register(record)
+        self.directory.start_heartbeats()
+
+    def _create_agent(self) -> None:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        cfg = nixl_agent_config(
+            enable_prog_thread=self.config.progress_thread,
+            backends=list(self.config.backends),
+            num_threads=self.config.num_threads,
+        )
+        self._agent = nixl_agent(self.agent_name, cfg)
+        self._reg = self._agent.register_memory(self.pool.pool)
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", self.pool.block_regions(), self.pool.memory_type
+        )
+
+    def attach_source(self, leases: LeaseManager) -> None:
+        self._leases = leases
+        if self._notif_task is None:
+            self._notif_task = asyncio.get_running_loop().create_task(self._notif_loop(), name="nixl-notifs")
+
+    async def _notif_loop(self) -> None:
+        while True:
+            notifs = await self._call(self._agent.get_new_notifs)
+            for sender, messages in notifs.items():
+                for msg in messages:
+                    self._on_notif(sender, msg)
+            await asyncio.sleep(self.config.notif_poll_s)  # a polling period, not synchronisation
+
+    def _on_notif(self, sender: str, msg: bytes) -> None:
+        if not msg.startswith(NOTIF_PREFIX) or self._leases is None:
+            log.debug("nixl_notif_ignored", sender=sender, size=len(msg))
+            return
+        handle_id = msg[len(NOTIF_PREFIX) :].decode(errors="replace")
+        try:
+            lease = self._leases.get(handle_id)
+        except KvTransferFailed:
+            return  # already released (e.g. by PrefillService.Release) or expired
+        if lease.requester_agent and lease.requester_agent != sender:
+            log.warning("nixl_notif_from_other_agent", handle_id=handle_id, sender=sender)
+            return
+        self._leases.mark_pulled(handle_id)
+        self._leases.release(handle_id)
+
+    # -- receiver --------------------------------------------------------------------
+    async def pull(
+        self,
+        handle: BlockHandle,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        *,
+        deadline_s: float,
+        on_failure: Callable[[], None],
+    ) -> TransferStats:
+        return await guarded_pull(
+            self.kind,
+            self.agent_name,
+            handle,
+            len(src_block_ids),
+            self.pool.block_bytes,
+            lambda: self._move(handle, list(src_block_ids), list(dst_block_ids), deadline_s),
+            on_failure,
+            self.reporter,
+        )
+
+    async def _move(self, handle: BlockHandle, src: list[int], dst: list[int], deadline_s: float) -> None:
+        remaining = handle.lease_remaining_s()
+        if remaining is not None:
+            if remaining <= self.config.lease_margin_s:
+                raise KvTransferFailed(
+                    FailureKind.STALE_HANDLE,
+                    f"the lease of {handle.handle_id!r} ends in {remaining:.3f} s: too late to READ safely",
+                )
+            deadline_s = min(deadline_s, remaining - self.config.lease_margin_s)
+        check_pull(self.pool, handle, src, dst, deadline_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        peer = await self._peer(handle, refresh=False)
+        try:
+            await self._read(peer, handle, src, dst, deadline)
+        except KvTransferFailed as e:
+            if e.kind != FailureKind.PEER_DEAD or loop.time() >= deadline:
+                raise
+            # Maybe our metadata is stale (the holder restarted): retry once if it did.
+            fresh = await self._peer(handle, refresh=True)
+            if fresh.record.incarnation == peer.record.incarnation:
+                raise
+            log.info("nixl_retry_after_holder_restart", agent=handle.agent_name, handle_id=handle.handle_id)
+            await self._read(fresh, handle, src, dst, deadline)
+
+    async def _peer(self, handle: BlockHandle, *, refresh: bool) -> _Peer:
+        """The holder's loaded agent, (re)loaded when its incarnation changed."""
+        async with self._load_lock:
+            return await self._peer_locked(handle, refresh=refresh)
+
+    async def _peer_locked(self, handle: BlockHandle, *, refresh: bool) -> _Peer:
+        name = handle.agent_name
+        if not name:
+            raise KvTransferFailed(FailureKind.INVALID, f"handle {handle.handle_id!r} names no NIXL agent")
+        loaded = self._peers.get(name)
+        # A holder at another KvSource address than the one we know has restarted.
+        moved = loaded is not None and handle.kv_source_address not in ("", loaded.record.kv_source_address)
+        record = await self.directory.get(name, refresh=refresh or moved)
+        if not record.metadata:
+            raise KvTransferFailed(
+                FailureKind.UNKNOWN_AGENT, f"KV agent {name!r} has no NIXL metadata (gRPC only)"
+            )
+        try:
+            self.layout.check_compatible(record.layout)
+        except LayoutMismatch as e:
+            raise KvTransferFailed(FailureKind.LAYOUT_MISMATCH, f"KV agent {name!r}: {e}") from e
+        if loaded is not None and loaded.record.incarnation == record.incarnation:
+            return loaded
+        if loaded is not None:
+            await self._call(self._unload, name, loaded)
+            self.reloads += 1
+        try:
+            dlist = await self._call(self._load, record)
+        except self._nixl_errors as e:
+            raise KvTransferFailed(FailureKind.PEER_DEAD, f"cannot load KV agent {name!r}: {e!r}") from e
+        peer = _Peer(record, dlist)
+        self._peers[name] = peer
+        return peer
+
+    def _load(self, record: AgentRecord) -> Any:
+        loaded_name = self._agent.add_remote_agent(record.metadata)
+        if isinstance(loaded_name, bytes):
+            loaded_name = loaded_name.decode()
+        if loaded_name != record.name:
+            self._agent.remove_remote_agent(loaded_name)
+            raise KvTransferFailed(
+                FailureKind.UNKNOWN_AGENT, f"metadata registered as {record.name!r} is agent {loaded_name!r}"
+            )
+        return self._agent.prep_xfer_dlist(record.name, record.block_regions(), record.memory_type)
+
+    def _unload(self, name: str, peer: _Peer) -> None:
+        with contextlib.suppress(Exception):  # best effort: the peer may be gone already
+            peer.dlist.release()
+        with contextlib.suppress(Exception):
+            self._agent.remove_remote_agent(name)
+
+    async def _read(
+        self, peer: _Peer, handle: BlockHandle, src: list[int], dst: list[int], deadline: float
+    ) -> None:
+        bad = [b for b in src if b >= peer.record.num_blocks]
+        if bad:
+            raise KvTransferFailed(
+                FailureKind.INVALID,
+                f"blocks {bad[:4]} are outside {handle.agent_name!r}'s {peer.record.num_blocks}",
+            )
+        loop = asyncio.get_running_loop()
+        name = handle.agent_name
+        notif = NOTIF_PREFIX + handle.handle_id.encode()
+        try:
+            xfer = await self._call(
+                self._agent.make_prepped_xfer, "READ", self._local, dst, peer.dlist, src, notif
+            )
+        except self._nixl_errors as e:
+            raise self._failure(e, name) from e
+        try:
+            state = await self._call(self._agent.transfer, xfer)
+            delay = 0.0
+            next_check = loop.time() + self.config.liveness_check_s
+            while state == "PROC":
+                if loop.time() >= deadline:
+                    raise KvTransferFailed(
+                        FailureKind.TIMEOUT, f"NIXL READ of {handle.handle_id!r} missed its deadline"
+                    )
+                if loop.time() >= next_check:
+                    next_check = loop.time() + self.config.liveness_check_s
+                    await self._check_holder(peer, name)
+                await asyncio.sleep(delay)
+                delay = min(max(delay * 2, 5e-5), self.config.xfer_poll_max_s)
+                state = await self._call(self._agent.check_xfer_state, xfer)
+            if state != "DONE":
+                raise KvTransferFailed(
+                    FailureKind.PEER_DEAD, f"NIXL READ of {handle.handle_id!r} ended in {state}"
+                )
+        except self._nixl_errors as e:
+            raise self._failure(e, name) from e
+        finally:
+            await self._release(xfer, handle)
+
+    async def _check_holder(self, peer: _Peer, name: str) -> None:
+        try:
+            record = await self.directory.get(name, refresh=True)
+        except KvTransferFailed as e:
+            if e.kind == FailureKind.UNKNOWN_AGENT:
+                raise KvTransferFailed(
+                    FailureKind.PEER_DEAD, f"KV agent {name!r} is no longer registered"
+                ) from e
+            return  # directory unreachable: the deadline still bounds us
+        if record.incarnation != peer.record.incarnation:
+            raise KvTransferFailed(FailureKind.PEER_DEAD, f"KV agent {name!r} restarted during the READ")
+
+    def _failure(self, e: BaseException, name: str) -> KvTransferFailed:
+        kind = FailureKind.PEER_DEAD if isinstance(e, self._disconnect) else FailureKind.TRANSPORT
+        return KvTransferFailed(kind, f"NIXL READ from {name!r}: {type(e).__name__}: {e}")
+
+    async def _release(self, xfer: Any, handle: BlockHandle) -> None:
+        """Release the READ (NIXL cancels it if still active); if it cannot be
+        cancelled, wait up to cancel_grace_s for it to end, else quarantine."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.cancel_grace_s
+        while True:
+            try:
+                await self._call(xfer.release)
+                return
+            except self._nixl_errors as e:
+                if loop.time() >= give_up:
+                    self.quarantined_blocks += 1
+                    raise Quarantined(
+                        KvTransferFailed(
+                            FailureKind.TRANSPORT, f"NIXL READ of {handle.handle_id!r} would not stop: {e!r}"
+                        )
+                    ) from e
+                await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        if self._notif_task is not None:
+            self._notif_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._notif_task
+            self._notif_task = None
+        await self.directory.deregister()
+        if self._agent is not None:
+            await self._call(self._shutdown)
+        self._exec.shutdown(wait=True)
+
+    def _shutdown(self) -> None:
+        for name, peer in list(self._peers.items()):
+            self._unload(name, peer)
+        self._peers.clear()
+        with contextlib.suppress(Exception):
+            self._local.release()
+        with contextlib.suppress(Exception):
+            self._agent.deregister_memory(self._reg)
+        self._agent = None
