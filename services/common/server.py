@@ -178,11 +178,17 @@ class MeshServer:
     def draining(self) -> bool:
         return self._gate.draining
 
+    def bind(self) -> int:
+        """Bind the listening port (before servicers that need our address are made)."""
+        if not self.port:
+            self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            if self.port == 0:
+                raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        return self.port
+
     async def start(self) -> int:
-        """Bind, start serving ("" = SERVING, ready = NOT_SERVING) and return the port."""
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        """Bind if needed, start serving ("" = SERVING, ready = NOT_SERVING), return the port."""
+        self.bind()
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -155,6 +155,17 @@ def check_prompt(
     _check(bad is None, field, f"token {bad} is not in [0, {vocab_size})")
 
 
+def check_resume(resume_ids: Sequence[int], max_tokens: int, vocab_size: int) -> None:
+    """Tokens an earlier attempt produced (migration): in-vocabulary and fewer than max_tokens."""
+    _check(
+        len(resume_ids) < max_tokens,
+        "resume_token_ids",
+        f"{len(resume_ids)} tokens already reach max_tokens {max_tokens}",
+    )
+    bad = next((t for t in resume_ids if t >= vocab_size), None)
+    _check(bad is None, "resume_token_ids", f"token {bad} is not in [0, {vocab_size})")
+
+
 def check_ident(value: str, field: str, limit: int, required: bool = False) -> None:
     _check(not required or value != "", field, "is required")
     _check(len(value.encode()) <= limit, field, f"must be <= {limit} bytes")

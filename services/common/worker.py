@@ -1,0 +1,94 @@
+"""What decode and prefill workers serve alike: KV-event subscriptions, stats,
+and their description for the router.
+
+`kv_event_stream` turns an engine's event log into the SubscribeKvEvents
+stream: first a snapshot of every cached block, then batches of events in seq
+order. If the subscriber falls so far behind that the engine's bounded event
+buffer no longer holds the next event, the stream ends with DATA_LOSS and the
+subscriber resubscribes (and gets a fresh snapshot) — it never sees a silent gap.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdmesh.v1 import common_pb2, worker_pb2
+from services.engine.api import Engine, EngineStats, KvEvent, KvEventKind
+
+MAX_EVENTS_PER_MESSAGE = 256
+
+
+def event_to_proto(e: KvEvent) -> common_pb2.KvEvent:
+    if e.kind is KvEventKind.STORED:
+        stored = common_pb2.KvBlocksStored(block_hashes=list(e.block_hashes))
+        if e.parent_hash is not None:
+            stored.parent_hash = e.parent_hash
+        return common_pb2.KvEvent(seq=e.seq, stored=stored)
+    if e.kind is KvEventKind.REMOVED:
+        return common_pb2.KvEvent(
+            seq=e.seq, removed=common_pb2.KvBlocksRemoved(block_hashes=list(e.block_hashes))
+        )
+    return common_pb2.KvEvent(seq=e.seq, cleared=common_pb2.KvCacheCleared())
+
+
+def snapshot_to_proto(seq: int, pairs: list[tuple[int | None, int]]) -> worker_pb2.KvCacheSnapshot:
+    chains = []
+    for parent, block in pairs:
+        stored = common_pb2.KvBlocksStored(block_hashes=[block])
+        if parent is not None:
+            stored.parent_hash = parent
+        chains.append(stored)
+    return worker_pb2.KvCacheSnapshot(seq=seq, chains=chains)
+
+
+async def kv_event_stream(
+    engine: Engine, worker_id: str, context: grpc.aio.ServicerContext
+) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
+    seq, pairs = engine.kv_snapshot()
+    yield worker_pb2.SubscribeKvEventsResponse(worker_id=worker_id, snapshot=snapshot_to_proto(seq, pairs))
+    while True:
+        await engine.wait_kv_events(seq)
+        events = engine.kv_events_since(seq)
+        if not events:
+            continue
+        if events[0].seq != seq + 1:
+            await context.abort(
+                grpc.StatusCode.DATA_LOSS,
+                f"kv events after seq {seq} were dropped; resubscribe for a snapshot",
+            )
+        for start in range(0, len(events), MAX_EVENTS_PER_MESSAGE):
+            chunk = events[start : start + MAX_EVENTS_PER_MESSAGE]
+            yield worker_pb2.SubscribeKvEventsResponse(
+                worker_id=worker_id,
+                events=worker_pb2.KvEventBatch(events=[event_to_proto(e) for e in chunk]),
+            )
+        seq = events[-1].seq
+
+
+def load_from_stats(s: EngineStats, estimated_wait_ms: float) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(
+        running=s.running,
+        waiting=s.waiting,
+        tokens_waiting=s.tokens_waiting,
+        used_blocks=s.total_blocks - s.free_blocks,
+        free_blocks=s.free_blocks,
+        estimated_wait_ms=estimated_wait_ms,
+        active_decode_blocks=s.active_decode_blocks,
+    )
+
+
+def counters_from_stats(s: EngineStats) -> common_pb2.EngineCounters:
+    return common_pb2.EngineCounters(
+        prompt_tokens_computed=s.prompt_tokens_computed,
+        decode_tokens_computed=s.decode_tokens_computed,
+        prompt_tokens_cached=s.prompt_tokens_cached,
+        prompt_tokens_transferred=s.prompt_tokens_transferred,
+        preemptions=s.preemptions,
+    )
+
+
+def default_worker_id(role: str, port: int) -> str:
+    return f"{role}-{socket.gethostname()}-{port}"

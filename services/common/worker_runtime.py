@@ -1,0 +1,162 @@
+"""Process bootstrap shared by decode and prefill workers.
+
+`WorkerRuntime` owns, in start order: the engine (model loaded, step loop
+running), the gRPC server (bound early so the worker knows its address), the
+KV transport with its agent registered at the KV-transfer service, and the
+router membership. Role-specific mains add their servicers between `setup()`
+and `serve()`. Shutdown runs in reverse: drain the server (NOT_SERVING,
+in-flight calls finish), leave the router, close the transport, close the
+engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from prometheus_client import CollectorRegistry
+
+from kvtransfer.agents import AgentDirectory
+from kvtransfer.factory import KINDS, create_transport
+from kvtransfer.pool import PoolView
+from kvtransfer.reporting import ServiceReporter
+from kvtransfer.transport import KvTransport
+from pdmesh.v1 import common_pb2, kvtransfer_pb2_grpc
+from services.common.channels import ChannelCache
+from services.common.config import require, setting
+from services.common.metrics import EngineCollector
+from services.common.router_registration import RouterMembership
+from services.common.server import MeshServer, ServerConfig
+from services.common.worker import default_worker_id
+from services.engine.api import Engine
+from services.engine.config import EngineConfig
+from services.engine.factory import create_engine
+
+log = structlog.get_logger()
+
+_ROLES = {"decode": common_pb2.WORKER_ROLE_DECODE, "prefill": common_pb2.WORKER_ROLE_PREFILL}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str = setting("", "unique worker id (default <role>-<host>-<port>)")
+    advertise_host: str = setting("", "host other services use to reach this worker (default: --host)")
+    kvtransfer_address: str = setting("", "host:port of the KV-transfer service ('' = no KV handoff)")
+    kv_transport: str = setting("nixl", f"KV transport, one of {KINDS}")
+    router_address: str = setting("", "host:port of a router to join at run time ('' = static only)")
+    router_lease_ms: int = setting(10_000, "lease of the runtime registration at the router")
+
+    def __post_init__(self) -> None:
+        require(self.kv_transport in KINDS, f"kv_transport must be one of {KINDS}, got {self.kv_transport!r}")
+        require(self.router_lease_ms >= 500, "router_lease_ms must be >= 500")
+
+
+class WorkerRuntime:
+    def __init__(
+        self,
+        role: str,
+        service_name: str,
+        server_config: ServerConfig,
+        config: WorkerConfig,
+        engine_config: EngineConfig,
+    ):
+        self.role = role
+        self.config = config
+        self.engine_config = engine_config
+        self.registry = CollectorRegistry()
+        self.server = MeshServer(server_config, service_name, self.registry)
+        self.channels = ChannelCache()
+        self.engine: Engine = create_engine(engine_config)
+        self.transport: KvTransport | None = None
+        self.directory: AgentDirectory | None = None
+        self.reporter: ServiceReporter | None = None
+        self.membership: RouterMembership | None = None
+        self.worker_id = ""
+        self.address = ""
+
+    async def setup(self) -> None:
+        """Load the engine, bind, bring up the KV transport (agent registered)."""
+        await self.engine.start()
+        port = self.server.bind()
+        host = self.config.advertise_host or self.server.config.host
+        self.address = f"{host}:{port}"
+        self.worker_id = self.config.worker_id or default_worker_id(self.role, port)
+        self.registry.register(EngineCollector(self.engine.stats, self.role))
+        if self.config.kvtransfer_address and self.engine.info.capabilities.exports_kv_pool:
+            stub = kvtransfer_pb2_grpc.KvTransferServiceStub(
+                self.channels.get(self.config.kvtransfer_address)
+            )
+            self.directory = AgentDirectory(stub)
+            self.reporter = ServiceReporter(stub)
+            pool = self.engine.kv_pool()
+            assert pool is not None and self.engine.info.layout is not None
+            self.transport = create_transport(
+                self.config.kv_transport,
+                agent_name=f"{self.worker_id}-{os.getpid()}",
+                pool=PoolView(pool, self.engine.info.layout),
+                worker_id=self.worker_id,
+                directory=self.directory,
+                reporter=self.reporter,
+            )
+            await self.transport.start(kv_source_address=self.address)
+            self.reporter.start()
+        log.info(
+            "worker_setup",
+            role=self.role,
+            worker_id=self.worker_id,
+            address=self.address,
+            model=self.engine.info.model_id,
+            kv_transport=self.transport.kind if self.transport else None,
+        )
+
+    def info(self) -> common_pb2.WorkerInfo:
+        e = self.engine.info
+        return common_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            address=self.address,
+            role=_ROLES[self.role],
+            model_id=e.model_id,
+            block_size=e.block_size,
+            accelerator=common_pb2.ACCELERATOR_KIND_CUDA
+            if e.device.startswith("cuda")
+            else common_pb2.ACCELERATOR_KIND_CPU,
+            kv_capacity_blocks=e.num_blocks,
+            free_blocks=self.engine.stats().free_blocks,
+            engine_backend=e.backend,
+            max_model_len=e.max_model_len,
+            kv_agent_name=self.transport.agent_name if self.transport else "",
+        )
+
+    async def serve(self, load: Callable[[], common_pb2.WorkerLoad]) -> None:
+        """Start serving, become ready, join the router; return once drained."""
+        await self.server.start()
+        await self.server.set_ready(True)
+        if self.config.router_address:
+            self.membership = RouterMembership(
+                self.channels.get(self.config.router_address), self.info, load, self.config.router_lease_ms
+            )
+            self.membership.start()
+        self.server.install_signal_handlers()
+        await self.server.wait_stopped()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """After the drain: leave the router, close KV and the engine."""
+        if self.membership is not None:
+            await self.membership.stop()
+        if self.reporter is not None:
+            await self.reporter.stop()
+        if self.transport is not None:
+            await self.transport.close()
+        if self.directory is not None:
+            await self.directory.deregister()
+        await self.channels.close()
+        await self.engine.close()
+        log.info("worker_stopped", role=self.role, worker_id=self.worker_id)
+
+
+def grpc_error_text(e: grpc.aio.AioRpcError) -> str:
+    return f"{e.code().name}: {e.details()}"

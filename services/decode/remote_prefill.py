@@ -1,0 +1,208 @@
+"""The remote prefill path of a decode worker: reserve, Prefill, pull, commit.
+
+    reserve blocks here (reusing this worker's cached prefix)
+      -> PrefillService.Prefill on the chosen prefill worker (KV held there under a lease)
+      -> pull the blocks we lack with the KV transport (NIXL READ / gRPC stream)
+      -> commit: the engine decodes on from the remotely sampled first token
+
+Every failure is a `RemotePrefillFailed` raised only after this worker's
+reservation is freed and the holder has been asked to release its lease; the
+caller then falls back to a local prefill. Cancellation (client gone,
+deadline) cleans up the same way and re-raises. The engine owns the blocks;
+this module only sequences the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from kvtransfer.errors import KvTransferFailed
+from kvtransfer.transport import BlockHandle, KvTransport
+from pdmesh.v1 import prefill_pb2, prefill_pb2_grpc
+from services.common.channels import ChannelCache
+from services.common.validation import sampling_to_proto
+from services.decode.disagg_policy import Candidate
+from services.engine.api import Engine, EngineCapacityError, EngineRequest, FinishReason, RequestOutput
+
+log = structlog.get_logger()
+
+_FINISH_FROM_PROTO = {1: FinishReason.LENGTH, 2: FinishReason.STOP, 3: FinishReason.ABORT}
+
+
+class RemotePrefillFailed(Exception):
+    """The remote path failed at `stage`; nothing of this request is held here."""
+
+    def __init__(self, stage: str, reason: str, message: str):
+        super().__init__(f"remote prefill failed at {stage} ({reason}): {message}")
+        self.stage = stage
+        self.reason = reason
+
+
+@dataclass
+class RemoteResult:
+    """What the remote path produced. `outputs` streams the tokens from the
+    first one on (None when the first token already finished the request)."""
+
+    prefill_worker_id: str
+    first_token_id: int
+    finished: bool
+    finish_reason: FinishReason | None
+    cached_prefix_tokens: int  # cached on the prefill worker
+    local_cached_tokens: int  # cached here (not transferred)
+    prefill_computed_tokens: int
+    bytes_transferred: int
+    transfer_seconds: float
+    outputs: AsyncIterator[RequestOutput] | None
+
+
+class RemotePrefill:
+    def __init__(
+        self,
+        engine: Engine,
+        transport: KvTransport,
+        channels: ChannelCache,
+        worker_id: str,
+        lease_ms: int = 30_000,
+    ):
+        self.engine = engine
+        self.transport = transport
+        self.channels = channels
+        self.worker_id = worker_id
+        self.lease_ms = lease_ms
+        self._release_tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, req: EngineRequest, candidate: Candidate, deadline: float) -> RemoteResult:
+        """`deadline` is absolute on time.monotonic(); the whole path must fit in it."""
+        try:
+            reservation = await self.engine.reserve_external(req)
+        except EngineCapacityError as e:
+            raise RemotePrefillFailed("reserve", "capacity", str(e)) from e
+        committed = False
+        handle_id = ""
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(candidate.address))
+        try:
+            resp = await self._prefill(stub, req, candidate, deadline)
+            if resp.finished:
+                return self._finished_early(candidate, resp)
+            handle_id = resp.handle.handle_id
+            handle = self._check_handle(resp, req, len(reservation.block_ids))
+            n_blocks = len(reservation.block_ids)
+            first = reservation.first_transfer_block
+            nbytes, seconds = 0, 0.0
+            if first < n_blocks:
+                stats = await self.transport.pull(
+                    handle,
+                    handle.block_ids[first:n_blocks],
+                    reservation.block_ids[first:n_blocks],
+                    deadline_s=deadline - time.monotonic(),
+                    on_failure=lambda: self.engine.cancel_external(req.request_id),
+                )
+                nbytes, seconds = stats.bytes, stats.seconds
+            else:
+                self._release(stub, handle_id)  # everything was cached here already
+            outputs = self.engine.generate_external(req.request_id, resp.first_token_id)
+            committed = True
+            return RemoteResult(
+                prefill_worker_id=candidate.worker_id,
+                first_token_id=resp.first_token_id,
+                finished=False,
+                finish_reason=None,
+                cached_prefix_tokens=resp.cached_prefix_tokens,
+                local_cached_tokens=reservation.num_cached_tokens,
+                prefill_computed_tokens=resp.computed_tokens,
+                bytes_transferred=nbytes,
+                transfer_seconds=seconds,
+                outputs=outputs,
+            )
+        except KvTransferFailed as e:
+            # pull() has already freed our reservation (on_failure) before raising.
+            committed = True
+            if handle_id:
+                self._release(stub, handle_id)
+            raise RemotePrefillFailed("transfer", e.kind.value, str(e)) from e
+        finally:
+            if not committed:
+                self.engine.cancel_external(req.request_id)
+                if handle_id:
+                    self._release(stub, handle_id)
+
+    async def _prefill(
+        self,
+        stub: prefill_pb2_grpc.PrefillServiceStub,
+        req: EngineRequest,
+        candidate: Candidate,
+        deadline: float,
+    ) -> prefill_pb2.PrefillResponse:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RemotePrefillFailed("prefill", "timeout", "no time left for a remote prefill")
+        context = [*req.prompt_token_ids, *req.resume_token_ids]
+        msg = prefill_pb2.PrefillRequest(
+            request_id=req.request_id,
+            prompt_token_ids=context,
+            sampling=sampling_to_proto(req.sampling),
+            output_position=len(req.resume_token_ids),
+            requester_id=self.worker_id,
+            requester_agent=self.transport.agent_name,
+            lease_ms=self.lease_ms,
+            priority=req.priority,
+        )
+        try:
+            return await stub.Prefill(msg, timeout=remaining)
+        except grpc.aio.AioRpcError as e:
+            reason = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
+            raise RemotePrefillFailed("prefill", reason, e.details() or e.code().name) from e
+
+    def _check_handle(
+        self, resp: prefill_pb2.PrefillResponse, req: EngineRequest, n_blocks: int
+    ) -> BlockHandle:
+        try:
+            handle = BlockHandle.from_proto(resp.handle)
+        except KvTransferFailed as e:
+            raise RemotePrefillFailed("handle", e.kind.value, str(e)) from e
+        context_len = len(req.prompt_token_ids) + len(req.resume_token_ids)
+        problems = []
+        if resp.handle.model_id and resp.handle.model_id != self.engine.info.model_id:
+            problems.append(f"model {resp.handle.model_id!r} != {self.engine.info.model_id!r}")
+        if handle.issued_to and handle.issued_to != self.worker_id:
+            problems.append(f"issued to {handle.issued_to!r}")
+        if handle.num_tokens != context_len:
+            problems.append(f"covers {handle.num_tokens} tokens, expected {context_len}")
+        if len(handle.block_ids) < n_blocks:
+            problems.append(f"{len(handle.block_ids)} blocks < {n_blocks} reserved")
+        if problems:
+            raise RemotePrefillFailed("handle", "invalid", "; ".join(problems))
+        return handle
+
+    def _finished_early(self, candidate: Candidate, resp: prefill_pb2.PrefillResponse) -> RemoteResult:
+        return RemoteResult(
+            prefill_worker_id=candidate.worker_id,
+            first_token_id=resp.first_token_id,
+            finished=True,
+            finish_reason=_FINISH_FROM_PROTO.get(resp.finish_reason, FinishReason.STOP),
+            cached_prefix_tokens=resp.cached_prefix_tokens,
+            local_cached_tokens=0,
+            prefill_computed_tokens=resp.computed_tokens,
+            bytes_transferred=0,
+            transfer_seconds=0.0,
+            outputs=None,
+        )
+
+    def _release(self, stub: prefill_pb2_grpc.PrefillServiceStub, handle_id: str) -> None:
+        """Ask the holder to free its lease now; best effort (the lease expires anyway)."""
+
+        async def release() -> None:
+            try:
+                await stub.Release(prefill_pb2.ReleaseRequest(handle_id=handle_id), timeout=2)
+            except grpc.aio.AioRpcError as e:
+                log.info("release_failed", handle_id=handle_id, code=e.code().name)
+
+        task = asyncio.ensure_future(release())
+        self._release_tasks.add(task)
+        task.add_done_callback(self._release_tasks.discard)

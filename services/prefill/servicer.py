@@ -1,0 +1,189 @@
+"""PrefillService: context-only prefill with the KV held under a lease.
+
+Prefill validates (INVALID_ARGUMENT before anything is allocated), runs the
+prompt on the engine as a prefill-only request (it joins the engine's running
+batch like any other: continuous batching across concurrent prefills), then
+issues a lease on the held blocks to the requesting decode worker and returns
+the handle. The lease frees the blocks (engine.release) when the decode
+worker has pulled them, releases them, when the lease expires, or when the
+requester's agent is known dead. Cancelling the call before it returns frees
+everything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import grpc
+import structlog
+
+from kvtransfer.leases import LeaseManager
+from kvtransfer.transport import BlockHandle
+from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2
+from services.common.errors import InvalidArgument, grpc_errors
+from services.common.validation import (
+    FINISH_TO_PROTO,
+    RequestLimits,
+    check_ident,
+    check_priority,
+    check_prompt,
+    sampling_from_proto,
+)
+from services.common.wait_estimator import WaitEstimator
+from services.common.worker import counters_from_stats, kv_event_stream, load_from_stats
+from services.engine.api import Engine, EngineRequest, PrefillResult
+from services.prefill.metrics import PrefillMetrics
+
+log = structlog.get_logger()
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        leases: LeaseManager,
+        metrics: PrefillMetrics,
+        limits: RequestLimits,
+        worker_info: common_pb2.WorkerInfo,
+        kv_source_address: str,
+        agent_name: str,
+    ):
+        self.engine = engine
+        self.leases = leases
+        self.metrics = metrics
+        self.limits = limits
+        self.info = worker_info
+        self.kv_source_address = kv_source_address
+        self.agent_name = agent_name
+        self.waits = WaitEstimator()
+        self._ids = itertools.count()
+
+    @grpc_errors
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        req = self._validate(request)
+        started = time.monotonic()
+        try:
+            result = await self.engine.prefill(req)  # cancelling this frees the blocks
+        except BaseException:
+            self.metrics.finished("failed")
+            raise
+        self.metrics.prefilled(
+            time.monotonic() - started, result.computed_tokens, result.cached_prefix_tokens
+        )
+        resp = prefill_pb2.PrefillResponse(
+            first_token_id=result.first_token_id,
+            cached_prefix_tokens=result.cached_prefix_tokens,
+            computed_tokens=result.computed_tokens,
+            finished=result.finished,
+            finish_reason=FINISH_TO_PROTO[result.finish_reason],
+        )
+        if result.finished or result.held is None:
+            return resp
+        try:
+            resp.handle.CopyFrom(self._lease(req, request, result))
+        except BaseException:
+            self.engine.release(req.request_id)
+            raise
+        log.info(
+            "prefilled",
+            request_id=request.request_id,
+            handle_id=resp.handle.handle_id,
+            blocks=len(result.held.block_ids),
+            cached=result.cached_prefix_tokens,
+            computed=result.computed_tokens,
+            requester=request.requester_id,
+        )
+        return resp
+
+    def _lease(
+        self, req: EngineRequest, request: prefill_pb2.PrefillRequest, result: PrefillResult
+    ) -> common_pb2.KvHandle:
+        held = result.held
+        assert held is not None
+        ttl_s = request.lease_ms / 1000.0 if request.lease_ms else None
+        lease = self.leases.issue(
+            req.request_id,
+            held.block_ids,
+            issued_to=request.requester_id,
+            requester_agent=request.requester_agent,
+            ttl_s=ttl_s,
+            on_free=lambda rid=req.request_id: self.engine.release(rid),
+        )
+        handle = BlockHandle(
+            handle_id=req.request_id,
+            agent_name=self.agent_name,
+            layout=held.layout,
+            block_ids=held.block_ids,
+            num_tokens=held.num_tokens,
+            kv_source_address=self.kv_source_address,
+            issued_to=request.requester_id,
+            lease_expires_unix_ms=lease.expires_unix_ms,
+        )
+        return handle.to_proto(model_id=self.engine.info.model_id)
+
+    def _validate(self, r: prefill_pb2.PrefillRequest) -> EngineRequest:
+        info = self.engine.info
+        check_ident(r.request_id, "request_id", self.limits.max_request_id_bytes, required=True)
+        check_ident(r.requester_id, "requester_id", 256, required=True)
+        check_ident(r.tenant, "tenant", self.limits.max_tenant_bytes)
+        check_priority(r.priority, self.limits)
+        sampling = sampling_from_proto(
+            r.sampling if r.HasField("sampling") else None, self.limits, info.vocab_size, assign_seed=False
+        )
+        ids = list(r.prompt_token_ids)
+        check_prompt(ids, 1, info.vocab_size, info.max_model_len, self.limits)
+        pos = r.output_position
+        if pos >= len(ids) or pos >= sampling.max_tokens:
+            raise InvalidArgument(
+                f"output_position: {pos} must be < the prompt length ({len(ids)}) and max_tokens "
+                f"({sampling.max_tokens})"
+            )
+        if sampling.temperature > 0 and sampling.seed is None:
+            raise InvalidArgument("sampling.seed: sampled prefill needs the seed the decode worker uses")
+        cut = len(ids) - pos
+        return EngineRequest(
+            request_id=f"{r.request_id}#{next(self._ids)}",
+            prompt_token_ids=tuple(ids[:cut]),
+            resume_token_ids=tuple(ids[cut:]),
+            sampling=sampling,
+            priority=r.priority,
+        )
+
+    @grpc_errors
+    async def Release(self, request: prefill_pb2.ReleaseRequest, context) -> prefill_pb2.ReleaseResponse:
+        check_ident(request.handle_id, "handle_id", 256, required=True)
+        return prefill_pb2.ReleaseResponse(released=self.leases.release(request.handle_id))
+
+    async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context):
+        async for msg in kv_event_stream(self.engine, self.info.worker_id, context):
+            yield msg
+
+    @grpc_errors
+    async def Stats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.StatsResponse:
+        s = self.engine.stats()
+        c = self.leases.counters
+        info = common_pb2.WorkerInfo()
+        info.CopyFrom(self.info)
+        info.free_blocks = s.free_blocks
+        return worker_pb2.StatsResponse(
+            info=info,
+            load=self.load(),
+            counters=counters_from_stats(s),
+            cached_blocks=s.cached_blocks,
+            leases=worker_pb2.LeaseCounters(
+                held=c.held,
+                held_blocks=c.held_blocks,
+                issued=c.issued,
+                pulled=c.pulled,
+                released=c.released,
+                expired=c.expired,
+            ),
+            requests_total=self.metrics.count("total"),
+            requests_failed=self.metrics.count("failed"),
+        )
+
+    def load(self) -> common_pb2.WorkerLoad:
+        s = self.engine.stats()
+        self.waits.observe(s.prompt_tokens_computed, s.tokens_waiting)
+        return load_from_stats(s, self.waits.wait_s(s.tokens_waiting) * 1000.0)
