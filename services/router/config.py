@@ -1,0 +1,187 @@
+"""The router's configuration: one frozen dataclass per concern, built once in `main()`.
+
+`RouterConfig` holds the router's own settings (workers, model, policy,
+timeouts, probe intervals); the cores keep their own configs
+(`AdmissionConfig`, `BreakerConfig`, `RetryBudgetConfig`, `JourneyConfig`,
+`PrefixIndexConfig`, `RequestLimits`) and the listener is a `ServerConfig`.
+`RouterSettings` bundles them; `parse_settings(argv, env)` builds it from flags
+(`--decode-workers`, `--admission-max-inflight`, `--breaker-cooldown-s`, ...)
+and `PDMESH_*` environment variables. The model facts the router needs
+(vocabulary, context length, tokenizer) come from `ModelSpec.load`, which reads
+a preset or a Hugging Face folder's config and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.config import add_arguments, build, require, setting
+from services.common.server import ServerConfig
+from services.common.validation import RequestLimits
+from services.engine.model_config import PRESETS, ModelConfig
+from services.engine.tokenizer import ByteTokenizer, HfTokenizer
+from services.router.admission import AdmissionConfig
+from services.router.circuit_breaker import BreakerConfig
+from services.router.migration import JourneyConfig
+from services.router.policy import POLICY_NAMES, PolicyConfig
+from services.router.prefix_index import PrefixIndexConfig
+from services.router.registry import RegistryConfig, parse_target
+from services.router.retry_budget import RetryBudgetConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    decode_workers: tuple[str, ...] = setting(
+        (), "static decode workers, host:port,... (a DNS name with several addresses = several workers)"
+    )
+    prefill_workers: tuple[str, ...] = setting((), "static prefill workers, host:port,...")
+    model_path: str | None = setting(None, "Hugging Face model folder (config.json, tokenizer.json)")
+    preset: str = setting("tiny", f"built-in model when no model_path, one of {tuple(PRESETS)}")
+    model_id: str | None = setting(None, "served model id; default builtin-<preset> or the folder name")
+    block_size: int = setting(16, "KV block size every worker must use")
+    max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
+    policy: str = setting("kv_aware", f"routing policy, one of {POLICY_NAMES}")
+    prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
+    temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
+    max_prefill_candidates: int = setting(4, "ranked prefill workers passed with each decode request")
+    first_token_timeout_s: float = setting(
+        120.0, "an attempt with no first message after this long is failed over (0 = only the deadline)"
+    )
+    stall_timeout_s: float = setting(
+        10.0, "an attempt with no token for this long after its first is migrated (0 = off)"
+    )
+    max_waiting_per_worker: int = setting(
+        256, "a decode worker with this many requests waiting is saturated (0 = no limit)"
+    )
+    max_inflight_per_worker: int = setting(
+        0, "a decode worker with this many router requests running is saturated (0 = no limit)"
+    )
+    saturated_retry_after_s: float = setting(0.5, "retry-after hint when every decode worker is saturated")
+    health_interval_s: float = setting(1.0, "grpc.health.v1 probe interval per worker")
+    health_timeout_s: float = setting(1.0, "timeout of one health probe")
+    stats_interval_s: float = setting(1.0, "Stats poll interval per worker (load, static workers' info)")
+    resubscribe_initial_s: float = setting(0.05, "first backoff before re-subscribing to KV events")
+    resubscribe_max_s: float = setting(5.0, "longest backoff between KV-event or Stats retries")
+    dns_refresh_s: float = setting(30.0, "re-resolve static worker names this often (0 = once)")
+    housekeeping_interval_s: float = setting(0.5, "lease expiry check interval")
+    default_lease_s: float = setting(10.0, "lease of a registered worker that asks for none")
+    max_lease_s: float = setting(300.0, "longest lease granted to a registered worker")
+    max_workers: int = setting(1024, "workers the registry holds")
+    seed: int | None = setting(None, "seed of the policies' random tie-breaking (unset = random)")
+
+    def __post_init__(self) -> None:
+        for t in (*self.decode_workers, *self.prefill_workers):
+            try:
+                parse_target(t)
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+        require(self.model_path is not None or self.preset in PRESETS, f"unknown preset {self.preset!r}")
+        require(self.block_size >= 1, "block_size must be >= 1")
+        require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        require(self.policy in POLICY_NAMES, f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        require(self.max_prefill_candidates >= 0, "max_prefill_candidates must be >= 0")
+        for name in ("first_token_timeout_s", "stall_timeout_s", "dns_refresh_s", "saturated_retry_after_s"):
+            require(getattr(self, name) >= 0, f"{name} must be >= 0")
+        for name in (
+            "health_interval_s",
+            "health_timeout_s",
+            "stats_interval_s",
+            "resubscribe_initial_s",
+            "housekeeping_interval_s",
+        ):
+            require(getattr(self, name) > 0, f"{name} must be > 0")
+        require(self.resubscribe_max_s >= self.resubscribe_initial_s, "resubscribe_max_s < initial")
+        require(self.max_waiting_per_worker >= 0 and self.max_inflight_per_worker >= 0, "limits must be >= 0")
+
+    @property
+    def resolved_model_id(self) -> str:
+        if self.model_id:
+            return self.model_id
+        if self.model_path is not None:
+            return self.model_path.rstrip("/").rsplit("/", 1)[-1]
+        return f"builtin-{self.preset}"
+
+    def registry_config(self) -> RegistryConfig:
+        return RegistryConfig(
+            model_id=self.resolved_model_id,
+            block_size=self.block_size,
+            default_lease_s=self.default_lease_s,
+            min_lease_s=min(1.0, self.default_lease_s),
+            max_lease_s=max(self.max_lease_s, self.default_lease_s),
+            max_workers=self.max_workers,
+        )
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(self.block_size, self.prefill_weight, self.temperature)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the router knows of the served model: no weights, just the tokenizer and limits."""
+
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any  # ByteTokenizer | HfTokenizer (encode / decode)
+
+    @classmethod
+    def load(cls, config: RouterConfig) -> ModelSpec:
+        if config.model_path is None:
+            mc = ModelConfig.from_preset(config.preset)
+            tokenizer: Any = ByteTokenizer()
+        else:
+            mc = ModelConfig.from_hf_folder(config.model_path)
+            tokenizer = HfTokenizer(Path(config.model_path), mc.vocab_size, mc.eos_token_ids)
+        return cls(
+            config.resolved_model_id,
+            mc.vocab_size,
+            config.max_model_len or mc.max_position_embeddings,
+            tokenizer,
+        )
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
+    journey: JourneyConfig = field(default_factory=JourneyConfig)
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+
+
+# (field of RouterSettings, config class, flag prefix)
+_SECTIONS: tuple[tuple[str, type, str], ...] = (
+    ("server", ServerConfig, ""),
+    ("router", RouterConfig, ""),
+    ("limits", RequestLimits, "limits_"),
+    ("admission", AdmissionConfig, "admission_"),
+    ("breaker", BreakerConfig, "breaker_"),
+    ("retry_budget", RetryBudgetConfig, "retry_budget_"),
+    ("journey", JourneyConfig, ""),
+    ("index", PrefixIndexConfig, "index_"),
+)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.router.main", description="pdmesh router: admission, routing, migration"
+    )
+    for _, cls, prefix in _SECTIONS:
+        add_arguments(parser, cls, prefix)
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouterSettings:
+    """Flags win over `PDMESH_*` environment variables, which win over defaults."""
+    args = make_parser().parse_args(argv)
+    env = os.environ if env is None else env
+    parts: dict[str, Any] = {name: build(cls, args, env, prefix) for name, cls, prefix in _SECTIONS}
+    return RouterSettings(**parts)

@@ -1,0 +1,109 @@
+"""The router's Prometheus metrics, on its own CollectorRegistry.
+
+Counters that the cores already keep (the CostLedger, the retry budget,
+admission) are not counted twice: a collector reads them at scrape time
+through `stats()` (plain integer reads, safe from the metrics thread). Events
+only the edge sees (time to first token, shed reasons, breaker transitions,
+invalid requests) are counted here. Worker gauges are refreshed by the
+router's housekeeping task, on the event loop, because they walk the registry.
+
+The one name without the `pdmesh_router_` prefix is the cost metric shared
+across the mesh: `pdmesh_tokens_per_successful_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.common.metrics import LATENCY_BUCKETS
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], Any]):
+        self._stats = stats
+
+    def collect(self) -> Iterable[Any]:
+        s = self._stats()
+        yield GaugeMetricFamily(
+            "pdmesh_tokens_per_successful_request",
+            "Tokens computed for successful requests (all attempts) per successful request",
+            value=s.tokens_per_successful_request,
+        )
+        counters = (
+            ("wasted_tokens", "Tokens computed for failed, cancelled or retried work", s.wasted_tokens),
+            ("computed_tokens", "Tokens computed for every finished request", s.computed_tokens),
+            ("retries", "Retries of requests that failed before their first token", s.retries),
+            ("retries_denied", "Retries refused because the retry budget was spent", s.retries_denied),
+            ("migrations", "Streams moved to another worker mid-way", s.migrations),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"pdmesh_router_{name}", doc, value=value)
+        requests = CounterMetricFamily(
+            "pdmesh_router_requests", "Generate requests by outcome", labels=["outcome"]
+        )
+        for outcome, value in (
+            ("succeeded", s.requests_succeeded),
+            ("failed", s.requests_failed),
+            ("cancelled", s.requests_cancelled),
+            ("shed", s.requests_shed),
+        ):
+            requests.add_metric([outcome], value)
+        yield requests
+        yield GaugeMetricFamily(
+            "pdmesh_router_inflight", "Requests holding an admission slot", value=s.inflight
+        )
+        yield GaugeMetricFamily(
+            "pdmesh_router_queued", "Requests waiting for an admission slot", value=s.queued
+        )
+
+
+class RouterMetrics:
+    def __init__(self, stats: Callable[[], Any], registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        r.register(_StatsCollector(stats))
+        self._ttft = Histogram(
+            "pdmesh_router_ttft_seconds",
+            "Time from a request's arrival at the router to its first token leaving it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._shed = Counter("pdmesh_router_shed", "Requests shed, by reason", ["reason"], registry=r)
+        self._invalid = Counter("pdmesh_router_invalid_requests", "Requests refused as invalid", registry=r)
+        self._breaker = Counter(
+            "pdmesh_router_breaker_transitions",
+            "Circuit breaker transitions, by new state",
+            ["state"],
+            registry=r,
+        )
+        self._workers = Gauge(
+            "pdmesh_router_workers", "Workers known to the router", ["role", "health"], registry=r
+        )
+        self._indexed = Gauge(
+            "pdmesh_router_indexed_blocks", "Distinct blocks in the prefix index", registry=r
+        )
+
+    def ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def shed(self, reason: str) -> None:
+        self._shed.labels(reason).inc()
+
+    def retry_denied(self) -> None:
+        pass  # counted by the retry budget and exported through stats()
+
+    def invalid(self) -> None:
+        self._invalid.inc()
+
+    def breaker_transition(self, state: str) -> None:
+        self._breaker.labels(state).inc()
+
+    def set_workers(self, counts: dict[tuple[str, str], int], indexed_blocks: int) -> None:
+        for (role, health), n in counts.items():
+            self._workers.labels(role, health).set(n)
+        self._indexed.set(indexed_blocks)

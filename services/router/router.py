@@ -1,0 +1,310 @@
+"""The router: composition root of the cores, the worker pool and running requests.
+
+`Router` creates and owns every core (registry, prefix index + sequencer,
+breakers, retry budget, cost ledger, admission) and the `WorkerPool`, wires
+them (the registry asks the breakers whether a worker is available; removing a
+worker stops its KV subscription before clearing its state), and keeps the
+running `RequestFlow`s by request id for Router.Cancel. The servicer converts
+messages and calls the methods here; `main` builds one Router per process.
+
+Everything runs on one event loop; the clock is injected (tests move a fake
+clock to expire leases and open/close breakers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+
+from pdmesh.v1 import decode_pb2
+from services.common.errors import ResourceExhausted
+from services.router.admission import AdmissionController
+from services.router.admission_gate import AdmissionGate
+from services.router.circuit_breaker import BreakerRegistry, BreakerState
+from services.router.config import ModelSpec, RouterSettings
+from services.router.cost import CostLedger
+from services.router.generate import (
+    AlreadyExists,
+    CallDecode,
+    FlowRequest,
+    RequestFlow,
+    RoutingContext,
+    check_capacity,
+)
+from services.router.metrics import RouterMetrics
+from services.router.policy import WorkerLoad, make_policy
+from services.router.prefix_index import EventSequencer, PrefixIndex
+from services.router.registry import (
+    JoinResult,
+    Resolver,
+    WorkerInfo,
+    WorkerRecord,
+    WorkerRegistry,
+    WorkerRole,
+    WorkerSource,
+    system_resolver,
+)
+from services.router.retry_budget import RetryBudget
+from services.router.worker_pool import WorkerPool
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    requests_total: int
+    requests_succeeded: int
+    requests_failed: int
+    requests_cancelled: int
+    requests_shed: int
+    retries: int
+    retries_denied: int
+    migrations: int
+    tokens_per_successful_request: float
+    wasted_tokens: int
+    computed_tokens: int
+    inflight: int
+    queued: int
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    record: WorkerRecord
+    breaker: BreakerState
+    indexed_blocks: int
+
+
+class _FailedCall:
+    """A call that fails at once (the chosen worker vanished between pick and call)."""
+
+    def __init__(self, details: str):
+        self._details = details
+
+    def __aiter__(self) -> Any:
+        return self._fail()
+
+    async def _fail(self) -> Any:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), self._details
+        )
+        yield  # pragma: no cover
+
+    def cancel(self) -> bool:
+        return False
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        model: ModelSpec,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        call_decode: CallDecode | None = None,
+        resolver: Resolver = system_resolver,
+        subscriber: str = "router",
+    ):
+        cfg = settings.router
+        self.settings = settings
+        self.config = cfg
+        self.model = model
+        self.clock = clock
+        rng = rng or random.Random(cfg.seed)
+        self.metrics = RouterMetrics(self.stats)
+        self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
+        self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self.breakers.is_available)
+        self.index = PrefixIndex(settings.index)
+        self.sequencer = EventSequencer()
+        self.budget = RetryBudget(settings.retry_budget, clock)
+        self.ledger = CostLedger()
+        self.admission = AdmissionController(settings.admission, clock)
+        self.gate = AdmissionGate(self.admission, clock)
+        self.pool = WorkerPool(
+            cfg, self.registry, self.index, self.sequencer, self.breakers, self.changed, subscriber, resolver
+        )
+        self.pool.drain_grace_s = settings.server.drain_grace_s
+        self.ctx = RoutingContext(
+            config=cfg,
+            registry=self.registry,
+            index=self.index,
+            decode_policy=make_policy(cfg.policy, cfg.policy_config(), rng),
+            prefill_policy=make_policy(cfg.policy, cfg.policy_config(), rng),
+            breakers=self.breakers,
+            budget=self.budget,
+            ledger=self.ledger,
+            gate=self.gate,
+            journey_config=settings.journey,
+            call_decode=call_decode or self._call_decode,
+            clock=clock,
+            metrics=self.metrics,
+        )
+        self.flows: dict[str, RequestFlow] = {}
+        self.requests_total = 0
+        self._changed = asyncio.Event()
+        self._housekeeping: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.pool.start_static()
+        self._housekeeping = asyncio.create_task(self._housekeep(), name="router:housekeeping")
+
+    async def close(self) -> None:
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeping
+        for flow in list(self.flows.values()):
+            flow.cancel("the router is shutting down")
+        await self.pool.close()
+        self.gate.close()
+
+    async def _housekeep(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.housekeeping_interval_s)
+            await self.expire_leases()
+            self._export_worker_gauges()
+
+    def _export_worker_gauges(self) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for role in WorkerRole:
+            for health in ("serving", "not_serving", "breaker_open"):
+                counts[(role.value, health)] = 0
+        for view in self.workers():
+            counts[(view.record.info.role.value, _health_label(view))] += 1  # type: ignore[union-attr]
+        self.metrics.set_workers(counts, len(self.index))
+
+    # ---- change notification (readiness, tests) -----------------------------
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+        """Wait until `predicate()` holds, re-checking on every state change."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await self.wait_changed()
+
+    def ready(self) -> bool:
+        """At least one healthy decode worker."""
+        return any(r.healthy for r in self.registry.workers(WorkerRole.DECODE))
+
+    # ---- requests -----------------------------------------------------------
+
+    def open_flow(self, req: FlowRequest) -> RequestFlow:
+        """A validated request becomes a flow (registered for Cancel) or is refused fast."""
+        self.requests_total += 1
+        if req.request_id in self.flows:
+            raise AlreadyExists(f"request_id {req.request_id!r} is already running")
+        try:
+            check_capacity(self.ctx)
+        except ResourceExhausted:
+            self.ledger.record_shed()
+            self.metrics.shed("saturated")
+            raise
+        flow = RequestFlow(self.ctx, req)
+        self.flows[req.request_id] = flow
+        return flow
+
+    def close_flow(self, flow: RequestFlow) -> None:
+        if self.flows.get(flow.req.request_id) is flow:
+            del self.flows[flow.req.request_id]
+
+    def cancel(self, request_id: str) -> bool:
+        flow = self.flows.get(request_id)
+        if flow is None:
+            return False
+        flow.cancel()
+        return True
+
+    def _call_decode(
+        self, worker_id: str, request: decode_pb2.DecodeServiceGenerateRequest, timeout: float | None
+    ) -> Any:
+        conn = self.pool.connection(worker_id)
+        if conn is None:
+            return _FailedCall(f"worker {worker_id} left the router's registry")
+        return conn.decode.Generate(request, timeout=timeout)
+
+    # ---- workers ------------------------------------------------------------
+
+    async def register(
+        self, info: WorkerInfo, lease_s: float | None, load: WorkerLoad | None = None
+    ) -> JoinResult:
+        """A worker joins at run time (raises JoinRefused)."""
+        result = self.registry.join(info, WorkerSource.REGISTERED, lease_s, load)
+        for gone in result.replaced:
+            await self.pool.detach(gone)
+        assert info.role is not None
+        await self.pool.attach(info.worker_id, info.address, info.role)
+        log.info("worker_joined", worker=info.worker_id, address=info.address, source="registered")
+        self.changed()
+        return result
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        return self.registry.heartbeat(worker_id, load)
+
+    async def deregister(self, worker_id: str) -> bool:
+        if worker_id not in self.registry:
+            return False
+        self.registry.deregister(worker_id)
+        await self.pool.detach(worker_id)
+        log.info("worker_left", worker=worker_id)
+        self.changed()
+        return True
+
+    async def expire_leases(self) -> list[str]:
+        gone = self.registry.expire()
+        for worker_id in gone:
+            log.info("worker_lease_expired", worker=worker_id)
+            await self.pool.detach(worker_id)
+        if gone:
+            self.changed()
+        return gone
+
+    def workers(self) -> list[WorkerView]:
+        return [
+            WorkerView(r, self.breakers.state(r.worker_id), self.index.blocks(r.worker_id))
+            for r in self.registry.workers()
+        ]
+
+    def _on_breaker(self, worker_id: str, old: BreakerState, new: BreakerState) -> None:
+        log.info("breaker", worker=worker_id, old=old.value, new=new.value)
+        self.metrics.breaker_transition(new.value)
+
+    # ---- stats --------------------------------------------------------------
+
+    def stats(self) -> RouterStats:
+        c = self.ledger.stats()
+        return RouterStats(
+            requests_total=self.requests_total,
+            requests_succeeded=c.requests_succeeded,
+            requests_failed=c.requests_failed,
+            requests_cancelled=c.requests_cancelled,
+            requests_shed=c.requests_shed,
+            retries=self.budget.retries_granted,
+            retries_denied=self.budget.retries_denied,
+            migrations=c.migrations,
+            tokens_per_successful_request=c.tokens_per_successful_request,
+            wasted_tokens=c.wasted_tokens,
+            computed_tokens=c.computed_tokens,
+            inflight=self.admission.inflight,
+            queued=self.admission.queued,
+        )
+
+
+def _health_label(view: WorkerView) -> str:
+    if view.breaker is BreakerState.OPEN:
+        return "breaker_open"
+    return "serving" if view.record.healthy else "not_serving"

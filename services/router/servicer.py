@@ -1,0 +1,206 @@
+"""RouterService over gRPC: validate and convert messages, call the Router, convert back.
+
+Every check of a request happens in `parse_generate`, before any worker is
+touched; the first failure is an INVALID_ARGUMENT naming the field. Generate
+streams `TokenDelta`s (all tokens ready at once in one message, with the text
+they complete) and ends with a `GenerateFinal`; the request id (as sent or
+assigned) goes back in the "x-request-id" initial metadata.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.errors import FailedPrecondition, InvalidArgument, grpc_errors
+from services.common.validation import (
+    RequestLimits,
+    check_enum,
+    check_ident,
+    check_priority,
+    check_prompt,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+from services.router.circuit_breaker import BreakerState
+from services.router.config import ModelSpec
+from services.router.convert import info_from_proto, info_to_proto, load_from_proto, load_to_proto
+from services.router.detokenizer import make_detokenizer
+from services.router.generate import FlowFinal, FlowRequest
+from services.router.registry import JoinRefused
+from services.router.router import Router, WorkerView
+
+SERVICE_NAME = "pdmesh.v1.RouterService"
+
+_Delta = router_pb2.TokenDelta
+_Response = router_pb2.GenerateResponse
+
+
+def parse_generate(
+    request: router_pb2.GenerateRequest, model: ModelSpec, limits: RequestLimits, timeout_s: float | None
+) -> FlowRequest:
+    """Validate a GenerateRequest and tokenize its prompt (raises InvalidArgument)."""
+    check_ident(request.request_id, "request_id", limits.max_request_id_bytes)
+    check_ident(request.tenant, "tenant", limits.max_tenant_bytes)
+    check_priority(request.priority, limits)
+    if request.model and request.model != model.model_id:
+        raise InvalidArgument(
+            f"model: unknown model {request.model!r}; this router serves {model.model_id!r}"
+        )
+    if request.HasField("workflow"):
+        check_ident(request.workflow.workflow_id, "workflow.workflow_id", limits.max_request_id_bytes)
+    sampling = sampling_from_proto(
+        request.sampling if request.HasField("sampling") else None, limits, model.vocab_size
+    )
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        if not request.text:
+            raise InvalidArgument("text: the prompt is empty")
+        if len(request.text) > limits.max_prompt_tokens * 8:  # bound tokenizer work before tokenizing
+            raise InvalidArgument(f"text: longer than {limits.max_prompt_tokens * 8} characters")
+        ids = model.tokenizer.encode(request.text)
+        field = "text"
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        field = "token_ids.ids"
+    else:
+        raise InvalidArgument("prompt: set text or token_ids")
+    check_prompt(ids, sampling.max_tokens, model.vocab_size, model.max_model_len, limits, field)
+    return FlowRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=tuple(ids),
+        sampling=sampling_to_proto(sampling),
+        tenant=request.tenant,
+        priority=request.priority,
+        workflow=request.workflow if request.HasField("workflow") else None,
+        timeout_s=timeout_s,
+    )
+
+
+def final_to_proto(f: FlowFinal, request_id: str) -> router_pb2.GenerateResponse:
+    return _Response(
+        final=router_pb2.GenerateFinal(
+            finish_reason=f.finish_reason,  # type: ignore[arg-type]
+            usage=common_pb2.Usage(
+                prompt_tokens=f.prompt_tokens,
+                completion_tokens=f.completion_tokens,
+                cached_prompt_tokens=f.cached_prompt_tokens,
+                computed_tokens=f.computed_tokens,
+            ),
+            request_id=request_id,
+            worker_id=f.worker_id,
+            migrations=f.migrations,
+            prefill_path=f.prefill_path,
+        )
+    )
+
+
+def status_to_proto(view: WorkerView) -> router_pb2.WorkerStatus:
+    rec = view.record
+    if view.breaker is BreakerState.OPEN:
+        health = router_pb2.WORKER_HEALTH_BREAKER_OPEN
+    elif rec.healthy:
+        health = router_pb2.WORKER_HEALTH_SERVING
+    else:
+        health = router_pb2.WORKER_HEALTH_NOT_SERVING
+    return router_pb2.WorkerStatus(
+        info=info_to_proto(rec.info),
+        load=load_to_proto(rec.load),
+        health=health,
+        indexed_blocks=view.indexed_blocks,
+        source=rec.source.value,
+        inflight=rec.inflight,
+    )
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, router: Router):
+        self.router = router
+        self.limits = router.settings.limits
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        router = self.router
+        try:
+            req = parse_generate(request, router.model, self.limits, context.time_remaining())
+        except InvalidArgument:
+            router.metrics.invalid()
+            raise
+        flow = router.open_flow(req)
+        try:
+            await context.send_initial_metadata((("x-request-id", req.request_id),))
+            push = make_detokenizer(router.model.tokenizer).push_many
+            async for item in flow.run():
+                if type(item) is list:
+                    yield _Response(delta=_Delta(token_ids=item, text=push(item)))
+                else:
+                    yield final_to_proto(item, req.request_id)  # type: ignore[arg-type]
+        finally:
+            router.close_flow(flow)
+
+    @grpc_errors
+    async def Cancel(self, request, context):
+        check_ident(request.request_id, "request_id", self.limits.max_request_id_bytes, required=True)
+        return router_pb2.CancelResponse(cancelled=self.router.cancel(request.request_id))
+
+    @grpc_errors
+    async def ListWorkers(self, request, context):
+        return router_pb2.ListWorkersResponse(workers=[status_to_proto(v) for v in self.router.workers()])
+
+    @grpc_errors
+    async def RegisterWorker(self, request, context):
+        w = request.worker
+        check_ident(w.worker_id, "worker.worker_id", self.limits.max_request_id_bytes, required=True)
+        check_ident(w.address, "worker.address", 512, required=True)
+        check_enum(w.role, common_pb2.WorkerRole, "worker.role")
+        check_enum(w.accelerator, common_pb2.AcceleratorKind, "worker.accelerator")
+        if w.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
+            raise InvalidArgument("worker.role: must be WORKER_ROLE_DECODE or WORKER_ROLE_PREFILL")
+        lease_s = request.lease_ms / 1000 if request.lease_ms else None
+        try:
+            result = await self.router.register(info_from_proto(w), lease_s)
+        except JoinRefused as e:
+            raise FailedPrecondition(f"worker refused: {e}") from e
+        rec = result.record
+        return router_pb2.RegisterWorkerResponse(
+            heartbeat_interval_ms=int((result.heartbeat_interval_s or 0) * 1000),
+            lease_ms=int((rec.lease_s or 0) * 1000),
+        )
+
+    @grpc_errors
+    async def Heartbeat(self, request, context):
+        check_ident(request.worker_id, "worker_id", self.limits.max_request_id_bytes, required=True)
+        known = self.router.heartbeat(request.worker_id, load_from_proto(request.load))
+        return router_pb2.RouterServiceHeartbeatResponse(known=known)
+
+    @grpc_errors
+    async def DeregisterWorker(self, request, context):
+        check_ident(request.worker_id, "worker_id", self.limits.max_request_id_bytes, required=True)
+        return router_pb2.DeregisterWorkerResponse(removed=await self.router.deregister(request.worker_id))
+
+    @grpc_errors
+    async def Stats(self, request, context):
+        s = self.router.stats()
+        return router_pb2.RouterServiceStatsResponse(
+            requests_total=s.requests_total,
+            requests_succeeded=s.requests_succeeded,
+            requests_failed=s.requests_failed,
+            requests_cancelled=s.requests_cancelled,
+            requests_shed=s.requests_shed,
+            retries=s.retries,
+            retries_denied=s.retries_denied,
+            migrations=s.migrations,
+            tokens_per_successful_request=s.tokens_per_successful_request,
+            wasted_tokens=s.wasted_tokens,
+            computed_tokens=s.computed_tokens,
+            inflight=s.inflight,
+            queued=s.queued,
+        )
+
+
+def add_to_server(router: Router, server: grpc.aio.Server) -> RouterServicer:
+    servicer = RouterServicer(router)
+    router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
+    return servicer
