@@ -1,0 +1,215 @@
+"""KvTransferService in-process on port 0, with the library's directory and reporter as clients."""
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvtransfer.agents import AgentDirectory, AgentRecord
+from kvtransfer.errors import FailureKind, KvTransferFailed
+from kvtransfer.layout import KvLayout, layout_to_proto
+from kvtransfer.reporting import ServiceReporter
+from pdmesh.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+from services.common.server import MeshServer, ServerConfig
+from services.kvtransfer.metrics import KvServiceMetrics
+from services.kvtransfer.registry import AgentRegistry
+from services.kvtransfer.servicer import SERVICE_NAME, KvTransferServicer
+from services.kvtransfer.stats import TransferStatistics
+
+LAYOUT = KvLayout(2, 2, 16, "float32", 4)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+async def svc():
+    clock = Clock()
+    metrics = CollectorRegistry()
+    servicer = KvTransferServicer(
+        AgentRegistry(clock=clock, default_lease_s=10), TransferStatistics(), KvServiceMetrics(metrics)
+    )
+    server = MeshServer(ServerConfig(port=0), SERVICE_NAME, registry=None)
+    kvtransfer_pb2_grpc.add_KvTransferServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address)
+    stub = kvtransfer_pb2_grpc.KvTransferServiceStub(channel)
+    yield clock, servicer, stub, metrics, server
+    await channel.close()
+    await server.stop()
+
+
+def record(name="prefill-1", meta=b"nixl-md"):
+    return AgentRecord(
+        name=name,
+        metadata=meta,
+        layout=LAYOUT,
+        num_blocks=8,
+        address=4096,
+        length=8 * LAYOUT.block_bytes,
+        worker_id="prefill-1",
+        kv_source_address="127.0.0.1:1",
+    )
+
+
+def metric(registry, line_start):
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def code_of(coro):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await coro
+    return e.value.code(), e.value.details()
+
+
+async def test_register_get_heartbeat_deregister(svc):
+    _, _, stub, metrics, _ = svc
+    resp = await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), lease_ms=0)
+    )
+    assert resp.incarnation == 1 and resp.lease_ms == 10_000
+    got = AgentRecord.from_proto(
+        (await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1"))).agent
+    )
+    assert got.metadata == b"nixl-md" and got.layout == LAYOUT and got.incarnation == 1
+    hb = await stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1))
+    assert hb.lease_ms == 10_000
+    bye = await stub.DeregisterAgent(kvtransfer_pb2.DeregisterAgentRequest(name="prefill-1", incarnation=1))
+    assert bye.removed
+    code, _ = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert metric(metrics, "pdmesh_kv_agent_registrations_total") == 1
+    assert metric(metrics, "pdmesh_kv_agents ") == 0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda a: a.ClearField("name"), "name"),
+        (lambda a: setattr(a.layout, "dtype", "int8"), "dtype"),
+        (lambda a: setattr(a, "num_blocks", 0), "num_blocks"),
+        (lambda a: setattr(a.region, "length", 10), "region.length"),
+        (lambda a: setattr(a.region, "memory_type", "HBM"), "memory_type"),
+        (lambda a: setattr(a.layout, "block_bytes", 7), "block_bytes"),
+    ],
+)
+async def test_malformed_agents_are_invalid_arguments(svc, mutate, field):
+    _, _, stub, _, _ = svc
+    info = record().to_proto()
+    mutate(info)
+    code, details = await code_of(stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=info)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+async def test_unknown_and_stale_agents_are_not_found(svc):
+    _, _, stub, _, _ = svc
+    code, details = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="ghost")))
+    assert code == grpc.StatusCode.NOT_FOUND and "ghost" in details
+    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto()))
+    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto()))
+    code, details = await code_of(
+        stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1))
+    )
+    assert code == grpc.StatusCode.NOT_FOUND and "stale" in details
+
+
+async def test_expired_agents_disappear_and_are_counted(svc):
+    clock, servicer, stub, metrics, _ = svc
+    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record("a").to_proto(), lease_ms=1000))
+    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record("b").to_proto(), lease_ms=5000))
+    clock.t = 2.0
+    assert servicer.expire() == 1
+    code, _ = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="a")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    clock.t = 6.0  # b expires too; Stats sweeps before answering
+    stats = await stub.Stats(kvtransfer_pb2.KvTransferServiceStatsRequest())
+    assert (stats.agents, stats.registrations, stats.expirations) == (0, 2, 2)
+    assert metric(metrics, "pdmesh_kv_agent_expirations_total") == 2
+
+
+async def test_reported_transfers_feed_stats_and_metrics(svc):
+    _, _, stub, metrics, _ = svc
+    reporter = ServiceReporter(stub)
+    for ms in (1.0, 2.0, 3.0, 100.0):
+        reporter.record(
+            transport="nixl", source_agent="p", target_agent="d", nbytes=1 << 20, seconds=ms / 1000
+        )
+    reporter.record(
+        transport="grpc", source_agent="p", target_agent="d", nbytes=0, seconds=0.5, error="timeout"
+    )
+    assert await reporter.flush() == 5 and reporter.pending == 0
+    stats = await stub.Stats(kvtransfer_pb2.KvTransferServiceStatsRequest())
+    assert (stats.transfers, stats.transfer_failures, stats.bytes) == (5, 1, 4 << 20)
+    assert stats.latency_ms_p50 == pytest.approx(2.0) and stats.latency_ms_p99 == pytest.approx(100.0)
+    assert metric(metrics, 'pdmesh_kv_transfer_bytes_total{transport="nixl"}') == 4 << 20
+    assert metric(metrics, 'pdmesh_kv_transfer_failures_total{error="timeout",transport="grpc"}') == 1
+    assert metric(metrics, 'pdmesh_kv_transfer_latency_seconds_count{transport="nixl"}') == 4
+
+
+async def test_a_bad_record_is_refused_and_nothing_is_counted(svc):
+    _, _, stub, _, _ = svc
+    good = kvtransfer_pb2.TransferRecord(transport="nixl", bytes=10, duration_ms=1, ok=True)
+    bad = kvtransfer_pb2.TransferRecord(transport="nixl", duration_ms=float("nan"))
+    code, details = await code_of(
+        stub.ReportTransfers(kvtransfer_pb2.ReportTransfersRequest(records=[good, bad]))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "records[1]" in details
+    stats = await stub.Stats(kvtransfer_pb2.KvTransferServiceStatsRequest())
+    assert stats.transfers == 0
+
+
+async def test_directory_reregisters_when_its_lease_lapsed(svc):
+    clock, _, stub, _, _ = svc
+    d = AgentDirectory(stub, lease_ms=1000)
+    own = await d.register(record())
+    assert own.incarnation == 1
+    await d.heartbeat_once()
+    clock.t = 5.0  # missed heartbeats: the service dropped us
+    await d.heartbeat_once()
+    assert d.own.incarnation == 2 and d.registrations == 2
+    await d.deregister()
+    code, _ = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1")))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_directory_caches_and_refreshes_when_asked(svc):
+    _, _, stub, _, _ = svc
+    holder = AgentDirectory(stub)
+    await holder.register(record(meta=b"first"))
+    reader = AgentDirectory(stub, max_age_s=3600)
+    assert (await reader.get("prefill-1")).metadata == b"first"
+    await holder.register(record(meta=b"second"))  # the holder restarted
+    assert (await reader.get("prefill-1")).incarnation == 1  # cached
+    fresh = await reader.get("prefill-1", refresh=True)
+    assert (fresh.metadata, fresh.incarnation) == (b"second", 2)
+    assert await reader.is_alive("prefill-1") is True
+    await holder.deregister()
+    assert await reader.is_alive("prefill-1") is False
+    with pytest.raises(KvTransferFailed) as e:
+        await reader.get("prefill-1")  # the failed refresh also dropped the cache entry
+    assert e.value.kind == FailureKind.UNKNOWN_AGENT
+
+
+async def test_directory_falls_back_to_its_cache_when_the_service_is_down(svc):
+    _, _, stub, _, server = svc
+    await AgentDirectory(stub).register(record())
+    reader = AgentDirectory(stub, max_age_s=0, rpc_timeout_s=0.5)
+    assert (await reader.get("prefill-1")).incarnation == 1
+    await server.stop()
+    assert (await reader.get("prefill-1")).incarnation == 1
+    assert await reader.is_alive("prefill-1") is True
+    with pytest.raises(KvTransferFailed) as e:
+        await reader.get("never-seen")
+    assert e.value.kind == FailureKind.TRANSPORT
+    assert await reader.is_alive("never-seen") is None  # unknown: holders keep the lease
+
+
+def test_layout_proto_carries_block_bytes():
+    assert layout_to_proto(LAYOUT).block_bytes == LAYOUT.block_bytes
