@@ -1,0 +1,151 @@
+"""Helpers for e2e tests: start real service processes on loopback, talk to them.
+
+Every process binds port 0 and reports its port through a port file (see
+pdmesh.launcher); tests wait on health and on observable state, never on time.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
+from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+
+TINY = flags(engine_preset="tiny", engine_num_threads=1)
+
+
+def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    """Poll `pred` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)  # polling another process's state, with backoff
+        delay = min(delay * 1.5, 0.2)
+
+
+@dataclass
+class Mesh:
+    launcher: Launcher
+    kv: RunningService | None = None
+    prefills: list[RunningService] = field(default_factory=list)
+    decodes: list[RunningService] = field(default_factory=list)
+
+    def decode_stub(self, i: int = 0) -> decode_pb2_grpc.DecodeServiceStub:
+        return decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(self.decodes[i].address))
+
+    def decode_stats(self, i: int = 0) -> worker_pb2.StatsResponse:
+        return self.decode_stub(i).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+    def prefill_stats(self, i: int = 0) -> worker_pb2.StatsResponse:
+        stub = prefill_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(self.prefills[i].address))
+        return stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+
+    def close(self) -> None:
+        self.launcher.close()
+
+
+def start_mesh(
+    workdir,
+    prefill: int = 1,
+    decode: int = 1,
+    decode_args: tuple[str, ...] = (),
+    prefill_args: tuple[str, ...] = (),
+    kv_transport: str = "nixl",
+) -> Mesh:
+    """kvtransfer + prefill workers + decode workers (decode knows the prefills statically)."""
+    launcher = Launcher(workdir)
+    mesh = Mesh(launcher)
+    try:
+        mesh.kv = launcher.start_ready(
+            ServiceSpec("kvtransfer", "services.kvtransfer.main", ready_service="pdmesh.v1.KvTransferService")
+        )
+        common = flags(kvtransfer_address=mesh.kv.address, kv_transport=kv_transport, metrics_port=0) + TINY
+        mesh.prefills = [
+            launcher.start(
+                ServiceSpec(
+                    f"prefill-{i}",
+                    "services.prefill.main",
+                    flags(worker_id=f"prefill-{i}") + common + prefill_args,
+                    ready_service="pdmesh.v1.PrefillService",
+                )
+            )
+            for i in range(prefill)
+        ]
+        for p in mesh.prefills:
+            launcher.wait_ready(p)
+        static = flags(prefill_workers=[p.address for p in mesh.prefills] or None)
+        mesh.decodes = [
+            launcher.start(
+                ServiceSpec(
+                    f"decode-{i}",
+                    "services.decode.main",
+                    flags(worker_id=f"decode-{i}") + common + static + decode_args,
+                    ready_service="pdmesh.v1.DecodeService",
+                )
+            )
+            for i in range(decode)
+        ]
+        for d in mesh.decodes:
+            launcher.wait_ready(d)
+    except BaseException:
+        launcher.close()
+        raise
+    return mesh
+
+
+def generate(
+    stub: decode_pb2_grpc.DecodeServiceStub,
+    prompt: list[int],
+    *,
+    request_id: str,
+    mode: int = decode_pb2.DISAGG_MODE_UNSPECIFIED,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    timeout: float = 60.0,
+) -> tuple[list[int], decode_pb2.DecodeFinal]:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    if seed is not None:
+        sampling.seed = seed
+    req = decode_pb2.DecodeServiceGenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, disagg_mode=mode
+    )
+    tokens: list[int] = []
+    final = None
+    for msg in stub.Generate(req, timeout=timeout):
+        if msg.HasField("tokens"):
+            tokens += msg.tokens.token_ids
+        else:
+            final = msg.final
+    assert final is not None, "stream ended without a final message"
+    return tokens, final
+
+
+def scrape(svc: RunningService) -> str:
+    assert svc.metrics_port, f"{svc.spec.name} has no metrics port"
+    with urllib.request.urlopen(f"http://{svc.spec.host}:{svc.metrics_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Value of one sample in Prometheus text format (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
+        if metric == name and got == want:
+            return float(value)
+    return 0.0
