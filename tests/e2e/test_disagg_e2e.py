@@ -148,7 +148,7 @@ def test_prefill_worker_killed_during_remote_prefill_falls_back_locally(tmp_path
         mesh.launcher.kill("prefill-0", signal.SIGSTOP)  # freeze it: the Prefill call will hang
         result = {}
         t = threading.Thread(
-            target=lambda: result.update(out=generate(stub, prompt[:-1] + [1], request_id="x", mode=REMOTE))
+            target=lambda: result.update(out=generate(stub, [*prompt[:-1], 1], request_id="x", mode=REMOTE))
         )
         t.start()
         wait_until(
@@ -158,7 +158,7 @@ def test_prefill_worker_killed_during_remote_prefill_falls_back_locally(tmp_path
         mesh.launcher.kill("prefill-0", signal.SIGKILL)
         t.join(60)
         tokens, final = result["out"]
-        reference, _ = generate(stub, prompt[:-1] + [1], request_id="ref2", mode=LOCAL)
+        reference, _ = generate(stub, [*prompt[:-1], 1], request_id="ref2", mode=LOCAL)
         assert tokens == reference and len(expected) == 16
         assert final.prefill_path == "local" and final.disagg_reason == "fallback"
         stats = mesh.decode_stats()
