@@ -92,7 +92,8 @@ def apply_kv_message(
     worker_id: str,
     msg: worker_pb2.SubscribeKvEventsResponse,
 ) -> int:
-    """Apply one subscription message for `worker_id`; returns the events applied.
+    """Apply one subscription message for `worker_id`; returns the events applied
+    (a snapshot counts as one, even when empty).
 
     Raises `KvResync` on a sequence gap (or events before any snapshot), and
     `IndexOverflow` from the index; the caller clears the worker and resubscribes.
@@ -102,7 +103,7 @@ def apply_kv_message(
         snap = msg.snapshot
         index.apply_snapshot(worker_id, [(_parent(c), c.block_hashes) for c in snap.chains])
         sequencer.start(worker_id, snap.seq)
-        return len(snap.chains)
+        return 1
     if body != "events":
         return 0
     applied = 0

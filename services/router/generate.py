@@ -107,6 +107,7 @@ class RoutingContext:
     call_decode: CallDecode
     clock: Callable[[], float] = time.monotonic
     metrics: Any = None  # RouterMetrics or None
+    notify: Callable[[], None] = lambda: None  # state changed (a request queued), for waiters
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -157,6 +158,8 @@ class RequestFlow:
         self._wake.set()
 
     async def run(self) -> AsyncIterator[list[int] | FlowFinal]:
+        """Token-id lists (one per client message), then a FlowFinal; raises a
+        MeshError for the status the client gets."""
         ticket = await self._admit()
         try:
             self.ctx.budget.record_request()
@@ -192,6 +195,7 @@ class RequestFlow:
 
     def _on_queued(self, waiter: Waiter) -> None:
         self._waiter = waiter
+        self.ctx.notify()
 
     def _shed(self, reason: str) -> None:
         self.ctx.ledger.record_shed()

@@ -145,6 +145,7 @@ class Router:
             call_decode=call_decode or self._call_decode,
             clock=clock,
             metrics=self.metrics,
+            notify=self.changed,
         )
         self.flows: dict[str, RequestFlow] = {}
         self.requests_total = 0

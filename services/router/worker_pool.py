@@ -202,6 +202,7 @@ class WorkerConnection:
                 continue
             if self.worker_id is not None:
                 self.pool.registry.update_load(self.worker_id, load_from_proto(resp.load))
+                self.pool.changed()
 
     async def _kv_loop(self) -> None:
         cfg = self.pool.config

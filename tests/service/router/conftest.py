@@ -64,6 +64,14 @@ def request(prompt="hello", max_tokens=8, **fields: Any) -> router_pb2.GenerateR
     return req
 
 
+async def read_all(call) -> list:
+    """Read a stream started with `read()` to its end (iterators and read() may not mix)."""
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
 def tokens_of(deltas) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
