@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -126,6 +127,11 @@ class NixlTransport:
         self._load_lock = asyncio.Lock()  # one (re)load of a holder at a time
         self._leases: LeaseManager | None = None
         self._notif_task: asyncio.Task[None] | None = None
+        # Leases this receiver completed: the holder released them on our
+        # notification, so reading them again would read reused blocks. Keyed by
+        # the lease (holder, handle id, lease end), as a handle id may be reused.
+        self._completed: OrderedDict[tuple[str, str, int], None] = OrderedDict()
+        self.reads_in_flight = 0
         self.quarantined_blocks = 0
         self.reloads = 0
 
@@ -238,6 +244,11 @@ class NixlTransport:
                 )
             deadline_s = min(deadline_s, remaining - self.config.lease_margin_s)
         check_pull(self.pool, handle, src, dst, deadline_s)
+        lease_key = (handle.agent_name, handle.handle_id, handle.lease_expires_unix_ms)
+        if handle.lease_expires_unix_ms and lease_key in self._completed:
+            raise KvTransferFailed(
+                FailureKind.STALE_HANDLE, f"KV handle {handle.handle_id!r} was already pulled and released"
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
         peer = await self._peer(handle, refresh=False)
@@ -252,6 +263,9 @@ class NixlTransport:
                 raise
             log.info("nixl_retry_after_holder_restart", agent=handle.agent_name, handle_id=handle.handle_id)
             await self._read(fresh, handle, src, dst, deadline)
+        self._completed[lease_key] = None
+        while len(self._completed) > 4096:
+            self._completed.popitem(last=False)
 
     async def _peer(self, handle: BlockHandle, *, refresh: bool) -> _Peer:
         """The holder's loaded agent, (re)loaded when its incarnation changed."""
@@ -263,9 +277,16 @@ class NixlTransport:
         if not name:
             raise KvTransferFailed(FailureKind.INVALID, f"handle {handle.handle_id!r} names no NIXL agent")
         loaded = self._peers.get(name)
-        # A holder at another KvSource address than the one we know has restarted.
-        moved = loaded is not None and handle.kv_source_address not in ("", loaded.record.kv_source_address)
-        record = await self.directory.get(name, refresh=refresh or moved)
+        record = await self.directory.get(name, refresh=refresh)
+        if handle.kv_source_address not in ("", record.kv_source_address):
+            # The holder moved (restarted) since we cached it, or the handle is older than the holder.
+            record = await self.directory.get(name, refresh=True)
+            if handle.kv_source_address != record.kv_source_address:
+                raise KvTransferFailed(
+                    FailureKind.STALE_HANDLE,
+                    f"KV handle {handle.handle_id!r} was issued by an earlier incarnation of {name!r} "
+                    f"(at {handle.kv_source_address}, now {record.kv_source_address})",
+                )
         if not record.metadata:
             raise KvTransferFailed(
                 FailureKind.UNKNOWN_AGENT, f"KV agent {name!r} has no NIXL metadata (gRPC only)"
@@ -322,6 +343,7 @@ class NixlTransport:
             )
         except self._nixl_errors as e:
             raise self._failure(e, name) from e
+        self.reads_in_flight += 1
         try:
             state = await self._call(self._agent.transfer, xfer)
             delay = 0.0
@@ -344,7 +366,10 @@ class NixlTransport:
         except self._nixl_errors as e:
             raise self._failure(e, name) from e
         finally:
-            await self._release(xfer, handle)
+            try:
+                await self._release(xfer, handle)
+            finally:
+                self.reads_in_flight -= 1
 
     async def _check_holder(self, peer: _Peer, name: str) -> None:
         try:
