@@ -6,9 +6,9 @@ K/V into the pool at (block, offset) slots, then attends:
 - a prompt chunk with nothing before it attends causally to its own K/V;
 - a prompt chunk after cached / earlier tokens gathers its context from its blocks;
 - all decode tokens together: K/V gathered through the padded block tables
-  once per layer, one SDPA call with a padding mask. Query heads that share a
-  KV head are folded into the query-length axis ([B, Hkv, G, D]), so GQA needs
-  no copy of K/V per query head.
+  once per layer, one batched matmul-softmax-matmul with a
+  padding mask. Query heads that share a KV head are folded into the query
+  axis ([B, Hkv, G, D]), so GQA needs no copy of K/V per query head.
 ModelRunner builds the AttentionMetadata; the model passes it to every layer.
 """
 
@@ -58,35 +58,40 @@ def paged_attention(
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, seg: PrefillSegment):
     n = q.shape[0]
-    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
     if seg.num_context == 0:
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, Dh]
         v = v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:
         total = seg.num_context + n
-        k = _gather(kv_layer, 0, seg.block_ids, 1)[:, :total]  # [1, S, Hkv, D]
-        v = _gather(kv_layer, 1, seg.block_ids, 1)[:, :total]
+        k, v = _gather_kv(kv_layer, seg.block_ids, 1)  # [1, Hkv, >= total, Dh]
         # Query i sits at position num_context + i and sees keys 0..num_context + i.
-        mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=seg.num_context)
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=seg.num_context)
         out = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+            q, k[:, :, :total], v[:, :, :total], attn_mask=mask, enable_gqa=True
         )
-    return out.squeeze(0).transpose(0, 1)  # [n, H, D]
+    return out.squeeze(0).transpose(0, 1)  # [n, H, Dh]
 
 
 def _decode(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    # Plain matmul + softmax: with 1 query token the flash kernel's tiling costs more than it saves.
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[3]
-    k = _gather(kv_layer, 0, meta.decode_block_ids, bsz).transpose(1, 2).contiguous()  # [B, Hkv, S, D]
-    v = _gather(kv_layer, 1, meta.decode_block_ids, bsz).transpose(1, 2).contiguous()
-    q = q.view(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask)
-    return out.view(bsz, num_heads, head_dim)
+    k, v = _gather_kv(kv_layer, meta.decode_block_ids, bsz)  # [B, Hkv, S, Dh]
+    q = q.view(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, Dh]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * head_dim**-0.5  # [B, Hkv, G, S]
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).view(bsz, num_heads, head_dim)
 
 
-def _gather(kv_layer: torch.Tensor, kv: int, block_ids: torch.Tensor, bsz: int) -> torch.Tensor:
-    """K (kv=0) or V (kv=1) of `block_ids` ([bsz * M]) as [bsz, M * bs, Hkv, D]."""
+def _gather_kv(
+    kv_layer: torch.Tensor, block_ids: torch.Tensor, bsz: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `block_ids` ([bsz * M], bsz block tables of M) as two [bsz, Hkv, M * bs, Dh]."""
     hkv, d = kv_layer.shape[3:]
-    rows = kv_layer[:, kv].flatten(1).index_select(0, block_ids)  # [bsz * M, bs * Hkv * D]
-    return rows.view(bsz, -1, hkv, d)
+    # Per K/V: rows of whole blocks (one copy), then into attention's head-major layout (a second).
+    k = kv_layer[:, 0].flatten(1).index_select(0, block_ids).view(bsz, -1, hkv, d)
+    v = kv_layer[:, 1].flatten(1).index_select(0, block_ids).view(bsz, -1, hkv, d)
+    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
