@@ -132,6 +132,8 @@ class DecodeAttempt:
             async for msg in self.call:
                 self._last = self._loop.time()
                 self.messages += 1
+                if self.messages == 1:  # from the first-message limit to the stall limit
+                    self._rearm()
                 kind = msg.WhichOneof("chunk")
                 if kind == "tokens":
                     self._tokens.extend(msg.tokens.token_ids)  # `take` swaps the list
@@ -171,6 +173,11 @@ class DecodeAttempt:
             self._watchdog = self._loop.call_at(self._last + limit, self._check)
         else:
             self._watchdog = None
+
+    def _rearm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._arm()
 
     def _check(self) -> None:
         self._watchdog = None

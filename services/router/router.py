@@ -222,6 +222,7 @@ class Router:
     def close_flow(self, flow: RequestFlow) -> None:
         if self.flows.get(flow.req.request_id) is flow:
             del self.flows[flow.req.request_id]
+            self.changed()
 
     def cancel(self, request_id: str) -> bool:
         flow = self.flows.get(request_id)

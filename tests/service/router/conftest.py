@@ -81,9 +81,9 @@ class Mesh:
         self.workers: list[Any] = []
         self.handles: list[RouterHandle] = []
 
-    async def decode(self, worker_id: str, **kw: Any) -> FakeDecode:
+    async def decode(self, worker_id: str, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> FakeDecode:
         w = FakeDecode(worker_id, **kw)
-        await w.start()
+        await w.start(host, port)
         self.workers.append(w)
         return w
 
@@ -104,10 +104,12 @@ class Mesh:
         retry_budget: RetryBudgetConfig | None = None,
         journey: JourneyConfig | None = None,
         wait: bool = True,
+        resolver=None,
+        static=None,
         **router_kw: Any,
     ) -> RouterHandle:
         cfg = RouterConfig(
-            decode_workers=tuple(w.address for w in decode),
+            decode_workers=tuple(static or (w.address for w in decode)),
             prefill_workers=tuple(w.address for w in prefill),
             **{**FAST, **router_kw},
         )
@@ -119,7 +121,9 @@ class Mesh:
             retry_budget=retry_budget or RetryBudgetConfig(),
             journey=journey or JourneyConfig(),
         )
-        kwargs = {"clock": clock} if clock is not None else {}
+        kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
+        if resolver is not None:
+            kwargs["resolver"] = resolver
         router = Router(settings, ModelSpec.load(cfg), **kwargs)
         server = MeshServer(settings.server, SERVICE_NAME, registry=router.metrics.registry)
         add_to_server(router, server.server)

@@ -111,8 +111,8 @@ class FakeWorkerBase:
         self.stats_calls = 0
         self.mesh: MeshServer | None = None
 
-    async def start(self) -> str:
-        self.mesh = MeshServer(ServerConfig(port=0, drain_grace_s=1), self.ready_name)
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self.mesh = MeshServer(ServerConfig(host=host, port=port, drain_grace_s=1), self.ready_name)
         self._add(self.mesh.server)
         await self.mesh.start()
         await self.mesh.set_ready(True)
@@ -191,7 +191,10 @@ class FakeDecode(FakeWorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.DecodeServiceGenerateResponse(tokens=decode_pb2.TokenIdsDelta(token_ids=ids))
 
     async def _halt(self, pos: int) -> None:
-        """Die, stall or pause at output position `pos` if told to."""
+        """Pause, then die or stall, at output position `pos` if told to."""
+        if self.pause_after is not None and pos >= self.pause_after:
+            self.reached.set()
+            await self.resume.wait()
         if self.die_after is not None and pos >= self.die_after:
             self.reached.set()
             asyncio.get_running_loop().create_task(self.stop())
@@ -199,9 +202,6 @@ class FakeDecode(FakeWorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         if self.stall_after is not None and pos >= self.stall_after:
             self.reached.set()
             await asyncio.Event().wait()  # until the caller cancels
-        if self.pause_after is not None and pos >= self.pause_after:
-            self.reached.set()
-            await self.resume.wait()
 
     async def Generate(self, request, context):
         self.calls.append(request)

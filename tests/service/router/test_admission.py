@@ -122,4 +122,7 @@ async def test_the_remaining_deadline_goes_to_the_worker(mesh):
     d = await mesh.decode("d1")
     h = await mesh.router([d])
     await h.generate("x", max_tokens=2, timeout=4)
-    assert 0 < d.deadlines[0] <= 4
+    await h.generate("x", max_tokens=2, timeout=None)
+    # gRPC encodes timeouts coarsely (rounding up), hence the slack above 4 s.
+    assert 0 < d.deadlines[0] < 4.5
+    assert d.deadlines[1] is None  # no client deadline, none invented

@@ -1,0 +1,152 @@
+"""The worker registry over gRPC: static workers (flags, DNS), runtime join with
+leases and heartbeats, leaving, health, and join checks (model, block size)."""
+
+import grpc
+import pytest
+
+from pdmesh.v1 import common_pb2, router_pb2
+from tests.unit.router.fakes import FakeClock
+
+
+def _register(worker, lease_ms=3000, **changes):
+    info = worker.info()
+    for k, v in changes.items():
+        setattr(info, k, v)
+    return router_pb2.RegisterWorkerRequest(worker=info, lease_ms=lease_ms)
+
+
+async def _listed(h):
+    resp = await h.stub.ListWorkers(router_pb2.ListWorkersRequest())
+    return {w.info.worker_id: w for w in resp.workers}
+
+
+async def test_a_worker_joining_at_run_time_receives_traffic(mesh):
+    d1 = await mesh.decode("d1")
+    h = await mesh.router([], wait=False)
+    r = h.router
+    assert not r.ready()
+    resp = await h.stub.RegisterWorker(_register(d1, lease_ms=3000))
+    assert resp.lease_ms == 3000 and resp.heartbeat_interval_ms == 1000
+    await r.wait_until(lambda: d1.kv.subscriptions == 1 and r.sequencer.last_seq("d1") == 0)
+    assert r.ready()
+    _, final, _ = await h.generate("joined", max_tokens=2)
+    assert final.worker_id == "d1" and len(d1.calls) == 1
+    w = (await _listed(h))["d1"]
+    assert w.source == "registered" and w.info.address == d1.address
+    assert w.health == router_pb2.WORKER_HEALTH_SERVING
+
+
+async def test_heartbeats_carry_load_and_renew_the_lease(mesh):
+    clock = FakeClock()
+    d1 = await mesh.decode("d1")
+    h = await mesh.router([], wait=False, clock=clock, stats_interval_s=3600)
+    r = h.router
+    await h.stub.RegisterWorker(_register(d1, lease_ms=2000))
+    beat = router_pb2.RouterServiceHeartbeatRequest(worker_id="d1", load=common_pb2.WorkerLoad(waiting=7))
+    clock.advance(1.5)
+    assert (await h.stub.Heartbeat(beat)).known
+    assert (await _listed(h))["d1"].load.waiting == 7
+    clock.advance(1.5)  # 3 s after joining, 1.5 s after the heartbeat
+    assert await r.expire_leases() == []
+    clock.advance(1.0)  # 2.5 s after the heartbeat: the lease ran out
+    assert await r.expire_leases() == ["d1"]
+    assert await _listed(h) == {}
+    assert not (await h.stub.Heartbeat(beat)).known  # must register again
+    assert r.index.blocks("d1") == 0 and r.sequencer.last_seq("d1") is None
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await h.generate("anyone?")
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert d1.calls == []
+
+
+async def test_a_worker_that_leaves_gets_no_more_traffic(mesh):
+    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
+    h = await mesh.router([d2], policy="round_robin")
+    r = h.router
+    await h.stub.RegisterWorker(_register(d1))
+    await r.wait_until(lambda: r.sequencer.last_seq("d1") == 0)
+    dereg = router_pb2.DeregisterWorkerRequest(worker_id="d1")
+    assert (await h.stub.DeregisterWorker(dereg)).removed
+    assert not (await h.stub.DeregisterWorker(dereg)).removed
+    for _ in range(3):
+        _, final, _ = await h.generate("x", max_tokens=2)
+        assert final.worker_id == "d2"
+    assert d1.calls == [] and set(await _listed(h)) == {"d2"}
+
+
+async def test_an_unhealthy_worker_gets_no_traffic_until_it_recovers(mesh):
+    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
+    h = await mesh.router([d1, d2], policy="round_robin")
+    r = h.router
+    await d1.mesh.set_ready(False)
+    await r.wait_until(lambda: not r.registry.get("d1").healthy)
+    assert (await _listed(h))["d1"].health == router_pb2.WORKER_HEALTH_NOT_SERVING
+    for _ in range(3):
+        await h.generate("x", max_tokens=2)
+    assert d1.calls == []
+    await d1.mesh.set_ready(True)
+    await r.wait_until(lambda: r.registry.get("d1").healthy)
+    for _ in range(2):
+        await h.generate("x", max_tokens=2)
+    assert len(d1.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [({"block_size": 32}, "block_size 32"), ({"model_id": "other-model"}, "model_id 'other-model'")],
+)
+async def test_a_mismatched_worker_is_refused_at_join(mesh, changes, needle):
+    d1 = await mesh.decode("d1")
+    h = await mesh.router([], wait=False)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await h.stub.RegisterWorker(_register(d1, **changes))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert needle in e.value.details()
+    assert await _listed(h) == {}
+
+
+@pytest.mark.parametrize(
+    "changes", [{"role": common_pb2.WORKER_ROLE_UNSPECIFIED}, {"role": 9}, {"worker_id": ""}, {"address": ""}]
+)
+async def test_malformed_registrations_are_invalid(mesh, changes):
+    d1 = await mesh.decode("d1")
+    h = await mesh.router([], wait=False)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await h.stub.RegisterWorker(_register(d1, **changes))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_static_worker_with_another_block_size_is_refused(mesh):
+    good, bad = await mesh.decode("good"), await mesh.decode("bad", block_size=32)
+    h = await mesh.router([good, bad], wait=False)
+    r = h.router
+    conn = next(c for c in r.pool.connections() if c.address == bad.address)
+    await r.wait_until(lambda: conn.refused is not None and r.sequencer.last_seq("good") == 0)
+    assert "block_size 32" in conn.refused
+    assert set(await _listed(h)) == {"good"}
+    for _ in range(3):
+        await h.generate("x", max_tokens=2)
+    assert bad.calls == [] and len(good.calls) == 3
+
+
+async def test_a_dns_name_with_several_addresses_is_several_workers(mesh):
+    d1 = await mesh.decode("d1")
+    port = d1.mesh.port
+    try:
+        d2 = await mesh.decode("d2", host="127.0.0.2", port=port)
+    except OSError:
+        pytest.skip("cannot bind 127.0.0.2 on this machine")
+    names = {}
+
+    def resolver(host):
+        names[host] = names.get(host, 0) + 1
+        return ["127.0.0.1", "127.0.0.2"]
+
+    h = await mesh.router([], static=[f"decode.test:{port}"], resolver=resolver, wait=False)
+    r = h.router
+    await r.wait_until(lambda: len(r.registry) == 2 and r.sequencer.last_seq("d2") == 0)
+    listed = await _listed(h)
+    assert {w.info.address for w in listed.values()} == {f"127.0.0.1:{port}", f"127.0.0.2:{port}"}
+    assert names == {"decode.test": 1}
+    await h.generate("x", max_tokens=2)
+    assert len(d1.calls) + len(d2.calls) == 1
