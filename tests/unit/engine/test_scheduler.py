@@ -1,0 +1,111 @@
+"""Scheduler decisions without a model: the test plays the model's part."""
+
+from __future__ import annotations
+
+from services.engine.api import EngineRequest
+from services.engine.block_manager import BlockManager
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=32, max_seqs=8, budget=16) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS, True, 100), max_seqs, budget)
+
+
+def seq(n: int, rid: str, priority: int = 0, base: int = 0) -> Sequence:
+    return Sequence(EngineRequest(rid, list(range(base, base + n)), priority=priority), BS, None)
+
+
+def run(sched: Scheduler) -> dict[str, int]:
+    """One step: mark scheduled tokens computed, 'sample' token 7 where a sequence caught up."""
+    out = sched.schedule()
+    for s, n in out.scheduled:
+        s.num_computed_tokens += n
+        sched.block_manager.cache_full_blocks(s)
+        if s.num_computed_tokens == s.num_tokens:
+            s.append_token(7)
+    return {s.request_id: n for s, n in out.scheduled}
+
+
+def test_budget_chunks_long_prompts_and_running_goes_first():
+    sched = make(budget=16)
+    sched.add(seq(40, "long"))
+    sched.add(seq(3, "short"))
+    assert run(sched) == {"long": 16}
+    assert run(sched) == {"long": 16}
+    assert run(sched) == {"long": 8, "short": 3}
+    assert run(sched) == {"long": 1, "short": 1}  # both decoding now
+
+
+def test_max_num_seqs_bounds_the_batch():
+    sched = make(max_seqs=2, budget=64)
+    for i in range(3):
+        sched.add(seq(4, f"s{i}", base=10 * i))
+    assert set(run(sched)) == {"s0", "s1"}
+    assert len(sched.waiting) == 1
+
+
+def test_priority_orders_the_waiting_queue():
+    sched = make(max_seqs=1, budget=64)
+    sched.add(seq(4, "low", priority=-1))
+    sched.add(seq(4, "normal"))
+    sched.add(seq(4, "high", priority=5))
+    sched.add(seq(4, "normal2"))
+    assert [s.request_id for s in sched.waiting] == ["high", "normal", "normal2", "low"]
+
+
+def test_cached_prefix_is_skipped_but_the_last_token_is_computed():
+    sched = make(budget=64)
+    first = seq(12, "first")
+    sched.add(first)
+    run(sched)
+    sched.finish(first, SequenceStatus.FINISHED)
+    again = seq(12, "again")
+    sched.add(again)
+    # 3 full blocks cached, but the last token must be computed: 2 blocks reused.
+    assert run(sched) == {"again": 4}
+    assert again.num_cached_tokens == 8 and sched.prompt_tokens_cached == 8
+    sched.finish(again, SequenceStatus.FINISHED)
+
+
+def test_preemption_frees_the_newest_and_requeues_it_first():
+    sched = make(num_blocks=4, budget=64)
+    a, b = seq(8, "a"), seq(8, "b", base=50)
+    sched.add(a)
+    sched.add(b)
+    assert run(sched) == {"a": 8, "b": 8}  # 2 blocks each, all 4 used
+    assert run(sched) == {"a": 1}  # `a` needs a third block: `b` goes
+    assert b.status is SequenceStatus.WAITING and sched.waiting[0] is b and b.block_table == []
+    assert sched.num_preemptions == 1 and b.num_preemptions == 1
+    # b's full block survived as a cache hit.
+    assert sched.block_manager.match_prefix(b, b.num_tokens - 1)
+
+
+def test_a_sequence_that_cannot_grow_preempts_itself():
+    sched = make(num_blocks=2, budget=64)
+    a = seq(8, "a")
+    sched.add(a)
+    run(sched)
+    out = sched.schedule()
+    assert out.scheduled == [] and out.preempted == [a]
+    assert a.status is SequenceStatus.WAITING and sched.block_manager.num_free_blocks == 2
+
+
+def test_hold_and_remote_paths():
+    sched = make()
+    s = seq(6, "p")
+    sched.add(s)
+    run(sched)
+    sched.hold(s)
+    assert s.status is SequenceStatus.HELD and not sched.running and sched.held["p"] is s
+    r = seq(6, "r")
+    assert sched.reserve_remote(r) and r.status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    # The held blocks' first full block is in the cache: the reservation reuses it.
+    assert r.num_cached_tokens == 4 and r.block_table[0] == s.block_table[0]
+    sched.commit_remote(r)
+    assert r.status is SequenceStatus.DECODING and r.num_computed_tokens == 6 and sched.running == [r]
+    for x in (s, r):
+        sched.finish(x, SequenceStatus.FINISHED)
+    assert sched.block_manager.num_free_blocks == 32 and not sched.held and not sched.has_work()
