@@ -61,7 +61,7 @@ async def serve(settings: RouterSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(argv)
-    run(serve(settings))
+    run(lambda: serve(settings))
     return 0
 
 
