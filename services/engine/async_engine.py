@@ -314,7 +314,7 @@ class TorchEngine:
         last_event = core.block_manager.events.last_seq
         items: list[tuple[str, str, Any]] = []
         while True:
-            idle = not core.has_unfinished_requests() or core.last_step_tokens == 0
+            idle = not core.has_unfinished_requests() or not core.last_step_progressed
             for cmd in self._take_commands(block=idle):
                 if cmd is _STOP:
                     items += [("abort", rid, _aborted(rid)) for rid in core.abort_all()]

@@ -61,8 +61,9 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.decode_tokens_computed = 0
         self.prompt_tokens_transferred = 0
-        # Tokens the last step computed (0: nothing could be scheduled).
-        self.last_step_tokens = 0
+        # False when the last step could neither compute nor preempt anything: only
+        # an outside change (release, abort, cancel) can unblock the queue then.
+        self.last_step_progressed = True
 
     # ---- requests -------------------------------------------------------
 
@@ -83,7 +84,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        self.last_step_tokens = out.num_tokens
+        self.last_step_progressed = bool(out.scheduled or out.preempted)
         if not out.scheduled:
             return []
         sampled = self.runner.run(out.scheduled)
@@ -119,7 +120,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             for o in self.step():
                 tokens.setdefault(o.request_id, []).extend(o.token_ids)
-            if self.last_step_tokens == 0:
+            if not self.last_step_progressed:
                 raise EngineCapacityError("no request can be scheduled: KV blocks are held")
         return tokens
 

@@ -100,7 +100,7 @@ class ModelRunner:
                 positions.append(pos)
                 slot_blocks.append(table[pos // bs])
                 slot_offsets.append(pos % bs)
-                segments.append(PrefillSegment(start, start + n, c, table))
+                segments.append(PrefillSegment(start, start + n, c, table.to(self.device)))
             else:
                 decodes.append(seq)
             start += n

@@ -39,21 +39,21 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            idx = torch.tensor(sampled)
+            idx = torch.tensor(sampled, device=logits.device)
             tokens[idx] = self._sample(logits[idx], [rows[i] for i in sampled])
         return tokens.tolist()
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
         logits = logits / temps[:, None]
         logits = _top_k_top_p(logits, rows)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        # Drawn on the CPU whatever the device, so CPU and CUDA workers draw alike.
+        noise = torch.empty(probs.shape, dtype=torch.float32)
         for i, r in enumerate(rows):
-            g = torch.Generator(device=probs.device)
-            g.manual_seed(mix_seed(r.seed, r.position))
+            g = torch.Generator().manual_seed(mix_seed(r.seed, r.position))
             noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise.to(probs.device)).argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -67,11 +67,11 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if use_k:
         # Keep the k largest: everything below the k-th largest value goes (ties kept).
-        k = torch.tensor([t if t > 0 else vocab for t in top_k])
+        k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)
         kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if use_p:
-        p = torch.tensor(top_p, dtype=logits.dtype)
+        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= (1 - p).unsqueeze(-1)
         drop[:, -1] = False  # the most likely token always stays

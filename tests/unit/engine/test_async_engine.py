@@ -192,3 +192,16 @@ def test_factory_and_config_validation():
             EngineConfig(**bad)
     with pytest.raises(ValueError, match="context"):
         TorchEngine(EngineConfig(max_model_len=10**6))
+
+
+async def test_a_request_blocked_by_held_kv_runs_once_released(make_async):
+    engine = await make_async(num_blocks=8)  # 128 tokens of KV
+    held = await engine.prefill(request("held", prompt_of(100, seed=1), max_tokens=4))
+    assert engine.stats().held_blocks == 7
+    req = request("late", prompt_of(40, seed=2), max_tokens=6)
+    task = asyncio.create_task(collect(engine.generate(req)))
+    await engine.sync()
+    assert engine.stats().waiting == 1 and not task.done()  # the step thread waits for a change
+    assert held.held is not None and engine.release("held")
+    tokens, _ = await task
+    assert tokens == reference([req])["late"]

@@ -132,3 +132,11 @@ def test_abort_releases_held_and_reserved(make_engine):
     engine.reserve_external(request("res", prompt_of(40, seed=4), max_tokens=5))
     assert engine.abort("held") and engine.abort("res")
     assert_pool_restored(engine)
+
+
+def test_sync_generate_refuses_to_spin_when_held_blocks_fill_the_pool(make_engine):
+    engine = make_engine(num_blocks=8)
+    prefill_only(engine, request("held", prompt_of(100, seed=1), max_tokens=4))
+    with pytest.raises(EngineCapacityError, match="held"):
+        engine.generate([request("late", prompt_of(40, seed=2), max_tokens=4)])
+    assert engine.abort("late") and engine.release("held")
