@@ -53,8 +53,13 @@ class DisaggConfig:
     busy_margin_s: float = setting(
         0.0, "go local when a prefill worker's wait exceeds the local estimate by more than this"
     )
+    default_mode: str = setting(
+        "auto", "mode of requests that ask for none: auto (the rule), local or remote (benchmarks, operators)"
+    )
 
     def __post_init__(self) -> None:
+        require(self.default_mode in {m.value for m in Mode}, f"default_mode must be auto, local or remote, "
+                f"got {self.default_mode!r}")
         require(self.max_local_prefill_tokens >= 0, "max_local_prefill_tokens must be >= 0")
         require(self.busy_margin_s >= 0, "busy_margin_s must be >= 0")
 

@@ -230,7 +230,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             resume_token_ids=tuple(r.resume_token_ids),
             priority=r.priority,
         )
-        return req, _MODES[r.disagg_mode]
+        mode = _MODES[r.disagg_mode]
+        if r.disagg_mode == decode_pb2.DISAGG_MODE_UNSPECIFIED:
+            mode = Mode(self.policy.config.default_mode)
+        return req, mode
 
     def _candidates(self, r: decode_pb2.DecodeServiceGenerateRequest) -> list[Candidate]:
         if self.remote is None:

@@ -57,3 +57,9 @@ def test_forced_modes():
 def test_config_validation():
     with pytest.raises(ConfigError):
         DisaggConfig(max_local_prefill_tokens=-1)
+
+
+def test_default_mode_must_be_known():
+    assert DisaggConfig(default_mode="remote").default_mode == "remote"
+    with pytest.raises(ConfigError, match="default_mode"):
+        DisaggConfig(default_mode="sometimes")
