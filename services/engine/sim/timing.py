@@ -1,0 +1,98 @@
+"""Timing models of the `sim` engine: how long one scheduler pass takes.
+
+A profile is data (profiles.json, one table per profile; `bench/calibrate.py`
+adds one measured from the torch engine here). The sim engine runs the real
+scheduler and block manager and, instead of a forward pass, waits for the
+pass time this model gives, divided by a speedup factor.
+
+    prefill_ms(T, C) = p0 + p1*T + p2*T^2 + p3*T*C/1000       (0 when T == 0)
+    decode_ms  linear: d0 + d1*B + d2*K/1000
+               mocker: max(d_min, m0 + m1*u + m2*u^2), u = min(K / capacity, 1)
+    pass_ms = prefill_ms + decode_ms                          (no overlap, as Dynamo's mocker)
+    transfer_s(tokens) = tokens * kv_bytes_per_token / (kv_bandwidth_gbps * 1e9)
+
+T: new prompt tokens in the pass; C: context tokens they attend to that were
+already cached or computed; B: decoding requests; K: their total context.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PROFILES_PATH = Path(__file__).with_name("profiles.json")
+
+
+@dataclass(frozen=True)
+class TimingProfile:
+    name: str
+    source: str
+    prefill: tuple[float, float, float, float]
+    decode_form: str
+    decode: tuple[float, float, float]
+    decode_min_ms: float
+    kv_bytes_per_token: int
+    kv_bandwidth_gbps: float
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.decode_form not in ("linear", "mocker"):
+            raise ValueError(
+                f"profile {self.name}: decode_form must be linear or mocker, got {self.decode_form!r}"
+            )
+        if len(self.prefill) != 4 or len(self.decode) != 3:
+            raise ValueError(f"profile {self.name}: prefill needs 4 and decode 3 coefficients")
+        if self.kv_bandwidth_gbps <= 0 or self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError(f"profile {self.name}: bandwidth, num_blocks and block_size must be positive")
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        p0, p1, p2, p3 = self.prefill
+        t = float(new_tokens)
+        return max(p0 + p1 * t + p2 * t * t + p3 * t * context_tokens / 1000.0, 0.0)
+
+    def decode_ms(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        a, b, c = self.decode
+        if self.decode_form == "linear":
+            value = a + b * batch + c * context_tokens / 1000.0
+        else:
+            u = min(context_tokens / self.capacity_tokens, 1.0)
+            value = a + b * u + c * u * u
+        return max(value, self.decode_min_ms)
+
+    def pass_ms(self, new_tokens: int, context_tokens: int, batch: int, decode_context_tokens: int) -> float:
+        return self.prefill_ms(new_tokens, context_tokens) + self.decode_ms(batch, decode_context_tokens)
+
+    def transfer_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / (self.kv_bandwidth_gbps * 1e9)
+
+
+def load_profiles(path: Path = PROFILES_PATH) -> dict[str, TimingProfile]:
+    data = json.loads(Path(path).read_text())
+    out = {}
+    for name, table in data.items():
+        if name.startswith("_"):
+            continue
+        fields = {k: v for k, v in table.items()}
+        fields["prefill"] = tuple(fields["prefill"])
+        fields["decode"] = tuple(fields["decode"])
+        out[name] = TimingProfile(name=name, **fields)
+    return out
+
+
+def load_profile(name: str, path: Path = PROFILES_PATH) -> TimingProfile:
+    profiles = load_profiles(path)
+    if name not in profiles:
+        raise ValueError(f"unknown sim profile {name!r}; one of {sorted(profiles)}")
+    return profiles[name]
