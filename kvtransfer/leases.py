@@ -87,12 +87,19 @@ class LeaseManager:
         self._wall = wall_clock
         self.default_ttl_s = default_ttl_s
         self._held: dict[str, Lease] = {}
-        self._pinned: dict[str, Lease] = {}  # ended but still being read
+        # Ended but still being read; by identity, as the handle id may be reissued.
+        self._pinned: set[Lease] = set()
         # Recently ended handles and why, so a late reader learns "released"
         # or "expired" rather than "unknown". Bounded: oldest forgotten first.
         self._ended: OrderedDict[str, LeaseEnd] = OrderedDict()
         self._remember = remember_ended
         self._counts = {"issued": 0, "pulled": 0, **{e.value: 0 for e in LeaseEnd}}
+        self._on_issue: list[Callable[[Lease], None]] = []
+
+    def add_issue_listener(self, fn: Callable[[Lease], None]) -> None:
+        """Call `fn(lease)` after every issue (the NIXL holder wakes its poll loop:
+        a READ of the new lease may follow within microseconds)."""
+        self._on_issue.append(fn)
 
     # -- issuing and lookup ------------------------------------------------------
     def issue(
@@ -110,7 +117,7 @@ class LeaseManager:
         blocks = tuple(block_ids)
         if not handle_id:
             raise ValueError("handle_id must be non-empty")
-        if handle_id in self._held or handle_id in self._pinned:
+        if handle_id in self._held:
             raise ValueError(f"handle {handle_id!r} is already held")
         if not blocks:
             raise ValueError("a lease needs at least one block")
@@ -126,6 +133,8 @@ class LeaseManager:
         self._held[handle_id] = lease
         self._ended.pop(handle_id, None)
         self._counts["issued"] += 1
+        for fn in self._on_issue:
+            fn(lease)
         return lease
 
     def get(self, handle_id: str, requester_id: str | None = None) -> Lease:
@@ -149,7 +158,7 @@ class LeaseManager:
     def end_read(self, lease: Lease) -> None:
         lease.readers -= 1
         if lease.readers == 0 and lease.ended is not None:
-            self._pinned.pop(lease.handle_id, None)
+            self._pinned.discard(lease)
             self._free(lease)
 
     # -- ending leases -----------------------------------------------------------
@@ -203,7 +212,7 @@ class LeaseManager:
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
         if lease.readers > 0:
-            self._pinned[handle_id] = lease  # freed by the last end_read
+            self._pinned.add(lease)  # freed by the last end_read
         else:
             self._free(lease)
         return True
@@ -224,7 +233,7 @@ class LeaseManager:
 
     @property
     def held_blocks(self) -> int:
-        return sum(len(x.block_ids) for x in (*self._held.values(), *self._pinned.values()))
+        return sum(len(x.block_ids) for x in (*self._held.values(), *self._pinned))
 
     def requester_agents(self) -> set[str]:
         return {x.requester_agent for x in self._held.values() if x.requester_agent}

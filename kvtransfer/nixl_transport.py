@@ -60,13 +60,26 @@ NOTIF_PREFIX = b"pdmesh-kv:"
 @dataclass(frozen=True)
 class NixlConfig:
     backends: tuple[str, ...] = field(default=("UCX",), metadata={"help": "NIXL backends to create"})
-    progress_thread: bool = field(default=True, metadata={"help": "run the NIXL/UCX progress thread"})
+    # Off by default: NIXL's progress thread busy-polls a whole core even when
+    # idle (its delay is fixed at 0). On CPU the UCX CMA copy runs inside
+    # transfer() and the holder's notification loop progresses the worker, so
+    # nothing needs it; RDMA READs are one-sided. Turn it on for TCP-only links,
+    # where a holder must progress promptly to serve a READ.
+    progress_thread: bool = field(
+        default=False, metadata={"help": "run NIXL's progress thread (costs a busy core per agent)"}
+    )
     num_threads: int = field(default=0, metadata={"help": "UCX backend worker threads (0 = NIXL default)"})
+    # Without a progress thread a READ from us (and its completion notification)
+    # moves only when we poll, so poll often while leases are held (a READ may be
+    # coming) and rarely when none are.
     notif_poll_s: float = field(
-        default=0.005, metadata={"help": "holder: seconds between notification polls"}
+        default=0.001, metadata={"help": "holder: seconds between NIXL polls while leases are held"}
+    )
+    idle_poll_s: float = field(
+        default=0.02, metadata={"help": "holder: seconds between NIXL polls when idle"}
     )
     xfer_poll_max_s: float = field(
-        default=0.002, metadata={"help": "receiver: longest wait between READ polls"}
+        default=0.001, metadata={"help": "receiver: longest wait between READ polls"}
     )
     liveness_check_s: float = field(
         default=1.0, metadata={"help": "receiver: ask the directory whether the holder lives this often"}
@@ -81,7 +94,7 @@ class NixlConfig:
     def __post_init__(self) -> None:
         if not self.backends:
             raise ValueError("NixlConfig.backends must name at least one backend")
-        for name in ("notif_poll_s", "xfer_poll_max_s", "liveness_check_s", "cancel_grace_s"):
+        for name in ("notif_poll_s", "idle_poll_s", "xfer_poll_max_s", "liveness_check_s", "cancel_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"NixlConfig.{name} must be > 0")
 
@@ -127,6 +140,7 @@ class NixlTransport:
         self._load_lock = asyncio.Lock()  # one (re)load of a holder at a time
         self._leases: LeaseManager | None = None
         self._notif_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # set when a lease is issued: poll now
         # Leases this receiver completed: the holder released them on our
         # notification, so reading them again would read reused blocks. Keyed by
         # the lease (holder, handle id, lease end), as a handle id may be reused.
@@ -187,6 +201,7 @@ class NixlTransport:
 
     def attach_source(self, leases: LeaseManager) -> None:
         self._leases = leases
+        leases.add_issue_listener(lambda _lease: self._wake.set())
         if self._notif_task is None:
             self._notif_task = asyncio.get_running_loop().create_task(self._notif_loop(), name="nixl-notifs")
 
@@ -196,7 +211,12 @@ class NixlTransport:
             for sender, messages in notifs.items():
                 for msg in messages:
                     self._on_notif(sender, msg)
-            await asyncio.sleep(self.config.notif_poll_s)  # a polling period, not synchronisation
+            busy = self._leases is not None and self._leases.held > 0
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):  # a polling period, not synchronisation
+                await asyncio.wait_for(
+                    self._wake.wait(), self.config.notif_poll_s if busy else self.config.idle_poll_s
+                )
 
     def _on_notif(self, sender: str, msg: bytes) -> None:
         if not msg.startswith(NOTIF_PREFIX) or self._leases is None:
@@ -338,14 +358,11 @@ class NixlTransport:
         name = handle.agent_name
         notif = NOTIF_PREFIX + handle.handle_id.encode()
         try:
-            xfer = await self._call(
-                self._agent.make_prepped_xfer, "READ", self._local, dst, peer.dlist, src, notif
-            )
+            xfer, state = await self._call(self._post, dst, peer.dlist, src, notif)
         except self._nixl_errors as e:
             raise self._failure(e, name) from e
         self.reads_in_flight += 1
         try:
-            state = await self._call(self._agent.transfer, xfer)
             delay = 0.0
             next_check = loop.time() + self.config.liveness_check_s
             while state == "PROC":
@@ -358,18 +375,42 @@ class NixlTransport:
                     await self._check_holder(peer, name)
                 await asyncio.sleep(delay)
                 delay = min(max(delay * 2, 5e-5), self.config.xfer_poll_max_s)
-                state = await self._call(self._agent.check_xfer_state, xfer)
+                xfer, state = await self._call(self._poll, xfer)
+            if isinstance(state, BaseException):
+                raise self._failure(state, name) from state
             if state != "DONE":
                 raise KvTransferFailed(
                     FailureKind.PEER_DEAD, f"NIXL READ of {handle.handle_id!r} ended in {state}"
                 )
-        except self._nixl_errors as e:
-            raise self._failure(e, name) from e
         finally:
             try:
-                await self._release(xfer, handle)
+                if xfer is not None:
+                    await self._release(xfer, handle)
             finally:
                 self.reads_in_flight -= 1
+
+    # Agent-thread helpers: one hop per step. A READ that is DONE is released in
+    # the same call (returned as None); errors come back as values so the caller
+    # still holds the handle to release.
+    def _post(self, dst: list[int], dlist: Any, src: list[int], notif: bytes) -> tuple[Any, Any]:
+        xfer = self._agent.make_prepped_xfer("READ", self._local, dst, dlist, src, notif)
+        try:
+            return self._settle(xfer, self._agent.transfer(xfer))
+        except self._nixl_errors as e:
+            return xfer, e
+
+    def _poll(self, xfer: Any) -> tuple[Any, Any]:
+        try:
+            return self._settle(xfer, self._agent.check_xfer_state(xfer))
+        except self._nixl_errors as e:
+            return xfer, e
+
+    def _settle(self, xfer: Any, state: str) -> tuple[Any, str]:
+        if state == "DONE":
+            with contextlib.suppress(*self._nixl_errors):  # else the caller releases it
+                xfer.release()
+                return None, state
+        return xfer, state
 
     async def _check_holder(self, peer: _Peer, name: str) -> None:
         try:

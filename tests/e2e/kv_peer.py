@@ -17,8 +17,9 @@ with JSON lines on stdout (one reply per command, in order):
 
 Test-only faults: `--stall-grpc-after-first-chunk` makes every ReadBlocks stream
 stop after its first chunk (and print {"event": "stalled"}); `--stall-nixl`
-runs NIXL over TCP without a progress thread and never polls it, so a READ
-from this process stays in flight until the process dies.
+runs NIXL over TCP and never progresses its worker (no progress thread, no
+notification loop), so a READ from this process stays in flight until the
+process dies.
 
 `Peer` (below) is the parent's handle on such a process.
 """
@@ -98,10 +99,10 @@ async def _serve(args: argparse.Namespace) -> None:
         view,
         directory,
         worker_id=args.worker_id,
-        config=NixlConfig(progress_thread=not args.stall_nixl),
+        config=NixlConfig(progress_thread=args.progress_thread),
     )
     await transport.start(kv_source_address=server.address)
-    if not args.stall_nixl:
+    if not args.stall_nixl:  # the notification loop is also what progresses our NIXL worker
         transport.attach_source(leases)
     keeper = LeaseKeeper(leases, directory, interval_s=0.05, liveness_interval_s=0.2)
     keeper.start()
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--stall-grpc-after-first-chunk", action="store_true")
     p.add_argument("--stall-nixl", action="store_true")
+    p.add_argument("--progress-thread", action="store_true", help="NIXL progress thread (busy core)")
     args = p.parse_args(argv)
     # Replies own stdout; NIXL/UCX and anything else that prints goes to stderr.
     global _control

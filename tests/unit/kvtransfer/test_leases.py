@@ -214,3 +214,26 @@ async def test_keeper_ends_leases_of_dead_requesters_only(env):
     assert leases.held == 2 and leases.counters.agent_dead == 1
     leases.close()
     assert pool.num_free == 32
+
+
+def test_a_handle_id_can_be_reissued_while_its_ended_lease_is_still_read(env):
+    _, pool, leases = env
+    first = issue(leases, pool, "req-1", n=2)
+    reader = leases.begin_read("req-1", "dec-1")
+    leases.release("req-1")  # e.g. the decode worker gave up and retries the same request
+    second = issue(leases, pool, "req-1", n=3)
+    assert leases.get("req-1") is second and leases.held_blocks == 5
+    leases.end_read(reader)
+    assert first.freed and not second.freed and pool.num_free == 29
+    leases.release("req-1")
+    assert pool.num_free == 32
+
+
+def test_issue_listeners_hear_every_new_lease(env):
+    _, pool, leases = env
+    heard = []
+    leases.add_issue_listener(lambda lease: heard.append(lease.handle_id))
+    issue(leases, pool, "a")
+    issue(leases, pool, "b")
+    assert heard == ["a", "b"]
+    leases.close()
