@@ -299,6 +299,9 @@ class RequestFlow:
                 self.journey.migrations,
                 "",
             )
+        if decision.action in (Recovery.RETRY, Recovery.MIGRATE) and not self._another_worker():
+            self._cost = self.journey.give_up()
+            raise err.to_mesh_error(worker, "no other decode worker to try")
         if decision.action is Recovery.RETRY and not self.ctx.budget.try_acquire_retry():
             if self.ctx.metrics is not None:
                 self.ctx.metrics.retry_denied()
@@ -309,6 +312,11 @@ class RequestFlow:
             raise err.to_mesh_error(worker, decision.reason)
         self._last_error = (worker, err)
         return None
+
+    def _another_worker(self) -> bool:
+        """Is there an eligible decode worker this request has not failed on?"""
+        failed = {a.worker_id for a in self.journey.attempts}
+        return any(c.worker_id not in failed for c in self.ctx.registry.eligible(WorkerRole.DECODE))
 
     def _launch(self) -> DecodeAttempt:
         """Pick a decode worker for the next attempt and start the call."""
