@@ -1,0 +1,270 @@
+"""KV transfer benchmark: NIXL vs gRPC between two processes, against memcpy.
+
+A KV holder runs in its own process (`tests/e2e/kv_peer.py`, the program the
+cross-process tests use) with a pool in the KV layout of the engine's `small`
+preset; this process is the receiver. For payloads of 1, 16, 64 and 256 MiB
+(whole KV blocks, contiguous block ids) it measures:
+- NIXL: a prepped READ of the holder's blocks into ours (`NixlTransport.pull`),
+- gRPC: the KvSource byte stream written into our blocks (`GrpcTransport.pull`),
+- memcpy: one `tensor.copy_` of the same bytes in one process, one thread (the limit),
+each the median of several runs, timed by the transport's own TransferStats
+(lookup, descriptor building, transfer, completion; not the lease bookkeeping
+before and after). Also: a scattered block list at 64 MiB, and the time to hand
+off the KV of a 2,048-token prompt of the `small` preset through each transport.
+GB/s = 1e9 bytes per second.
+
+Last line: `kv_transfer nixl_gbps=.. grpc_gbps=.. memcpy_gbps=.. nixl_vs_memcpy=.. nixl_vs_grpc=..` at 64 MiB.
+Run: `python bench/kv_transfer.py` (full) or `python bench/kv_transfer.py --quick` (< 2 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/kv_transfer.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc
+import torch
+
+from kvtransfer.agents import AgentDirectory
+from kvtransfer.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransfer.layout import KvLayout
+from kvtransfer.nixl_transport import NixlConfig, NixlTransport
+from kvtransfer.pool import PoolView
+from kvtransfer.testing import checksum
+from kvtransfer.transport import BlockHandle
+from pdmesh.v1 import common_pb2, kvtransfer_pb2_grpc
+from services.engine.config import EngineConfig
+from services.engine.engine_spec import EngineSpec
+from tests.e2e.kv_peer import REPO, Peer
+
+MIB = 1024 * 1024
+PAYLOADS_MIB = (1, 16, 64, 256)
+PROMPT_TOKENS = 2048
+
+
+def small_layout() -> KvLayout:
+    """The KV layout the torch engine uses for the `small` preset with its default settings."""
+    return EngineSpec.resolve(EngineConfig(preset="small")).layout
+
+
+def start_kv_service(tmp: Path) -> tuple[subprocess.Popen, str]:
+    port_file = tmp / "kvtransfer.json"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "services.kvtransfer.main", "--port", "0", "--port-file", str(port_file)),
+            *("--log-level", "warning"),
+        ],
+        cwd=REPO,
+    )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("kvtransfer service did not start")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, layout: KvLayout, kv_address: str, peer: Peer):
+        self.args = args
+        self.layout = layout
+        self.peer = peer
+        self.num_blocks = max(PAYLOADS_MIB) * MIB // layout.block_bytes
+        self.channel = grpc.aio.insecure_channel(kv_address)
+        directory = AgentDirectory(kvtransfer_pb2_grpc.KvTransferServiceStub(self.channel))
+        self.pool = PoolView(layout.allocate_pool(self.num_blocks), layout)
+        self.pool.pool.view(torch.uint8).fill_(1)  # fault every page in before timing
+        self.nixl = NixlTransport(
+            f"bench-recv-{os.getpid()}",
+            self.pool,
+            directory,
+            worker_id="bench",
+            config=NixlConfig(num_threads=args.nixl_threads),
+        )
+        self.grpc = GrpcTransport(
+            "bench-recv-grpc",
+            self.pool,
+            worker_id="bench",
+            config=GrpcTransportConfig(chunk_bytes=args.grpc_chunk_kib * 1024),
+        )
+        self.seq = 0
+
+    async def pull_once(self, kind: str, src: list[int], dst: list[int]) -> float:
+        """One export + pull + wait for the holder to free; returns the pull's seconds."""
+        self.seq += 1
+        reply = await self.peer.request(
+            op="export", handle_id=f"b{self.seq}", block_ids=src, issued_to="bench", ttl_s=120
+        )
+        handle = BlockHandle.from_proto(common_pb2.KvHandle.FromString(base64.b64decode(reply["handle"])))
+        transport = self.nixl if kind == "nixl" else self.grpc
+        stats = await transport.pull(handle, src, dst, deadline_s=120, on_failure=lambda: None)
+        if self.args.verify and checksum(self.pool, dst) != reply["checksum"]:
+            raise AssertionError(f"{kind}: bytes differ after pulling {len(src)} blocks")
+        freed = await self.peer.request(op="wait_free", free=self.num_blocks, timeout_s=30)
+        if not freed["ok"]:
+            raise AssertionError("holder did not free its blocks")
+        return stats.seconds
+
+    async def measure(self, src: list[int], dst: list[int], reps: int) -> tuple[float, float, float]:
+        """Median GB/s of NIXL, gRPC and memcpy, interleaved run by run so that
+        load from elsewhere on the machine hits all three alike."""
+        nbytes = len(src) * self.layout.block_bytes
+        for kind in ("nixl", "grpc"):  # warm-up: connection, metadata, first touch
+            await self.pull_once(kind, src, dst)
+        times: dict[str, list[float]] = {"nixl": [], "grpc": [], "memcpy": []}
+        mem_src = torch.ones(nbytes, dtype=torch.uint8)
+        mem_dst = torch.zeros(nbytes, dtype=torch.uint8)
+        mem_dst.copy_(mem_src)  # fault in
+        for _ in range(reps):
+            times["nixl"].append(await self.pull_once("nixl", src, dst))
+            times["grpc"].append(await self.pull_once("grpc", src, dst))
+            times["memcpy"].append(self.memcpy_seconds(mem_src, mem_dst))
+        nixl, grpc_, mem = (nbytes / statistics.median(times[k]) / 1e9 for k in ("nixl", "grpc", "memcpy"))
+        return nixl, grpc_, mem
+
+    @staticmethod
+    def memcpy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
+        """One single-threaded copy of src into dst, in this process."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
+
+    async def close(self) -> None:
+        await self.nixl.close()
+        await self.grpc.close()
+        await self.channel.close()
+
+
+def reps_for(mib: int, quick: bool) -> int:
+    if quick:
+        return 2 if mib >= 256 else 3
+    return 5 if mib >= 256 else 9
+
+
+async def run(args: argparse.Namespace) -> None:
+    layout = small_layout()
+    bb = layout.block_bytes
+    print("kv_transfer benchmark")
+    print(f"  date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  host: {platform.node()}  cpus: {os.cpu_count()}")
+    print(f"  python {platform.python_version()}, torch {torch.__version__}, grpcio {grpc.__version__}")
+    print(
+        f"  layout: `small` preset KV, {layout.num_layers} layers x 2 x {layout.block_size} tokens x "
+        f"{layout.num_kv_heads} kv heads x {layout.head_dim} ({layout.dtype}) = {bb // 1024} KiB per block"
+    )
+    print(
+        f"  nixl: UCX, num_threads={args.nixl_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; "
+        f"grpc: {args.grpc_chunk_kib} KiB chunks; {'quick' if args.quick else 'full'} run"
+    )
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        svc, kv_address = start_kv_service(tmp)
+        num_blocks = max(PAYLOADS_MIB) * MIB // bb
+        peer = Peer(
+            tmp,
+            kv_address,
+            f"bench-holder-{os.getpid()}",
+            seed=1,
+            num_blocks=num_blocks,
+            layout=f"{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.dtype},{layout.block_size}",
+            chunk_bytes=args.grpc_chunk_kib * 1024,
+            agent_lease_ms=10_000,
+            lease_ttl_s=120,
+        )
+        bench = None
+        try:
+            await peer.ready()
+            bench = Bench(args, layout, kv_address, peer)
+            await bench.nixl.start()
+            rows = {}
+            print()
+            print(
+                f"  {'payload':>9} {'blocks':>6} {'nixl GB/s':>10} {'grpc GB/s':>10} {'memcpy GB/s':>12}"
+                f" {'nixl/memcpy':>12} {'nixl/grpc':>10}"
+            )
+            for mib in PAYLOADS_MIB:
+                n = mib * MIB // bb
+                ids = list(range(n))
+                nixl, grpc_, mem = await bench.measure(ids, ids, reps_for(mib, args.quick))
+                rows[mib] = (nixl, grpc_, mem)
+                print(
+                    f"  {mib:>5} MiB {n:>6} {nixl:>10.2f} {grpc_:>10.2f} {mem:>12.2f}"
+                    f" {nixl / mem:>12.2f} {nixl / grpc_:>10.1f}"
+                )
+            # Scattered: 64 MiB of blocks picked at random from the whole pool, in random order.
+            n = 64 * MIB // bb
+            rng = random.Random(7)
+            src = rng.sample(range(num_blocks), n)
+            dst = rng.sample(range(num_blocks), n)
+            s_nixl, s_grpc, _ = await bench.measure(src, dst, reps_for(64, args.quick))
+            print(f"  scattered 64 MiB ({n} random blocks): nixl {s_nixl:.2f} GB/s, grpc {s_grpc:.2f} GB/s")
+            # Handoff of one 2,048-token prompt.
+            n = PROMPT_TOKENS // layout.block_size
+            ids = list(range(n))
+            h_nixl, h_grpc, h_mem = await bench.measure(ids, ids, reps_for(1, args.quick))
+            ms = [n * bb / gbps / 1e6 for gbps in (h_nixl, h_grpc, h_mem)]
+            print(
+                f"  handoff of a {PROMPT_TOKENS}-token prompt's KV ({n} blocks, {n * bb / MIB:.0f} MiB): "
+                f"nixl {ms[0]:.1f} ms, grpc {ms[1]:.1f} ms, memcpy {ms[2]:.1f} ms"
+            )
+        finally:
+            if bench is not None:
+                await bench.close()
+            peer.stop()
+            svc.terminate()
+            svc.wait(timeout=30)
+
+    print()
+    big = [m for m in PAYLOADS_MIB if m >= 16]
+    worst_mem = min(rows[m][0] / rows[m][2] for m in big)
+    worst_grpc = min(rows[m][0] / rows[m][1] for m in big)
+    grpc_64 = rows[64][1]
+    print(
+        f"  target NIXL >= 50% of memcpy at >= 16 MiB: worst {worst_mem:.0%} -> {'met' if worst_mem >= 0.5 else 'MISSED'}"
+    )
+    print(
+        f"  target NIXL >= 5x gRPC at >= 16 MiB: worst {worst_grpc:.1f}x -> {'met' if worst_grpc >= 5 else 'MISSED'}"
+    )
+    print(f"  target gRPC >= 0.5 GB/s (64 MiB): {grpc_64:.2f} -> {'met' if grpc_64 >= 0.5 else 'MISSED'}")
+    nixl, grpc_, mem = rows[64]
+    print(
+        f"kv_transfer nixl_gbps={nixl:.2f} grpc_gbps={grpc_:.2f} memcpy_gbps={mem:.2f} "
+        f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 minutes)")
+    ap.add_argument("--grpc-chunk-kib", type=int, default=512, help="gRPC chunk size in KiB")
+    ap.add_argument("--nixl-threads", type=int, default=0, help="UCX backend threads (0 = NIXL default)")
+    ap.add_argument(
+        "--verify", action="store_true", help="checksum every pull (slower; the tests already do)"
+    )
+    args = ap.parse_args(argv)
+    from services.common.logging import configure_logging
+
+    configure_logging("bench", "warning")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
