@@ -213,3 +213,13 @@ async def test_directory_falls_back_to_its_cache_when_the_service_is_down(svc):
 
 def test_layout_proto_carries_block_bytes():
     assert layout_to_proto(LAYOUT).block_bytes == LAYOUT.block_bytes
+
+
+async def test_reporter_keeps_records_while_the_service_is_down(svc):
+    _, _, stub, _, server = svc
+    reporter = ServiceReporter(stub, rpc_timeout_s=0.5, max_buffer=2)
+    for _ in range(3):
+        reporter.record(transport="grpc", source_agent="p", target_agent="d", nbytes=1, seconds=0.001)
+    assert reporter.dropped == 1 and reporter.pending == 2
+    await server.stop()
+    assert await reporter.flush() == 0 and reporter.pending == 2
