@@ -25,12 +25,12 @@ import grpc
 import structlog
 
 from pdmesh.v1 import decode_pb2
-from services.common.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted, Unavailable
 from services.router.admission import AdmissionController
 from services.router.admission_gate import AdmissionGate
 from services.router.circuit_breaker import BreakerRegistry, BreakerState
 from services.router.config import ModelSpec, RouterSettings
-from services.router.cost import CostLedger
+from services.router.cost import CostLedger, RequestCost, RequestOutcome
 from services.router.generate import (
     AlreadyExists,
     CallDecode,
@@ -214,6 +214,9 @@ class Router:
         except ResourceExhausted:
             self.ledger.record_shed()
             self.metrics.shed("saturated")
+            raise
+        except Unavailable:  # no decode worker at all: a failure that computed nothing
+            self.ledger.record(RequestCost(RequestOutcome.FAILED, 0, 0))
             raise
         flow = RequestFlow(self.ctx, req)
         self.flows[req.request_id] = flow

@@ -91,9 +91,10 @@ class WorkerConnection:
     def start(self) -> None:
         self._main = asyncio.create_task(self._run(), name=f"worker:{self.address}")
 
-    async def stop(self, grace_s: float | None = None) -> None:
+    async def stop(self, grace_s: float | None = None, forget: bool = True) -> None:
         """Stop the loops (the KV subscription first), then forget the worker's
-        index entries; in-flight generate calls get `grace_s` to finish."""
+        index entries (unless `forget` is False: the worker lives on elsewhere);
+        in-flight generate calls get `grace_s` to finish."""
         for task in (self._kv, self._main):
             if task is not None:
                 task.cancel()
@@ -101,8 +102,11 @@ class WorkerConnection:
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self.worker_id is not None:
+        if self.worker_id is not None and forget:
             self.pool.forget(self.worker_id)
+        elif self.worker_id is not None:  # its KV subscription moves with it: resync there
+            self.pool.index.clear(self.worker_id)
+            self.pool.sequencer.forget(self.worker_id)
         if grace_s:
             asyncio.get_running_loop().create_task(self.channel.close(grace_s))
         else:
@@ -305,6 +309,9 @@ class WorkerPool:
             return
         if conn is not None:
             await self._drop(address)
+        for addr, other in list(self._by_address.items()):
+            if other.worker_id == worker_id:  # the same worker moved to another address
+                await self._drop(addr, keep_registered=True)
         conn = WorkerConnection(self, address, role, worker_id)
         self._by_address[address] = conn
         conn.start()
@@ -317,11 +324,11 @@ class WorkerPool:
                 return
         self.forget(worker_id)
 
-    async def _drop(self, address: str, grace_s: float | None = None) -> None:
+    async def _drop(self, address: str, grace_s: float | None = None, keep_registered: bool = False) -> None:
         conn = self._by_address.pop(address)
-        if conn.worker_id is not None:
+        if conn.worker_id is not None and not keep_registered:
             self.registry.deregister(conn.worker_id)
-        await conn.stop(grace_s)
+        await conn.stop(grace_s, forget=not keep_registered)
         self.changed()
 
     def forget(self, worker_id: str) -> None:

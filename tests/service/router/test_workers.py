@@ -150,3 +150,17 @@ async def test_a_dns_name_with_several_addresses_is_several_workers(mesh):
     assert names == {"decode.test": 1}
     await h.generate("x", max_tokens=2)
     assert len(d1.calls) + len(d2.calls) == 1
+
+
+async def test_a_worker_that_moves_address_is_followed(mesh):
+    old, new = await mesh.decode("d1"), await mesh.decode("d1")  # one worker id, restarted elsewhere
+    h = await mesh.router([], wait=False)
+    r = h.router
+    await h.stub.RegisterWorker(_register(old))
+    await r.wait_until(lambda: r.sequencer.last_seq("d1") == 0)
+    await h.stub.RegisterWorker(_register(new))
+    await r.wait_until(lambda: r.sequencer.last_seq("d1") == 0 and new.kv.subscriptions == 1)
+    assert [c.address for c in r.pool.connections()] == [new.address]
+    await old.stop()
+    _, final, _ = await h.generate("x", max_tokens=2)
+    assert final.worker_id == "d1" and len(new.calls) == 1 and old.calls == []
