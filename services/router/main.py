@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -36,7 +38,7 @@ async def _follow_readiness(router: Router, server: MeshServer) -> None:
 async def serve(settings: RouterSettings) -> None:
     log = configure_logging("router", settings.server.log_level)
     model = ModelSpec.load(settings.router)
-    router = Router(settings, model, subscriber=f"router-{id(settings):x}")
+    router = Router(settings, model, subscriber=f"router-{socket.gethostname()}-{os.getpid()}")
     server = MeshServer(settings.server, SERVICE_NAME, registry=router.metrics.registry)
     add_to_server(router, server.server)
     await server.start()
