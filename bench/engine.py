@@ -5,11 +5,14 @@ On the built-in `small` preset (~51M parameters), one thread, it measures:
   added at once, the engine steps until done; prefill time included),
 - the same N requests run one after another on the same engine,
 - `transformers` `generate` one request at a time on the exact same weights
-  (the built-in model exported to an HF Llama folder), with a check that its
-  greedy tokens equal ours,
+  (the built-in model exported to an HF Llama folder), alternating with ours
+  request by request so both see the same machine load, with a count of
+  requests whose greedy tokens equal ours (all in float32; in bfloat16 a
+  different summation order flips near-ties sooner or later),
 - time to first token of a prompt whose first 90% is cached versus uncached.
 
-It prints the ratios it claims; the last line is one summary line
+Each rate shows the share of wall time the process had a CPU (a busy machine
+shows as < ~95%). It prints the ratios it claims; the last line is one summary line
 `engine cb_vs_seq=... vs_hf_b1=... prefix_ttft_ratio=...`.
 Run: `python bench/engine.py` (full) or `python bench/engine.py --quick` (< 2 min).
 """
@@ -71,40 +74,73 @@ def greedy(rid: str, prompt: list[int], max_tokens: int) -> EngineRequest:
     return EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def run_concurrent(engine: LLMEngine, prompts, max_tokens: int, tag: str) -> tuple[dict, float]:
+class Timer:
+    """Wall time, and the share of it this process was on a CPU (below ~95%: a busy machine)."""
+
+    seconds = 0.0
+    cpu_seconds = 0.0
+
+    def __enter__(self) -> Timer:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._wall
+        self.cpu_seconds = time.process_time() - self._cpu
+
+    def add(self, other: Timer) -> None:
+        self.seconds += other.seconds
+        self.cpu_seconds += other.cpu_seconds
+
+    def rate(self, tokens: int) -> str:
+        share = self.cpu_seconds / self.seconds
+        return (
+            f"{tokens} tokens in {self.seconds:.2f} s = {tokens / self.seconds:.1f} tok/s (cpu {share:.0%})"
+        )
+
+
+def run_concurrent(engine: LLMEngine, prompts, max_tokens: int, tag: str) -> tuple[dict, Timer]:
     reqs = [greedy(f"{tag}{i}", p, max_tokens) for i, p in enumerate(prompts)]
-    start = time.perf_counter()
-    out = engine.generate(reqs)
-    return out, time.perf_counter() - start
+    with Timer() as t:
+        out = engine.generate(reqs)
+    return out, t
 
 
-def run_sequential(engine: LLMEngine, prompts, max_tokens: int, tag: str) -> tuple[dict, float]:
-    out: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        out |= engine.generate([greedy(f"{tag}{i}", p, max_tokens)])
-    return out, time.perf_counter() - start
+class HfRunner:
+    """`transformers` generate, one request at a time, on an exported copy of our weights."""
 
+    def __init__(self, folder: Path, dtype: torch.dtype):
+        from transformers import LlamaForCausalLM
 
-def run_transformers(
-    folder: Path, dtype: torch.dtype, prompts, max_tokens: int
-) -> tuple[list[list[int]], float]:
-    from transformers import LlamaForCausalLM
+        self.model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
 
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-
-    def generate(p: list[int], n: int) -> list[int]:
-        ids = torch.tensor([p])
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt])
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-        return out[0, len(p) :].tolist()
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
+            )
+        return out[0, len(prompt) :].tolist()
 
-    generate(prompts[0], 4)  # warm-up
-    start = time.perf_counter()
-    outs = [generate(p, max_tokens) for p in prompts]
-    return outs, time.perf_counter() - start
+
+def run_sequential(engine: LLMEngine, hf: HfRunner, prompts, max_tokens: int, hf_requests: int):
+    """Ours one request at a time; the first `hf_requests` also through transformers, alternating
+    request by request so that both see the same machine load."""
+    ours: dict[int, list[int]] = {}
+    theirs: dict[int, list[int]] = {}
+    t_ours, t_ours_paired, t_hf = Timer(), Timer(), Timer()
+    for i, p in enumerate(prompts):
+        with Timer() as t:
+            ours[i] = engine.generate([greedy(f"seq{i}", p, max_tokens)])[f"seq{i}"]
+        t_ours.add(t)
+        if i < hf_requests:
+            t_ours_paired.add(t)
+            with Timer() as t:
+                theirs[i] = hf.generate(p, max_tokens)
+            t_hf.add(t)
+    return ours, t_ours, t_ours_paired, theirs, t_hf
 
 
 def time_to_first_token(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
@@ -155,39 +191,46 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens, {plan.max_tokens} output tokens each; torch {torch.__version__}, {platform.processor() or platform.machine()}"
     )
     engine.generate([greedy("warmup", [1] * 64, 4)])
+    engine.reset_prefix_cache()
 
     prompts = random_prompts(plan.requests, plan.prompt_min, plan.prompt_max, args.seed)
     n_out = plan.requests * plan.max_tokens
-    cb_out, cb_s = run_concurrent(engine, prompts, plan.max_tokens, "cb")
-    print(f"continuous batching: {n_out} tokens in {cb_s:.2f} s = {n_out / cb_s:.1f} tok/s")
-    seq_out, seq_s = run_sequential(engine, prompts, plan.max_tokens, "seq")
-    print(f"one after another:   {n_out} tokens in {seq_s:.2f} s = {n_out / seq_s:.1f} tok/s")
-    same = sum(cb_out[f"cb{i}"] == seq_out[f"seq{i}"] for i in range(plan.requests))
-    print(f"  batched == sequential tokens for {same}/{plan.requests} requests")
+    cb_out, cb = run_concurrent(engine, prompts, plan.max_tokens, "cb")
+    print(f"continuous batching: {cb.rate(n_out)}")
 
     with tempfile.TemporaryDirectory() as tmp:
         export_hf_folder(engine.runner.model, tmp)
-        hf_prompts = prompts[: plan.hf_requests]
-        hf_out, hf_s = run_transformers(
-            Path(tmp), engine.runner.model.embed.weight.dtype, hf_prompts, plan.max_tokens
-        )
+        hf = HfRunner(Path(tmp), engine.runner.model.embed.weight.dtype)
+    hf.generate(prompts[0], 4)  # warm-up
+    engine.reset_prefix_cache()  # the same prompts again: no help from the first run's blocks
+    seq_out, seq, seq_paired, hf_out, hf_time = run_sequential(
+        engine, hf, prompts, plan.max_tokens, plan.hf_requests
+    )
+    print(f"one after another:   {seq.rate(n_out)}")
+    same = sum(cb_out[f"cb{i}"] == seq_out[i] for i in range(plan.requests))
+    print(f"  batched == sequential tokens for {same}/{plan.requests} requests")
     hf_n = plan.hf_requests * plan.max_tokens
-    ours_b1 = n_out / seq_s
-    hf_rate = hf_n / hf_s
-    match = sum(hf_out[i] == seq_out[f"seq{i}"] for i in range(plan.hf_requests))
-    print(f"transformers b1:     {hf_n} tokens in {hf_s:.2f} s = {hf_rate:.1f} tok/s")
+    print(f"transformers b1:     {hf_time.rate(hf_n)}")
+    print(f"  ours on the same {plan.hf_requests} requests, alternating with it: {seq_paired.rate(hf_n)}")
+    match = sum(hf_out[i] == seq_out[i] for i in range(plan.hf_requests))
     print(f"  transformers greedy == ours for {match}/{plan.hf_requests} requests")
+    cb_rate, ours_b1, hf_rate = n_out / cb.seconds, n_out / seq.seconds, hf_n / hf_time.seconds
+    vs_hf = hf_time.seconds / seq_paired.seconds
+    # The same ratios from CPU seconds: what they would be on an idle machine (1 thread each).
+    cb_vs_seq_cpu = seq.cpu_seconds / cb.cpu_seconds
+    vs_hf_cpu = hf_time.cpu_seconds / seq_paired.cpu_seconds
 
+    engine.reset_prefix_cache()
     uncached, cached, hit = prefix_ttft(engine, plan, args.seed)
     print(
         f"TTFT of a {plan.ttft_prompt}-token prompt: uncached {uncached * 1e3:.0f} ms, "
         f"{hit} tokens cached {cached * 1e3:.0f} ms"
     )
     print(
-        f"engine cb_vs_seq={cb_s and seq_s / cb_s:.2f} vs_hf_b1={ours_b1 / hf_rate:.2f} "
-        f"prefix_ttft_ratio={cached / uncached:.3f} cb_tok_s={n_out / cb_s:.1f} seq_tok_s={ours_b1:.1f} "
+        f"engine cb_vs_seq={cb_rate / ours_b1:.2f} vs_hf_b1={vs_hf:.2f} "
+        f"prefix_ttft_ratio={cached / uncached:.3f} cb_tok_s={cb_rate:.1f} seq_tok_s={ours_b1:.1f} "
         f"hf_b1_tok_s={hf_rate:.1f} ttft_uncached_ms={uncached * 1e3:.0f} ttft_cached_ms={cached * 1e3:.0f} "
-        f"hf_match={match}/{plan.hf_requests}"
+        f"hf_match={match}/{plan.hf_requests} cb_vs_seq_cpu={cb_vs_seq_cpu:.2f} vs_hf_b1_cpu={vs_hf_cpu:.2f}"
     )
 
 
