@@ -60,6 +60,7 @@ class TorchEngine:
         self._held: set[str] = set()
         self._reserved: set[str] = set()
         self._event_waiters: list[asyncio.Future] = []
+        self._calls: set[asyncio.Future] = set()  # pending `_call` results
         self._prefill_ids: set[str] = set()  # step thread only
         self._failure: Exception | None = None
 
@@ -109,8 +110,8 @@ class TorchEngine:
         try:
             return await fut
         except asyncio.CancelledError:
-            if not self._closed:
-                self._submit(lambda core: core.abort(rid))  # runs after `run`: frees whatever it made
+            self._held.discard(rid)
+            self._try_submit(lambda core: core.abort(rid))  # runs after `run`: frees whatever it made
             raise
         finally:
             self._prefills.pop(rid, None)
@@ -119,8 +120,7 @@ class TorchEngine:
         if request_id not in self._held:
             return False
         self._held.discard(request_id)
-        self._submit(lambda core: core.release(request_id))
-        return True
+        return self._try_submit(lambda core: core.release(request_id))
 
     async def reserve_external(self, request: EngineRequest) -> ExternalKvReservation:
         self._check_new(request)
@@ -130,8 +130,7 @@ class TorchEngine:
             return await self._call(lambda core: core.reserve_external(request))
         except BaseException:
             self._reserved.discard(rid)
-            if not self._closed:
-                self._submit(lambda core: core.cancel_external(rid))  # no-op unless it got reserved
+            self._try_submit(lambda core: core.cancel_external(rid))  # no-op unless it got reserved
             raise
 
     def generate_external(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:
@@ -144,15 +143,14 @@ class TorchEngine:
     def cancel_external(self, request_id: str) -> None:
         if request_id in self._reserved:
             self._reserved.discard(request_id)
-            self._submit(lambda core: core.cancel_external(request_id))
+            self._try_submit(lambda core: core.cancel_external(request_id))
 
     def abort(self, request_id: str) -> bool:
-        if not self._is_active(request_id) or self._closed:
+        if not self._is_active(request_id):
             return False
         self._held.discard(request_id)
         self._reserved.discard(request_id)
-        self._submit(lambda core: self._abort_on_thread(core, request_id))
-        return True
+        return self._try_submit(lambda core: self._abort_on_thread(core, request_id))
 
     # ---- KV blocks and views ------------------------------------------------------
 
@@ -234,12 +232,14 @@ class TorchEngine:
         finally:
             if self._streams.get(rid) is q:
                 del self._streams[rid]
-            if not done and not self._closed:  # closed or cancelled by the consumer
-                self._submit(lambda core: self._abort_on_thread(core, rid))
+            if not done:  # closed or cancelled by the consumer
+                self._try_submit(lambda core: self._abort_on_thread(core, rid))
 
     def _call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         """Run fn(core) on the step thread; the future gets its result or typed error."""
         fut = self._loop.create_future()
+        self._calls.add(fut)
+        fut.add_done_callback(self._calls.discard)
 
         def run(core: LLMEngine) -> None:
             try:
@@ -255,6 +255,13 @@ class TorchEngine:
     def _submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         self._check_open()
         self._commands.put(fn)
+
+    def _try_submit(self, fn: Callable[[LLMEngine], Any]) -> bool:
+        """Submit a clean-up command; False when the step loop is gone (it freed everything)."""
+        if self._core is None or self._closed or self._failure is not None:
+            return False
+        self._commands.put(fn)
+        return True
 
     def _post(self, fn: Callable, *args) -> None:
         try:
@@ -295,7 +302,7 @@ class TorchEngine:
         failed.__cause__ = error
         for q in self._streams.values():
             q.put_nowait(failed)
-        for fut in self._prefills.values():
+        for fut in [*self._prefills.values(), *self._calls]:
             self._settle(fut, None, failed)
         self._wake_event_waiters()
 
@@ -311,6 +318,13 @@ class TorchEngine:
         core = self._core
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)  # per thread for OpenMP
+        try:
+            self._loop_until_stopped(core)
+        except Exception as e:  # a bug: fail every caller loudly, stop the loop
+            self._failure = e
+            self._post(self._fail_all, e)
+
+    def _loop_until_stopped(self, core: LLMEngine) -> None:
         last_event = core.block_manager.events.last_seq
         items: list[tuple[str, str, Any]] = []
         while True:
@@ -324,12 +338,7 @@ class TorchEngine:
                 if isinstance(result, list):  # deliveries; other results went through a future
                     items += result
             if core.has_unfinished_requests():
-                try:
-                    items += self._step(core)
-                except Exception as e:  # a bug: fail every caller loudly, stop the loop
-                    self._failure = e
-                    self._post(self._fail_all, e)
-                    return
+                items += self._step(core)
             seq = core.block_manager.events.last_seq
             if items or seq != last_event:
                 self._post(self._deliver, items, seq != last_event)

@@ -205,3 +205,20 @@ async def test_a_request_blocked_by_held_kv_runs_once_released(make_async):
     assert held.held is not None and engine.release("held")
     tokens, _ = await task
     assert tokens == reference([req])["late"]
+
+
+async def test_a_bug_in_the_step_fails_every_caller_instead_of_hanging():
+    engine = create_engine(tiny_config())
+    await engine.start()
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    engine._core.step = broken_step
+    with pytest.raises(EngineError, match="step loop failed") as err:
+        await collect(engine.generate(request("x", [1, 2, 3], max_tokens=3)))
+    assert isinstance(err.value.__cause__, RuntimeError)
+    with pytest.raises(EngineError, match="step loop failed"):
+        engine.generate(request("y", [1]))
+    assert not engine.release("x") and not engine.abort("x")
+    await engine.close()
