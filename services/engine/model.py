@@ -15,7 +15,7 @@ from torch import nn
 
 from services.engine.attention import AttentionMetadata, paged_attention
 from services.engine.model_config import ModelConfig
-from services.engine.rope import RotaryEmbedding
+from services.engine.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -40,13 +40,12 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_layer, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_layer, meta: AttentionMetadata):
         t = x.shape[0]
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # [T, H*Dh], [T, Hkv*Dh] x2
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
         return self.o(paged_attention(q, k, v, kv_layer, meta))  # [T, D]
 
 
@@ -69,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv_layer, meta):
-        x = x + self.attn(self.attn_norm(x), positions, rope, kv_layer, meta)
+    def forward(self, x, rope, kv_layer, meta):
+        x = x + self.attn(self.attn_norm(x), rope, kv_layer, meta)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -95,8 +94,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_layers[i]: pool view [N, 2, bs, Hkv, Dh]. Returns [T, D]."""
         x = self.embed(input_ids)
+        rope = self.rope(positions, x.dtype)  # cos, sin [T, 1, Dh/2]
         for layer, kv_layer in zip(self.layers, kv_layers, strict=True):
-            x = layer(x, positions, self.rope, kv_layer, meta)
+            x = layer(x, rope, kv_layer, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
