@@ -14,11 +14,13 @@ polls it to completion. A holder that restarted under the same name is noticed
 by its incarnation (or a failed READ) and reloaded: stale metadata costs at
 most one failed attempt.
 
-The agent is used from one dedicated thread only (every call goes through
-`_call`): NIXL agents are not thread-safe by default, and on CPU the UCX CMA
-transport copies synchronously inside `transfer()`, which must not stall the
-event loop. On failure or timeout the READ is released (NIXL cancels it) before
-`on_failure` frees the destination; see `kvtransfer.transport`.
+The agent and its one thread are `NixlAgent`'s. Without a progress thread (the
+default: NIXL's spins a core) the holder's worker moves only when polled, and a
+small READ completes only once the holder has progressed, so the holder polls
+every `notif_poll_s` while it holds leases, every `idle_poll_s` otherwise, and
+at once when a lease is issued. On failure or timeout the READ is released
+(NIXL cancels it) before `on_failure` frees the destination; see
+`kvtransfer.transport`.
 
 A NIXL READ cannot be pinned on the holder: if the holder's lease ended
 mid-READ its blocks could be reused under us. The pull therefore ends at the
@@ -29,10 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from kvtransfer.agents import AgentDirectory, AgentRecord
 from kvtransfer.errors import FailureKind, KvTransferFailed
 from kvtransfer.layout import LayoutMismatch
 from kvtransfer.leases import LeaseManager
+from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.pool import PoolView
 from kvtransfer.transport import (
     BlockHandle,
@@ -101,8 +102,7 @@ class NixlConfig:
 
 @dataclass
 class _Peer:
-    record: AgentRecord
-    dlist: Any  # nixl_prepped_dlist_handle over all of the holder's blocks
+    record: AgentRecord  # the incarnation loaded into our agent
 
 
 class NixlTransport:
@@ -118,13 +118,6 @@ class NixlTransport:
         config: NixlConfig | None = None,
         reporter: TransferReporter | None = None,
     ):
-        from nixl_cu12 import _bindings  # fail here, in the factory's try, when NIXL is missing
-
-        # The typed errors the NIXL bindings raise (nixlBackendError, nixlRemoteDisconnectError, ...).
-        self._nixl_errors: tuple[type[BaseException], ...] = tuple(
-            v for k, v in vars(_bindings).items() if k.startswith("nixl") and k.endswith("Error")
-        )
-        self._disconnect: type[BaseException] = _bindings.nixlRemoteDisconnectError
         self.agent_name = agent_name
         self.pool = pool
         self.layout = pool.layout
@@ -132,10 +125,12 @@ class NixlTransport:
         self.worker_id = worker_id
         self.config = config or NixlConfig()
         self.reporter = reporter
-        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{agent_name}")
-        self._agent: Any = None
-        self._reg: Any = None
-        self._local: Any = None
+        self.agent = NixlAgent(
+            agent_name,
+            backends=self.config.backends,
+            progress_thread=self.config.progress_thread,
+            num_threads=self.config.num_threads,
+        )
         self._peers: dict[str, _Peer] = {}
         self._load_lock = asyncio.Lock()  # one (re)load of a holder at a time
         self._leases: LeaseManager | None = None
@@ -149,27 +144,9 @@ class NixlTransport:
         self.quarantined_blocks = 0
         self.reloads = 0
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one agent call on the agent's thread; wait for it even if cancelled,
-        so no caller proceeds (e.g. frees blocks) while the call still runs."""
-        fut = asyncio.get_running_loop().run_in_executor(self._exec, functools.partial(fn, *args))
-        cancelled = False
-        while True:
-            try:
-                result = await asyncio.shield(fut)
-                break
-            except asyncio.CancelledError:
-                if fut.done():
-                    raise
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
-        return result
-
     # -- both sides ----------------------------------------------------------------
     async def start(self, kv_source_address: str = "") -> None:
-        await self._call(self._create_agent)
-        metadata = await self._call(lambda: self._agent.get_agent_metadata())
+        metadata = await self.agent.start(self.pool)
         record = AgentRecord(
             name=self.agent_name,
             metadata=metadata,
@@ -185,20 +162,6 @@ class NixlTransport:
         await self.directory.register(record)
         self.directory.start_heartbeats()
 
-    def _create_agent(self) -> None:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
-        cfg = nixl_agent_config(
-            enable_prog_thread=self.config.progress_thread,
-            backends=list(self.config.backends),
-            num_threads=self.config.num_threads,
-        )
-        self._agent = nixl_agent(self.agent_name, cfg)
-        self._reg = self._agent.register_memory(self.pool.pool)
-        self._local = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", self.pool.block_regions(), self.pool.memory_type
-        )
-
     def attach_source(self, leases: LeaseManager) -> None:
         self._leases = leases
         leases.add_issue_listener(lambda _lease: self._wake.set())
@@ -207,7 +170,7 @@ class NixlTransport:
 
     async def _notif_loop(self) -> None:
         while True:
-            notifs = await self._call(self._agent.get_new_notifs)
+            notifs = await self.agent.call(self.agent.notifications)
             for sender, messages in notifs.items():
                 for msg in messages:
                     self._on_notif(sender, msg)
@@ -318,32 +281,22 @@ class NixlTransport:
         if loaded is not None and loaded.record.incarnation == record.incarnation:
             return loaded
         if loaded is not None:
-            await self._call(self._unload, name, loaded)
+            await self.agent.call(self.agent.unload, name)
             self.reloads += 1
         try:
-            dlist = await self._call(self._load, record)
-        except self._nixl_errors as e:
+            loaded_name = await self.agent.call(
+                self.agent.load, record.metadata, record.block_regions(), record.memory_type
+            )
+        except self.agent.errors as e:
             raise KvTransferFailed(FailureKind.PEER_DEAD, f"cannot load KV agent {name!r}: {e!r}") from e
-        peer = _Peer(record, dlist)
+        if loaded_name != name:
+            await self.agent.call(self.agent.unload, loaded_name)
+            raise KvTransferFailed(
+                FailureKind.UNKNOWN_AGENT, f"the metadata registered as {name!r} is agent {loaded_name!r}"
+            )
+        peer = _Peer(record)
         self._peers[name] = peer
         return peer
-
-    def _load(self, record: AgentRecord) -> Any:
-        loaded_name = self._agent.add_remote_agent(record.metadata)
-        if isinstance(loaded_name, bytes):
-            loaded_name = loaded_name.decode()
-        if loaded_name != record.name:
-            self._agent.remove_remote_agent(loaded_name)
-            raise KvTransferFailed(
-                FailureKind.UNKNOWN_AGENT, f"metadata registered as {record.name!r} is agent {loaded_name!r}"
-            )
-        return self._agent.prep_xfer_dlist(record.name, record.block_regions(), record.memory_type)
-
-    def _unload(self, name: str, peer: _Peer) -> None:
-        with contextlib.suppress(Exception):  # best effort: the peer may be gone already
-            peer.dlist.release()
-        with contextlib.suppress(Exception):
-            self._agent.remove_remote_agent(name)
 
     async def _read(
         self, peer: _Peer, handle: BlockHandle, src: list[int], dst: list[int], deadline: float
@@ -358,8 +311,8 @@ class NixlTransport:
         name = handle.agent_name
         notif = NOTIF_PREFIX + handle.handle_id.encode()
         try:
-            xfer, state = await self._call(self._post, dst, peer.dlist, src, notif)
-        except self._nixl_errors as e:
+            xfer, state = await self.agent.call(self.agent.post, name, src, dst, notif)
+        except self.agent.errors as e:
             raise self._failure(e, name) from e
         self.reads_in_flight += 1
         try:
@@ -375,7 +328,7 @@ class NixlTransport:
                     await self._check_holder(peer, name)
                 await asyncio.sleep(delay)
                 delay = min(max(delay * 2, 5e-5), self.config.xfer_poll_max_s)
-                xfer, state = await self._call(self._poll, xfer)
+                xfer, state = await self.agent.call(self.agent.poll, xfer)
             if isinstance(state, BaseException):
                 raise self._failure(state, name) from state
             if state != "DONE":
@@ -385,32 +338,9 @@ class NixlTransport:
         finally:
             try:
                 if xfer is not None:
-                    await self._release(xfer, handle)
+                    await self._release(xfer, handle, len(dst))
             finally:
                 self.reads_in_flight -= 1
-
-    # Agent-thread helpers: one hop per step. A READ that is DONE is released in
-    # the same call (returned as None); errors come back as values so the caller
-    # still holds the handle to release.
-    def _post(self, dst: list[int], dlist: Any, src: list[int], notif: bytes) -> tuple[Any, Any]:
-        xfer = self._agent.make_prepped_xfer("READ", self._local, dst, dlist, src, notif)
-        try:
-            return self._settle(xfer, self._agent.transfer(xfer))
-        except self._nixl_errors as e:
-            return xfer, e
-
-    def _poll(self, xfer: Any) -> tuple[Any, Any]:
-        try:
-            return self._settle(xfer, self._agent.check_xfer_state(xfer))
-        except self._nixl_errors as e:
-            return xfer, e
-
-    def _settle(self, xfer: Any, state: str) -> tuple[Any, str]:
-        if state == "DONE":
-            with contextlib.suppress(*self._nixl_errors):  # else the caller releases it
-                xfer.release()
-                return None, state
-        return xfer, state
 
     async def _check_holder(self, peer: _Peer, name: str) -> None:
         try:
@@ -425,21 +355,21 @@ class NixlTransport:
             raise KvTransferFailed(FailureKind.PEER_DEAD, f"KV agent {name!r} restarted during the READ")
 
     def _failure(self, e: BaseException, name: str) -> KvTransferFailed:
-        kind = FailureKind.PEER_DEAD if isinstance(e, self._disconnect) else FailureKind.TRANSPORT
+        kind = FailureKind.PEER_DEAD if isinstance(e, self.agent.disconnect_error) else FailureKind.TRANSPORT
         return KvTransferFailed(kind, f"NIXL READ from {name!r}: {type(e).__name__}: {e}")
 
-    async def _release(self, xfer: Any, handle: BlockHandle) -> None:
+    async def _release(self, xfer: Any, handle: BlockHandle, nblocks: int) -> None:
         """Release the READ (NIXL cancels it if still active); if it cannot be
         cancelled, wait up to cancel_grace_s for it to end, else quarantine."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.config.cancel_grace_s
         while True:
             try:
-                await self._call(xfer.release)
+                await self.agent.call(self.agent.release, xfer)
                 return
-            except self._nixl_errors as e:
+            except self.agent.errors as e:
                 if loop.time() >= give_up:
-                    self.quarantined_blocks += 1
+                    self.quarantined_blocks += nblocks
                     raise Quarantined(
                         KvTransferFailed(
                             FailureKind.TRANSPORT, f"NIXL READ of {handle.handle_id!r} would not stop: {e!r}"
@@ -454,16 +384,5 @@ class NixlTransport:
                 await self._notif_task
             self._notif_task = None
         await self.directory.deregister()
-        if self._agent is not None:
-            await self._call(self._shutdown)
-        self._exec.shutdown(wait=True)
-
-    def _shutdown(self) -> None:
-        for name, peer in list(self._peers.items()):
-            self._unload(name, peer)
         self._peers.clear()
-        with contextlib.suppress(Exception):
-            self._local.release()
-        with contextlib.suppress(Exception):
-            self._agent.deregister_memory(self._reg)
-        self._agent = None
+        await self.agent.close()

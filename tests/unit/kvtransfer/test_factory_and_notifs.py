@@ -53,7 +53,7 @@ def test_done_notifications_release_only_matching_leases():
     for h, agent in (("mine", "dec-a"), ("anyones", "")):
         ids = blocks.alloc(1)
         leases.issue(h, ids, "w", agent, on_free=lambda ids=ids: blocks.free(ids))
-    t = NixlTransport("holder", pool(), NoDirectory())
+    t = NixlTransport("holder", pool(), NoDirectory())  # not started: no agent is created
     t._leases = leases  # what attach_source sets, without starting the poll loop
     t._on_notif("dec-b", NOTIF_PREFIX + b"mine")  # another agent's READ: not its lease to end
     t._on_notif("dec-a", b"unrelated message")
