@@ -144,6 +144,11 @@ class NixlTransport:
         self.quarantined_blocks = 0
         self.reloads = 0
 
+    @property
+    def loaded_agents(self) -> list[str]:
+        """Holders whose metadata is loaded into our agent."""
+        return sorted(self._peers)
+
     # -- both sides ----------------------------------------------------------------
     async def start(self, kv_source_address: str = "") -> None:
         metadata = await self.agent.start(self.pool)
@@ -260,7 +265,15 @@ class NixlTransport:
         if not name:
             raise KvTransferFailed(FailureKind.INVALID, f"handle {handle.handle_id!r} names no NIXL agent")
         loaded = self._peers.get(name)
-        record = await self.directory.get(name, refresh=refresh)
+        try:
+            record = await self.directory.get(name, refresh=refresh)
+        except KvTransferFailed as e:
+            if e.kind == FailureKind.UNKNOWN_AGENT and loaded is not None:
+                # Gone from the mesh: drop it from our agent too (a restarted worker
+                # comes back under a new name, so nothing else would).
+                del self._peers[name]
+                await self.agent.call(self.agent.unload, name)
+            raise
         if handle.kv_source_address not in ("", record.kv_source_address):
             # The holder moved (restarted) since we cached it, or the handle is older than the holder.
             record = await self.directory.get(name, refresh=True)

@@ -302,6 +302,13 @@ async def test_a_stalled_nixl_read_times_out_then_dies_with_its_holder(tmp, kv_s
         peer.kill()
         await expect(FailureKind.PEER_DEAD, pull)
         assert receiver.nixl.reads_in_flight == 0
+        # Once its liveness lease lapses the dead holder is unknown, and forgotten by our agent.
+        deadline = time.monotonic() + 30
+        while await receiver.directory.is_alive(peer.name) is not False:
+            assert time.monotonic() < deadline, "dead holder never expired"
+            await asyncio.sleep(0.05)  # polling the registry with a deadline
+        await expect(FailureKind.UNKNOWN_AGENT, receiver.pull("nixl", handle))
+        assert peer.name not in receiver.nixl.loaded_agents
     finally:
         peer.kill()
         peer.stop()
