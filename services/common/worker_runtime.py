@@ -12,6 +12,7 @@ engine.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,6 +83,8 @@ class WorkerRuntime:
         await self.engine.start()
         port = self.server.bind()
         host = self.config.advertise_host or self.server.config.host
+        if host in ("0.0.0.0", "::", ""):  # listening everywhere: peers reach us by our name
+            host = socket.gethostname()
         self.address = f"{host}:{port}"
         self.worker_id = self.config.worker_id or default_worker_id(self.role, port)
         self.registry.register(EngineCollector(self.engine.stats, self.role))

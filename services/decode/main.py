@@ -31,7 +31,7 @@ CONFIGS = (
     (WorkerConfig, ""),
     (DecodeConfig, ""),
     (DisaggConfig, ""),
-    (RequestLimits, ""),
+    (RequestLimits, "limits_"),
     (EngineConfig, "engine_"),
 )
 

@@ -33,7 +33,7 @@ CONFIGS = (
     (ServerConfig, ""),
     (WorkerConfig, ""),
     (PrefillConfig, ""),
-    (RequestLimits, ""),
+    (RequestLimits, "limits_"),
     (EngineConfig, "engine_"),
 )
 
