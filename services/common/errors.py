@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import structlog
 
+from kvtransfer.errors import KvTransferFailed
 from kvtransfer.layout import LayoutMismatch
 from services.engine.api import EngineCapacityError, InvalidRequestError, UnknownRequestError
 
@@ -65,6 +66,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The gRPC status for a known domain error, None for anything else."""
     if isinstance(exc, MeshError):
         return exc.code, str(exc)
+    if isinstance(exc, KvTransferFailed):
+        return exc.status_code, str(exc)
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, LayoutMismatch):

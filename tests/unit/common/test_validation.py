@@ -70,3 +70,14 @@ def test_priority_and_enum_checks():
     check_enum(decode_pb2.DISAGG_MODE_REMOTE, decode_pb2.DisaggMode, "disagg_mode")
     with pytest.raises(InvalidArgument, match="disagg_mode: unknown value 9"):
         check_enum(9, decode_pb2.DisaggMode, "disagg_mode")
+
+
+def test_kv_transfer_failures_map_to_their_status():
+    import grpc
+
+    from kvtransfer.errors import FailureKind, KvTransferFailed
+    from services.common.errors import status_of
+
+    assert status_of(KvTransferFailed(FailureKind.TIMEOUT, "x"))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status_of(KvTransferFailed(FailureKind.NOT_OWNER, "x"))[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(ValueError("x")) is None
