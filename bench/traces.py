@@ -145,13 +145,13 @@ def load_trace(kind: str, path: str | Path) -> list[TraceRequest]:
 
 
 def default_trace_path(trace: str) -> Path:
-    """shared/traces/<file> in the checkout, else next to it (/work/shared for /work/main)."""
+    """bench/traces/<file> (vendored with their licences), else shared/traces next to the checkout."""
     if trace not in TRACE_FILES:
         raise ValueError(f"unknown trace kind {trace!r}; want one of {sorted(TRACE_FILES)}")
     root = Path(__file__).resolve().parent.parent
-    for base in (root / "shared", root.parent / "shared"):
-        if (base / "traces" / TRACE_FILES[trace]).exists():
-            return base / "traces" / TRACE_FILES[trace]
+    for folder in (root / "bench" / "traces", root / "shared" / "traces", root.parent / "shared" / "traces"):
+        if (folder / TRACE_FILES[trace]).exists():
+            return folder / TRACE_FILES[trace]
     raise FileNotFoundError(
         f"no {TRACE_FILES[trace]} under {root}/shared or {root.parent}/shared; pass a path"
     )
