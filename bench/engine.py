@@ -36,7 +36,7 @@ import torch
 from services.engine.api import EngineRequest, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.loader import export_hf_folder
+from services.engine.loader import export_hf_folder, load_model
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=2048,
     )
     engine = LLMEngine(config)
-    params = sum(p.numel() for p in engine.runner.model.parameters())
+    params = engine.spec.model.num_parameters()
     print(
         f"engine bench: small preset ({params / 1e6:.1f}M params), {args.dtype}, {args.threads} thread(s), "
         f"block {config.block_size}; {plan.requests} requests, prompts {plan.prompt_min}-{plan.prompt_max} "
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"continuous batching: {cb.rate(n_out)}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        export_hf_folder(engine.runner.model, tmp)
-        hf = HfRunner(Path(tmp), engine.runner.model.embed.weight.dtype)
+        export_hf_folder(load_model(engine.spec), tmp)  # the engine's (packed) model has no plain weights
+        hf = HfRunner(Path(tmp), engine.spec.layout.torch_dtype)
     hf.generate(prompts[0], 4)  # warm-up
     engine.reset_prefix_cache()  # the same prompts again: no help from the first run's blocks
     seq_out, seq, seq_paired, hf_out, hf_time = run_sequential(

@@ -40,6 +40,7 @@ class EngineConfig:
     )
     max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
     num_threads: int = setting(0, "torch intra-op threads of the step loop; 0 = torch's default")
+    pack_weights: bool = setting(True, "prepack linear weights with oneDNN on CPU (faster small batches)")
     seed: int = setting(0, "seed of the built-in model's random weights")
     enable_prefix_caching: bool = setting(True, "reuse KV of cached prompt prefixes")
     kv_event_buffer: int = setting(4096, "KV events kept for subscribers that fall behind")

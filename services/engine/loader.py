@@ -1,7 +1,8 @@
 """Weights in and out of Hugging Face safetensors folders.
 
-`load_hf_weights` fills a LlamaModel from `*.safetensors` (single file or
-sharded), fusing q/k/v and gate/up projections; `export_hf_folder` writes a
+`load_model` builds the model an EngineSpec describes; `load_hf_weights` fills
+it from `*.safetensors` (single file or sharded), fusing q/k/v and gate/up
+projections; `export_hf_folder` writes a
 model back under HF names with a LlamaConfig-style config.json, so that
 `transformers` can run the exact same weights (benchmark and tests).
 """
@@ -15,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from services.engine.engine_spec import EngineSpec
 from services.engine.model import LlamaModel
 
 _LAYER_PARTS = {
@@ -39,6 +41,17 @@ _TOP = {
 
 class WeightLoadError(ValueError):
     """The safetensors do not match the model (missing, unexpected or misshapen tensors)."""
+
+
+def load_model(spec: EngineSpec) -> LlamaModel:
+    """The spec's model in eval mode on its device and dtype: HF weights, or the seeded built-in ones."""
+    cfg = spec.config
+    model = LlamaModel(spec.model, spec.max_model_len)
+    if cfg.model_path is not None:
+        load_hf_weights(model, cfg.model_path)
+    else:
+        model.init_random(cfg.seed)
+    return model.to(device=cfg.device, dtype=spec.layout.torch_dtype).eval().requires_grad_(False)
 
 
 def _hf_names(model: LlamaModel) -> dict[str, list[str]]:

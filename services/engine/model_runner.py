@@ -17,8 +17,8 @@ import torch
 from services.engine.api import EngineRequest
 from services.engine.attention import AttentionMetadata, PrefillSegment
 from services.engine.engine_spec import EngineSpec
-from services.engine.loader import load_hf_weights
-from services.engine.model import LlamaModel
+from services.engine.loader import load_model
+from services.engine.packing import can_pack, pack_linears
 from services.engine.sampler import Sampler, SampleRow
 from services.engine.sequence import Sequence
 
@@ -40,12 +40,9 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads)
         self.block_size = cfg.block_size
         self.device = torch.device(cfg.device)
-        model = LlamaModel(spec.model, spec.max_model_len)
-        if cfg.model_path is not None:
-            load_hf_weights(model, cfg.model_path)
-        else:
-            model.init_random(cfg.seed)
-        self.model = model.to(device=self.device, dtype=spec.layout.torch_dtype).eval().requires_grad_(False)
+        self.model = load_model(spec)
+        if cfg.pack_weights and can_pack(self.device, spec.layout.torch_dtype):
+            pack_linears(self.model, batch_hint=cfg.max_num_seqs)
         self.kv_pool = spec.layout.allocate_pool(spec.num_blocks, self.device)
         # Per-layer views [N, 2, bs, Hkv, Dh] of the one pool tensor.
         self.kv_layers = [self.kv_pool[:, i] for i in range(spec.model.num_layers)]

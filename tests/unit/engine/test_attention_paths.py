@@ -33,3 +33,17 @@ def test_chunked_and_decode_logits_equal_one_pass(make_engine, dtype):
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 0.05, "rtol": 0.05}
     torch.testing.assert_close(chunked, whole, **tol)
     torch.testing.assert_close(one_by_one, whole, **tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_compute_the_same_model(make_engine, dtype):
+    from services.engine.packing import PackedLinear, can_pack
+
+    packed, plain = make_engine(dtype=dtype), make_engine(dtype=dtype, pack_weights=False)
+    if not can_pack(torch.device("cpu"), getattr(torch, dtype)):
+        pytest.skip("this torch build has no oneDNN linear prepacking")
+    assert isinstance(packed.runner.model.layers[0].mlp.gate_up, PackedLinear)
+    assert not isinstance(plain.runner.model.layers[0].mlp.gate_up, PackedLinear)
+    tokens = prompt_of(40, seed=2)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 0.05, "rtol": 0.05}
+    torch.testing.assert_close(packed.prompt_logits(tokens), plain.prompt_logits(tokens), **tol)
