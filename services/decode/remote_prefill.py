@@ -86,8 +86,10 @@ class RemotePrefill:
         committed = False
         handle_id = ""
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(candidate.address))
+        t0 = time.monotonic()
         try:
             resp = await self._prefill(stub, req, candidate, deadline)
+            t1 = time.monotonic()
             if resp.finished:
                 return self._finished_early(candidate, resp)
             handle_id = resp.handle.handle_id
@@ -108,6 +110,15 @@ class RemotePrefill:
                 self._release(stub, handle_id)  # everything was cached here already
             outputs = self.engine.generate_external(req.request_id, resp.first_token_id)
             committed = True
+            log.info(
+                "remote_prefill_done",
+                request_id=req.request_id,
+                prefill_worker=candidate.worker_id,
+                prefill_ms=round((t1 - t0) * 1000, 1),
+                pull_ms=round((time.monotonic() - t1) * 1000, 1),
+                pulled_blocks=n_blocks - first,
+                kv_bytes=nbytes,
+            )
             return RemoteResult(
                 prefill_worker_id=candidate.worker_id,
                 first_token_id=resp.first_token_id,

@@ -1,0 +1,298 @@
+"""Aggregated vs disaggregated vs conditional prefill, with real compute.
+
+Three deployments of the `small` built-in model (one torch thread per worker
+process, so each uses about one of this machine's 2 cores), behind one router:
+
+  agg     two decode workers, every prefill local (no prefill worker)
+  disagg  one prefill + one decode worker, every prefill remote (KV over NIXL)
+  cond    one prefill + one decode worker, the conditional rule decides
+
+Workloads: `mix` (90% short prompts of 64-256 tokens, 10% long of 2,048-2,304)
+and `azure` (the Azure LLM conversation trace's prompt and output lengths,
+scaled down), Poisson arrivals at each rate of a sweep.
+
+SLOs are relative to unloaded latency, as Splitwise defines them: each request
+must reach TTFT <= 3x the unloaded TTFT of a prompt of its length (a linear fit
+over lengths, measured on the aggregated deployment one request at a time) and
+TPOT <= 1.5x the unloaded TPOT p50. Attainment = share of all requests meeting
+both (failures are misses).
+
+    python bench/disagg.py --fixed-rate 1.0      issue 5's comparison at one rate;
+                                                 last line `disagg tpot_p99_agg=.. ...`
+    python bench/disagg.py [--quick]             the sweep; a PNG per workload in
+                                                 bench/results/; last line
+                                                 `goodput agg=.. disagg=.. cond=.. cond_vs_agg=..`
+                                                 (highest rate with >= 90% attainment, long-prompt mix)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc
+import numpy as np
+
+from bench import topology
+from bench.loadgen import WorkItem, poisson_arrivals, run_load
+from bench.stats import RequestRecord
+from bench.traces import default_trace_path, load_azure
+from pdmesh.v1 import router_pb2, router_pb2_grpc
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = {
+    "agg": topology.Topology("agg", prefill=0, decode=2, decode_flags=("--default-mode", "local")),
+    "disagg": topology.Topology("disagg", prefill=1, decode=1, decode_flags=("--default-mode", "remote")),
+    "cond": topology.Topology("cond", prefill=1, decode=1, decode_flags=("--default-mode", "auto")),
+}
+VOCAB = 256  # byte tokens of the built-in tokenizer (specials excluded)
+TTFT_SLO_X, TPOT_SLO_X = 3.0, 1.5
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    lengths: list[tuple[int, int]]  # (prompt, output) pool to draw from, in order
+
+
+def mix_workload(n: int, seed: int, output: int) -> Workload:
+    rng = random.Random(seed)
+    lengths = []
+    for _ in range(n):
+        long = rng.random() < 0.10
+        lengths.append((rng.randint(2048, 2304) if long else rng.randint(64, 256), output))
+    return Workload("mix", lengths)
+
+
+def azure_workload(n: int, seed: int, length_factor: float) -> Workload:
+    reqs = load_azure(default_trace_path("azure"))
+    rng = random.Random(seed)
+    picked = rng.sample(reqs, n)
+    return Workload(
+        "azure",
+        [
+            (max(1, round(r.input_len / length_factor)), max(2, round(r.output_len / length_factor)))
+            for r in picked
+        ],
+    )
+
+
+def items(w: Workload, rate: float, seed: int) -> list[WorkItem]:
+    rng = random.Random(seed)
+    times = poisson_arrivals(rate, len(w.lengths), seed)
+    # Unique prompts: prefix caching must not blur the comparison.
+    return [
+        WorkItem(t, tuple(rng.randrange(VOCAB) for _ in range(p)), o)
+        for t, (p, o) in zip(times, w.lengths, strict=True)
+    ]
+
+
+def wait_workers(address: str, want: int, timeout_s: float = 60.0) -> None:
+    """The router sees every worker SERVING before load starts."""
+    stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(address))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ws = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
+        if sum(w.health == router_pb2.WORKER_HEALTH_SERVING for w in ws) >= want:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"router at {address} never saw {want} healthy workers")
+
+
+def run(address: str, work: list[WorkItem], timeout_s: float) -> list[RequestRecord]:
+    duration = (work[-1].arrival_s if work else 0) + 1.0
+    return asyncio.run(
+        run_load(
+            work, f"grpc://{address}", max_requests=len(work), max_duration_s=duration, timeout_s=timeout_s
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Baseline:
+    ttft_a: float  # unloaded TTFT = a + b * prompt tokens (seconds)
+    ttft_b: float
+    tpot: float  # unloaded TPOT p50 (seconds)
+
+    def ttft_slo(self, prompt_tokens: int) -> float:
+        return TTFT_SLO_X * (self.ttft_a + self.ttft_b * prompt_tokens)
+
+    @property
+    def tpot_slo(self) -> float:
+        return TPOT_SLO_X * self.tpot
+
+
+def measure_baseline(address: str, lengths: list[int], output: int, seed: int) -> Baseline:
+    """One request at a time on the aggregated deployment."""
+    rng = random.Random(seed)
+    xs, ttfts, tpots = [], [], []
+    for length in lengths:
+        work = [WorkItem(0.0, tuple(rng.randrange(VOCAB) for _ in range(length)), output)]
+        (rec,) = run(address, work, timeout_s=120)
+        if rec.ok and rec.ttft_s is not None:
+            xs.append(length)
+            ttfts.append(rec.ttft_s)
+            if rec.tpot_s is not None:
+                tpots.append(rec.tpot_s)
+    b, a = np.polyfit(np.array(xs, float), np.array(ttfts), 1)
+    return Baseline(float(max(a, 1e-3)), float(max(b, 0.0)), float(np.median(tpots)))
+
+
+def attainment(records: list[RequestRecord], base: Baseline) -> float:
+    met = 0
+    for r in records:
+        if not r.ok or r.ttft_s is None:
+            continue
+        tpot_ok = r.tpot_s is None or r.tpot_s <= base.tpot_slo
+        if r.ttft_s <= base.ttft_slo(r.prompt_tokens) and tpot_ok:
+            met += 1
+    return met / len(records) if records else 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000.0 if values else float("nan")
+
+
+def describe(records: list[RequestRecord]) -> dict[str, float]:
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    return {
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct(tpot, 50),
+        "tpot_p99": pct(tpot, 99),
+        "ok": len(ok),
+        "n": len(records),
+        "remote": sum(r.prefill_path == "remote" for r in ok),
+    }
+
+
+def best_rate(curve: list[tuple[float, float]], target: float = 0.9) -> float:
+    """Highest swept rate whose attainment is >= target (0 when none)."""
+    return max((rate for rate, att in curve if att >= target), default=0.0)
+
+
+def plot(workload: str, curves: dict[str, list[tuple[float, float]]], scaling: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return None
+    RESULTS.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, curve in curves.items():
+        ax.plot([r for r, _ in curve], [a * 100 for _, a in curve], marker="o", label=mode)
+    ax.axhline(90, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_title(f"{workload}: TTFT<=3x, TPOT<=1.5x unloaded ({scaling})", fontsize=9)
+    ax.set_ylim(0, 105)
+    ax.legend()
+    path = RESULTS / f"disagg_{workload}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer requests and rates (make bench)")
+    ap.add_argument("--fixed-rate", type=float, default=None, help="issue 5: one rate, TTFT/TPOT per mode")
+    ap.add_argument("--rates", type=str, default=None, help="comma-separated sweep rates (req/s)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per (mode, rate)")
+    ap.add_argument("--workloads", type=str, default="mix,azure")
+    ap.add_argument("--output-tokens", type=int, default=32, help="output tokens of mix requests")
+    ap.add_argument("--azure-length-factor", type=float, default=4.0)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    n = args.requests or (16 if args.quick else 60)
+    rates = (
+        [float(r) for r in args.rates.split(",")]
+        if args.rates
+        else ([0.5, 1.0] if args.quick else [0.25, 0.5, 0.75, 1.0, 1.5, 2.0])
+    )
+    workloads = ["mix"] if args.quick else args.workloads.split(",")
+    if args.fixed_rate is not None:
+        rates, workloads = [args.fixed_rate], ["mix"]
+    print(
+        f"disagg bench: preset={args.preset} requests/point={n} rates={rates} workloads={workloads} "
+        f"mix=90%x[64,256]+10%x[2048,2304] out={args.output_tokens}; azure length_factor="
+        f"{args.azure_length_factor} time: Poisson at each rate",
+        flush=True,
+    )
+
+    loads = {
+        "mix": mix_workload(n, args.seed, args.output_tokens),
+        "azure": azure_workload(n, args.seed, args.azure_length_factor),
+    }
+    curves: dict[str, dict[str, list[tuple[float, float]]]] = {w: {} for w in workloads}
+    stats: dict[tuple[str, str, float], dict[str, float]] = {}
+    base: Baseline | None = None
+    for mode, topo in MODES.items():
+        topo = topology.Topology(**{**topo.__dict__, "preset": args.preset})
+        dep = topology.start(topo)
+        try:
+            wait_workers(dep.address, topo.prefill + topo.decode)
+            if base is None:  # the first mode is agg: measure unloaded latency there
+                base = measure_baseline(dep.address, [64, 256, 1024, 2048], args.output_tokens, args.seed + 7)
+                print(
+                    f"unloaded: TTFT = {base.ttft_a * 1000:.0f} ms + {base.ttft_b * 1e6:.0f} us/token; "
+                    f"TPOT p50 {base.tpot * 1000:.1f} ms -> SLO TPOT <= {base.tpot_slo * 1000:.1f} ms",
+                    flush=True,
+                )
+            for w in workloads:
+                for rate in rates:
+                    recs = run(dep.address, items(loads[w], rate, args.seed + int(rate * 100)), timeout_s=300)
+                    att = attainment(recs, base)
+                    curves[w].setdefault(mode, []).append((rate, att))
+                    d = describe(recs)
+                    stats[(mode, w, rate)] = d
+                    print(
+                        f"{w:>5} {mode:>6} rate={rate:<5} ok={d['ok']}/{d['n']} remote={d['remote']} "
+                        f"ttft p50/p99={d['ttft_p50']:.0f}/{d['ttft_p99']:.0f} ms "
+                        f"tpot p50/p99={d['tpot_p50']:.1f}/{d['tpot_p99']:.1f} ms attain={att:.0%}",
+                        flush=True,
+                    )
+        finally:
+            dep.close()
+
+    if args.fixed_rate is not None:
+        r = args.fixed_rate
+        a, c = stats[("agg", "mix", r)], stats[("cond", "mix", r)]
+        print(
+            f"disagg tpot_p99_agg={a['tpot_p99']:.1f} tpot_p99_cond={c['tpot_p99']:.1f} "
+            f"tpot_p99_disagg={stats[('disagg', 'mix', r)]['tpot_p99']:.1f} ttft_p50_agg={a['ttft_p50']:.0f} "
+            f"ttft_p50_cond={c['ttft_p50']:.0f} ttft_p50_disagg={stats[('disagg', 'mix', r)]['ttft_p50']:.0f} "
+            f"rate={r}"
+        )
+        return 0
+    for w in workloads:
+        path = plot(w, curves[w], f"azure lengths/{args.azure_length_factor:g}" if w == "azure" else "mix")
+        goods = {m: best_rate(curves[w][m]) for m in MODES}
+        print(
+            f"{w}: highest rate with >= 90% SLO attainment "
+            + " ".join(f"{m}={g:g}" for m, g in goods.items())
+            + (f" (plot {path})" if path else "")
+        )
+    g = {m: best_rate(curves["mix"][m]) for m in MODES}
+    ratio = g["cond"] / g["agg"] if g["agg"] else float("inf")
+    print(f"goodput agg={g['agg']:g} disagg={g['disagg']:g} cond={g['cond']:g} cond_vs_agg={ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
