@@ -1,0 +1,320 @@
+"""The gateway's ASGI app: routes, the request lifecycle, disconnect handling.
+
+Flow of a generation request: read the body (bounded), parse it into a
+`GenerationPlan`, open one Generate stream to the router, and wait for its first
+message *before* answering, so that a refusal (shed, bad argument, router down)
+still becomes an HTTP status (429/400/503) even for `stream: true`. Then the
+answer is either collected into one JSON body or relayed as SSE chunks.
+
+While the answer is being produced the gateway watches the ASGI `receive`
+channel; when the client disconnects the upstream gRPC call is cancelled (the
+router then aborts the request on its workers and frees their KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from services.gateway import responses as R
+from services.gateway.chat_template import ChatTemplate, load_chat_template
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import GatewayError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.params import GenerationPlan, parse_chat, parse_completion, parse_json
+from services.gateway.upstream import RouterClient, UpstreamStream
+
+log = structlog.get_logger()
+T = TypeVar("T")
+
+# Status recorded for a request whose client went away (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was complete."""
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Run `work`; if the client disconnects first, cancel it and raise ClientGone."""
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+@dataclass
+class Outcome:
+    """What one generation request did, for its log line and metrics."""
+
+    plan: GenerationPlan
+    endpoint: str
+    start: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    error: str | None = None
+
+
+class EventStream(Response):
+    """SSE relay of an async byte iterator; `on_close` runs however it ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, events: AsyncIterator[bytes], on_close: Callable[[bool], None], headers: dict[str, str]
+    ):
+        # No body attribute: init_headers must not declare a Content-Length.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for data in self._events:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        gone = False
+        try:
+            await until_disconnect(receive, pump())
+        except (ClientGone, OSError):
+            gone = True
+        finally:
+            with contextlib.suppress(Exception):
+                await self._events.aclose()  # type: ignore[attr-defined]
+            self._on_close(gone)
+
+
+class Gateway:
+    """Owns the router client, the chat template and the metrics of one gateway."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        metrics: GatewayMetrics | None = None,
+        template: ChatTemplate | None = None,
+    ):
+        self.config = config
+        self.metrics = metrics or GatewayMetrics()
+        self.template = template if template is not None else load_chat_template(config.model_path)
+        self.client: RouterClient | None = None
+        self.created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        cfg = self.config
+        self.client = RouterClient(cfg.router_address, cfg.request_timeout_s, cfg.health_timeout_s)
+        log.info(
+            "gateway_started", router=cfg.router_address, model=cfg.model_id, chat_template=self.template.name
+        )
+        try:
+            yield
+        finally:
+            await self.client.close()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ]
+        handlers = {GatewayError: _error_response, HTTPException: _http_error}
+        return Starlette(routes=routes, lifespan=self.lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+
+    # ---- plain endpoints -------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        assert self.client is not None
+        ready, status = await self.client.ready()
+        body = {"status": "ok" if ready else "unavailable", "router": status}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "pdmesh"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    # ---- generation -------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completion")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: Request, kind: str) -> Response:
+        start = time.monotonic()
+        endpoint = request.url.path
+        try:
+            body = parse_json(await self._read_body(request))
+            if kind == "chat":
+                plan = parse_chat(body, self.config.model_id, self.template)
+            else:
+                plan = parse_completion(body, self.config.model_id)
+        except GatewayError as e:
+            self.metrics.finished(endpoint, e.status, time.monotonic() - start)
+            log.info("request_refused", endpoint=endpoint, status=e.status, error=e.message)
+            return _error_response(request, e)
+        out = Outcome(plan, endpoint, start)
+        assert self.client is not None
+        upstream = self.client.generate(plan)
+        self.metrics.inflight.inc()
+        try:
+            first = await until_disconnect(request.receive, _first(upstream))
+            self._first_token(out, first)
+            if plan.stream:
+                return EventStream(
+                    self._events(out, upstream, first),
+                    on_close=lambda gone: self._close(out, upstream, gone),
+                    headers={"x-request-id": plan.request_id},
+                )
+            text, final = await until_disconnect(request.receive, self._collect(out, upstream, first))
+        except ClientGone:
+            self._close(out, upstream, gone=True)
+            return Response(status_code=CLIENT_CLOSED)
+        except GatewayError as e:
+            out.status, out.error = e.status, e.message
+            self._close(out, upstream, gone=False)
+            return _error_response(request, e)
+        body = R.full_body(plan, int(time.time()), text, final)
+        self._close(out, upstream, gone=False)
+        return JSONResponse(body, headers={"x-request-id": plan.request_id})
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit, parts, size = self.config.max_body_bytes, [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise GatewayError(413, f"the request body is larger than {limit} bytes")
+            parts.append(part)
+        return b"".join(parts)
+
+    def _first_token(self, out: Outcome, msg: Any) -> None:
+        if out.first_token_at is None and msg.HasField("delta"):
+            out.first_token_at = time.monotonic()
+            self.metrics.ttft.labels(out.endpoint).observe(out.first_token_at - out.start)
+
+    def _final(self, out: Outcome, final: Any) -> None:
+        out.prompt_tokens = final.usage.prompt_tokens
+        out.completion_tokens = final.usage.completion_tokens
+        out.finish_reason = R.finish_reason(final.finish_reason)
+        self.metrics.count_tokens(out.prompt_tokens, out.completion_tokens)
+
+    async def _collect(self, out: Outcome, upstream: UpstreamStream, first: Any) -> tuple[str, Any]:
+        texts: list[str] = []
+        msg = first
+        while not msg.HasField("final"):
+            texts.append(msg.delta.text)
+            msg = await _next(upstream)
+            self._first_token(out, msg)
+        self._final(out, msg.final)
+        return "".join(texts), msg.final
+
+    async def _events(self, out: Outcome, upstream: UpstreamStream, first: Any) -> AsyncIterator[bytes]:
+        plan, created = out.plan, int(time.time())
+        if plan.kind == "chat":
+            yield R.sse(R.chunk(plan, created, "", first=True))
+        msg = first
+        try:
+            while not msg.HasField("final"):
+                if msg.delta.text:
+                    yield R.sse(R.chunk(plan, created, msg.delta.text))
+                msg = await _next(upstream)
+                self._first_token(out, msg)
+            self._final(out, msg.final)
+            yield R.sse(R.chunk(plan, created, None, out.finish_reason))
+            if plan.include_usage:
+                yield R.sse(R.usage_chunk(plan, created, msg.final.usage))
+        except GatewayError as e:  # after the first token the status line is sent: report in-band
+            out.error = e.message
+            yield R.sse(e.body())
+        yield R.DONE
+
+    def _close(self, out: Outcome, upstream: UpstreamStream, gone: bool) -> None:
+        cancelled = upstream.cancel()
+        if gone:
+            out.status = CLIENT_CLOSED
+            self.metrics.disconnects.inc()
+        self.metrics.inflight.dec()
+        elapsed = time.monotonic() - out.start
+        self.metrics.finished(out.endpoint, out.status, elapsed)
+        log.info(
+            "request",
+            request_id=out.plan.request_id,
+            endpoint=out.endpoint,
+            status=out.status,
+            stream=out.plan.stream,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            finish_reason=out.finish_reason,
+            ttft_ms=round((out.first_token_at - out.start) * 1000, 2) if out.first_token_at else None,
+            duration_ms=round(elapsed * 1000, 2),
+            upstream_cancelled=cancelled,
+            error=out.error,
+        )
+
+
+async def _next(upstream: UpstreamStream) -> Any:
+    try:
+        return await upstream.__anext__()
+    except StopAsyncIteration:
+        raise GatewayError(
+            502, "the router ended the stream without a final message", "upstream_error"
+        ) from None
+
+
+async def _first(upstream: UpstreamStream) -> Any:
+    return await _next(upstream)
+
+
+def _error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    err = GatewayError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
+
+
+def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> Starlette:
+    return Gateway(config, metrics).app()

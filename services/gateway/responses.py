@@ -1,0 +1,93 @@
+"""OpenAI response bodies and SSE chunks, built from a plan and router messages.
+
+Shapes follow the OpenAI API: `text_completion` / `chat.completion` objects for
+whole answers, `text_completion` / `chat.completion.chunk` objects as
+`data: {...}` server-sent events for streams, ending with `data: [DONE]`.
+With `stream_options.include_usage` every chunk carries `"usage": null` and one
+last chunk with no choices carries the usage, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdmesh.v1 import common_pb2
+from services.gateway.params import GenerationPlan
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+DONE = b"data: [DONE]\n\n"
+
+
+def finish_reason(value: int) -> str | None:
+    return FINISH_REASONS.get(value)
+
+
+def usage(u: common_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
+
+
+def _head(plan: GenerationPlan, created: int, obj: str) -> dict[str, Any]:
+    return {"id": plan.request_id, "object": obj, "created": created, "model": plan.model}
+
+
+def full_body(plan: GenerationPlan, created: int, text: str, final: Any) -> dict[str, Any]:
+    """The non-streaming answer; `final` is the router's GenerateFinal."""
+    reason = finish_reason(final.finish_reason)
+    if plan.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+        body = _head(plan, created, "chat.completion")
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        body = _head(plan, created, "text_completion")
+    body["choices"] = [choice]
+    body["usage"] = usage(final.usage)
+    return body
+
+
+def chunk(
+    plan: GenerationPlan, created: int, text: str | None, reason: str | None = None, first: bool = False
+) -> dict[str, Any]:
+    """One streamed chunk with new text (None = no content, e.g. the closing chunk)."""
+    if plan.kind == "chat":
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        body = _head(plan, created, "chat.completion.chunk")
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        body = _head(plan, created, "text_completion")
+    body["choices"] = [choice]
+    if plan.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(plan: GenerationPlan, created: int, u: common_pb2.Usage) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
+    body = _head(plan, created, obj)
+    body["choices"] = []
+    body["usage"] = usage(u)
+    return body
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
