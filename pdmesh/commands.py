@@ -34,6 +34,12 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--router-port", type=int, default=50051, help="the router's public port (0 = any free port)"
     )
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8000,
+        help="the OpenAI-compatible HTTP gateway's port (0 = any free port)",
+    )
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in model)")
     p.add_argument("--preset", default="tiny", help="built-in model preset when no --model (tiny, small)")
     p.add_argument(
@@ -139,6 +145,22 @@ def start_mesh(launcher: Launcher, args: argparse.Namespace, say=print) -> dict[
         )
         started["router"] = router
         say(f"  router       {router.address}  SERVING")
+        if _exists("services.gateway.main"):
+            from services.gateway.launch import gateway_spec, start_ready
+
+            gateway = start_ready(
+                launcher,
+                gateway_spec(
+                    router.address,
+                    host=args.host,
+                    port=args.gateway_port,
+                    model_path=args.model,
+                    preset=None if args.model else args.preset,
+                ),
+                args.timeout,
+            )
+            started["gateway"] = gateway
+            say(f"  gateway      http://{gateway.address}/v1  SERVING")
     return started
 
 
