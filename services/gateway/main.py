@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 import uvicorn
 
@@ -45,6 +47,13 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._port = port
         self._port_file = port_file
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # SIGTERM is the normal way to stop: drain, then exit 0 (uvicorn re-raises it, exiting -15).
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
