@@ -1,0 +1,38 @@
+"""The one gRPC -> HTTP map: statuses, OpenAI error objects and Retry-After."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.gateway.errors import from_grpc
+
+
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+        (grpc.StatusCode.UNKNOWN, 500),
+    ],
+)
+def test_status_codes(code, status):
+    err = from_grpc(code, "why")
+    assert err.status == status
+    assert err.body() == {"error": {"message": "why", "type": err.type, "param": None, "code": code.name.lower()}}
+
+
+def test_resource_exhausted_turns_the_router_hint_into_whole_seconds():
+    err = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", (("retry-after-ms", "1200"),))
+    assert err.headers == {"Retry-After": "2", "retry-after-ms": "1200"}
+    small = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", (("retry-after-ms", "50"),))
+    assert small.headers["Retry-After"] == "1"  # never 0: that would invite an immediate retry
+
+
+def test_resource_exhausted_without_a_hint_still_says_when_to_retry():
+    assert from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", ()).headers == {"Retry-After": "1"}
+    garbled = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", (("retry-after-ms", "soon"),))
+    assert garbled.headers == {"Retry-After": "1"}
