@@ -48,7 +48,9 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         await self.set_ready(True)
 
     async def set_ready(self, ready: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         await self.health.set(READY, status)
 
     async def stop(self) -> None:

@@ -22,7 +22,9 @@ from services.gateway.errors import from_grpc
 def test_status_codes(code, status):
     err = from_grpc(code, "why")
     assert err.status == status
-    assert err.body() == {"error": {"message": "why", "type": err.type, "param": None, "code": code.name.lower()}}
+    assert err.body() == {
+        "error": {"message": "why", "type": err.type, "param": None, "code": code.name.lower()}
+    }
 
 
 def test_resource_exhausted_turns_the_router_hint_into_whole_seconds():

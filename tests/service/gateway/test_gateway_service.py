@@ -78,7 +78,11 @@ async def test_completion_relays_text_usage_and_finish_reason(gw, fake):
 
 
 async def test_streamed_chat_has_role_first_content_then_finish_then_usage_then_done(gw):
-    body = {"messages": [{"role": "user", "content": "x"}], "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     status, headers, raw = await post(gw, "/v1/chat/completions", body)
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     events = httpio.sse_events(raw)
@@ -98,7 +102,9 @@ async def test_shed_is_429_with_retry_after_even_for_streams(gw, stream):
     assert json.loads(raw)["error"]["type"] == "rate_limit_error"
 
 
-@pytest.mark.parametrize("script, status", [("deadline", 504), ("bad", 400), ("nofinal", 502), ("midfail", 503)])
+@pytest.mark.parametrize(
+    "script, status", [("deadline", 504), ("bad", 400), ("nofinal", 502), ("midfail", 503)]
+)
 async def test_router_failures_map_to_http_statuses(gw, script, status):
     got, _, raw = await post(gw, "/v1/completions", {"prompt": script})
     assert got == status
@@ -114,7 +120,9 @@ async def test_failure_after_the_first_token_is_reported_in_the_stream(gw):
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_client_disconnect_cancels_the_router_call(gw, fake, stream):
-    sock = await asyncio.to_thread(httpio.open_request, gw, "/v1/completions", {"prompt": "slow", "stream": stream})
+    sock = await asyncio.to_thread(
+        httpio.open_request, gw, "/v1/completions", {"prompt": "slow", "stream": stream}
+    )
     if stream:
         await asyncio.to_thread(httpio.read_until, sock, b'"text":"a"')
     else:
@@ -122,7 +130,7 @@ async def test_client_disconnect_cancels_the_router_call(gw, fake, stream):
             await asyncio.sleep(0.01)
     httpio.hang_up(sock)
     await asyncio.wait_for(fake.cancelled.wait(), 10)
-    status, _, metrics = await asyncio.to_thread(httpio.request, gw, "GET", "/metrics")
+    _, _, metrics = await asyncio.to_thread(httpio.request, gw, "GET", "/metrics")
     assert b"pdmesh_gateway_client_disconnects_total 1.0" in metrics
 
 

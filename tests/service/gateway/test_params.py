@@ -106,7 +106,10 @@ def test_chat_renders_messages_and_prefers_max_completion_tokens():
             "model": MODEL,
             "messages": [
                 {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+                },
             ],
             "max_tokens": 3,
             "max_completion_tokens": 9,
@@ -138,6 +141,11 @@ def test_chat_refuses_tools_and_json_mode():
     msgs = [{"role": "user", "content": "x"}]
     tools = [{"type": "function", "function": {"name": "f"}}]
     refused(parse_chat, {"messages": msgs, "tools": tools}, MODEL, BuiltinChatTemplate())
-    refused(parse_chat, {"messages": msgs, "response_format": {"type": "json_object"}}, MODEL, BuiltinChatTemplate())
+    refused(
+        parse_chat,
+        {"messages": msgs, "response_format": {"type": "json_object"}},
+        MODEL,
+        BuiltinChatTemplate(),
+    )
     ok = parse_chat({"messages": msgs, "response_format": {"type": "text"}}, MODEL, BuiltinChatTemplate())
     assert ok.kind == "chat"
