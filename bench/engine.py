@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.threads,
         num_blocks=1536,
         max_num_seqs=plan.requests,
-        max_num_batched_tokens=2048,
+        max_num_batched_tokens=4096,
     )
     engine = LLMEngine(config)
     params = engine.spec.model.num_parameters()
