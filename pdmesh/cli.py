@@ -88,4 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module, not this __main__ copy: subcommand modules
+    # register themselves into `pdmesh.cli`.
+    from pdmesh import cli
+
+    sys.exit(cli.main())
