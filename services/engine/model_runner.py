@@ -5,7 +5,7 @@ AttentionMetadata (block tables -> slots, gather indices, masks), runs the
 forward pass, and samples a token for every sequence whose computed tokens
 reach its length. Results go back to LLMEngine. The pool is allocated once
 with `KvLayout.allocate_pool` and never reallocated, so transports can
-register its memory.
+register its memory. On CPU the linear weights are prepacked (packing.py).
 """
 
 from __future__ import annotations
