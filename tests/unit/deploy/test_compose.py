@@ -1,0 +1,150 @@
+"""compose.yaml, checked without Docker: every image, build, command, healthcheck,
+variable and address resolves to something in this repository, the start order
+cannot deadlock, and Debian's docker-compose (where installed) accepts the file.
+The e2e twin, tests/e2e/test_compose_launch.py, runs it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from pdmesh.cli import build_parser
+from pdmesh.compose_launch import ComposeError, ComposeService, load_compose, local_env, start_order
+from tests.unit.deploy import repo
+
+COMPOSE = repo.ROOT / "compose.yaml"
+ROLES = {"kvtransfer", "router", "prefill", "decode", "gateway"}
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, ComposeService]:
+    return load_compose(COMPOSE)
+
+
+def test_every_role_is_a_service(services):
+    assert set(services) == ROLES
+
+
+def test_one_image_built_from_docker_dir(raw):
+    for name, svc in raw["services"].items():
+        assert svc["image"] == repo.image(), name
+        assert svc["build"]["context"] == "."
+        assert (repo.ROOT / svc["build"]["dockerfile"]).is_file(), name
+
+
+def test_commands_are_real_modules_with_known_flags(services):
+    for svc in services.values():
+        assert repo.module_exists(svc.module), svc.module
+        assert repo.accepts(svc.module, list(svc.args)), (svc.name, svc.args)
+
+
+def test_every_variable_is_a_flag_of_that_service(services):
+    for svc in services.values():
+        pdmesh_vars = {k for k in svc.env if k.startswith("PDMESH_")}
+        unknown = pdmesh_vars - repo.flag_env_names(svc.module)
+        assert not unknown, f"{svc.name}: {sorted(unknown)} are not flags of {svc.module}"
+
+
+def test_healthchecks_ask_for_each_services_own_readiness(raw, services):
+    assert "health" in build_parser()._subparsers._group_actions[0].choices  # `pdmesh health` exists
+    for svc in services.values():
+        assert svc.ready.port == svc.port, f"{svc.name} checks a port it does not listen on"
+        if svc.module == repo.GATEWAY_MODULE:
+            assert (svc.ready.kind, svc.ready.target) == ("http", "/health")
+            assert repo.module_exists("services.gateway.healthcheck")
+        else:
+            assert (svc.ready.kind, svc.ready.target) == ("grpc", repo.ready_name(svc.module))
+        assert raw["services"][svc.name]["healthcheck"]["test"][0] == "CMD"
+
+
+def test_addresses_name_services_on_their_ports_and_their_dependencies(services):
+    for svc in services.values():
+        for key, value in svc.env.items():
+            for host, port in repo.ADDRESS.findall(value):
+                assert host in services, f"{svc.name}: {key} names unknown host {host}"
+                assert services[host].port == int(port), f"{svc.name}: {key} uses {host}:{port}"
+                assert host in svc.depends_on, f"{svc.name}: {key} uses {host} without depends_on"
+
+
+def test_start_order_cannot_deadlock(services):
+    """Router readiness needs a decode worker, so the router waits for nothing and
+    workers wait for the router only to be started; they join it at run time."""
+    assert start_order(services)  # acyclic
+    assert services["router"].depends_on == {}
+    for worker in ("prefill", "decode"):
+        assert services[worker].depends_on["router"] == "service_started"
+        assert services[worker].depends_on["kvtransfer"] == "service_healthy"
+        assert services[worker].env["PDMESH_ROUTER_ADDRESS"] == f"router:{services['router'].port}"
+    assert services["gateway"].depends_on == {"router": "service_healthy"}
+
+
+def test_ports_only_on_router_and_gateway_and_one_network(raw):
+    published = {name for name, svc in raw["services"].items() if svc.get("ports")}
+    assert published == {"router", "gateway"}
+    assert "container_name" not in raw["services"]["decode"]  # --scale decode=N needs generated names
+    networks = {tuple(svc["networks"]) for svc in raw["services"].values()}
+    assert networks == {("mesh",)} and "mesh" in raw["networks"]
+
+
+def test_local_env_rewrites_listen_address_ports_and_peer_addresses(services):
+    addresses = {"kvtransfer": ["127.0.0.1:7001"], "router": ["127.0.0.1:7002"]}
+    env = local_env(services["decode"], services, addresses)
+    assert (env["PDMESH_HOST"], env["PDMESH_PORT"], env["PDMESH_METRICS_PORT"]) == ("127.0.0.1", "0", "0")
+    assert env["PDMESH_KVTRANSFER_ADDRESS"] == "127.0.0.1:7001"
+    assert env["PDMESH_ROUTER_ADDRESS"] == "127.0.0.1:7002"
+    untouched = {k: v for k, v in services["decode"].env.items() if k not in env or env[k] == v}
+    assert set(services["decode"].env) - set(untouched) == {
+        "PDMESH_HOST",
+        "PDMESH_PORT",
+        "PDMESH_METRICS_PORT",
+        "PDMESH_KVTRANSFER_ADDRESS",
+        "PDMESH_ROUTER_ADDRESS",
+    }
+
+
+def test_interpolation_defaults_and_overrides():
+    assert load_compose(COMPOSE)["decode"].env["PDMESH_ENGINE_PRESET"] == "tiny"
+    assert load_compose(COMPOSE, {"PDMESH_PRESET": "small"})["decode"].env["PDMESH_ENGINE_PRESET"] == "small"
+
+
+def test_the_launcher_refuses_a_cycle_and_an_undeclared_dependency(tmp_path):
+    text = COMPOSE.read_text().replace(
+        "  router:\n    <<: *pdmesh\n",
+        "  router:\n    <<: *pdmesh\n    depends_on:\n      decode:\n        condition: service_healthy\n",
+    )
+    cyclic = tmp_path / "cyclic.yaml"
+    cyclic.write_text(text)
+    with pytest.raises(ComposeError, match="cycle"):
+        load_compose(cyclic)
+    services = load_compose(COMPOSE)
+    with pytest.raises(ComposeError, match="does not depend"):
+        local_env(services["kvtransfer"], services, {})  # fine: kvtransfer names no peer
+        gateway = services["gateway"]
+        stripped = ComposeService(
+            gateway.name, gateway.module, gateway.args, gateway.env, gateway.ready, {}, gateway.port
+        )
+        local_env(stripped, services, {})
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
+def test_docker_compose_config_accepts_and_resolves_the_file(raw):
+    out = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert set(resolved["services"]) == ROLES
+    assert resolved["services"]["decode"]["environment"]["PDMESH_ROUTER_ADDRESS"] == "router:50051"
+    assert resolved["services"]["gateway"]["depends_on"]["router"]["condition"] == "service_healthy"
