@@ -31,6 +31,7 @@ from services.router.detokenizer import make_detokenizer
 from services.router.generate import FlowFinal, FlowRequest
 from services.router.registry import JoinRefused
 from services.router.router import Router, WorkerView
+from services.router.stop_text import StopTextFilter
 
 SERVICE_NAME = "pdmesh.v1.RouterService"
 
@@ -132,10 +133,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             await context.send_initial_metadata((("x-request-id", req.request_id),))
             push = make_detokenizer(router.model.tokenizer).push_many
+            stops = StopTextFilter(req.sampling.stop)
             async for item in flow.run():
                 if type(item) is list:
-                    yield _Response(delta=_Delta(token_ids=item, text=push(item)))
+                    yield _Response(delta=_Delta(token_ids=item, text=stops.push(push(item))))
                 else:
+                    if held := stops.flush():
+                        yield _Response(delta=_Delta(text=held))
                     yield final_to_proto(item, req.request_id)  # type: ignore[arg-type]
         finally:
             router.close_flow(flow)

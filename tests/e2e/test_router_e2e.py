@@ -207,3 +207,25 @@ def test_sigterm_drains_in_flight_streams(tmp_path):
                 got += msg.delta.token_ids
         assert len(got) == 800
         assert router.proc.wait(30) == 0
+
+
+def test_stop_string_ends_the_stream_and_is_not_in_the_text(joined):
+    _, router = joined
+    stub = stub_for(router.address)
+    req = greedy("stop strings", 48)
+    text = "".join(m.delta.text for m in stub.Generate(req, timeout=60) if m.HasField("delta"))
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(8, len(text) - 2)
+            if text[i : i + 2].isprintable() and text[i : i + 2].strip()
+        ),
+        None,
+    )
+    assert stop, f"no usable stop string in {text!r}"
+    req.sampling.stop.append(stop)
+    req.sampling.ignore_eos = False
+    msgs = list(stub.Generate(req, timeout=60))
+    got = "".join(m.delta.text for m in msgs if m.HasField("delta"))
+    assert got == text[: text.find(stop)]
+    assert msgs[-1].final.finish_reason == common_pb2.FINISH_REASON_STOP
