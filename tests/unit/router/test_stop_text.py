@@ -1,3 +1,5 @@
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,6 +36,6 @@ def test_earliest_of_several_stops_wins_and_no_stops_passes_through():
 )
 def test_equals_cutting_the_whole_text(text, cuts, stop):
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     i = text.find(stop)
     assert run([stop], pieces)[0] == (text[:i] if i >= 0 else text)
