@@ -28,6 +28,7 @@ import structlog
 from kvtransfer.agents import AgentDirectory, AgentRecord
 from kvtransfer.errors import FailureKind, KvTransferFailed, from_rpc_error
 from kvtransfer.grpc_wire import ReceivedChunk, SourceChunk, WireError, decode_chunk, encode_chunk
+from kvtransfer.layout import LayoutMismatch, layout_from_proto, layout_to_proto
 from kvtransfer.leases import LeaseManager
 from kvtransfer.pool import PoolView
 from kvtransfer.transport import BlockHandle, TransferReporter, TransferStats, check_pull, guarded_pull
@@ -78,7 +79,8 @@ class KvSourceServicer:
             return
         self.streams_started += 1
         try:
-            total = len(lease.block_ids) * self.pool.block_bytes
+            blocks = self._blocks_to_read(request, lease.block_ids)
+            total = len(blocks) * self.pool.block_bytes
             chunk = self._chunk_size(request.chunk_bytes)
             for offset in range(0, total, chunk):
                 if lease.ended is not None:
@@ -91,15 +93,37 @@ class KvSourceServicer:
                     )
                     return
                 n = min(chunk, total - offset)
-                yield SourceChunk(offset, total, self.pool.read(lease.block_ids, offset, n))
+                yield SourceChunk(offset, total, self.pool.read(blocks, offset, n))
                 if self.on_chunk is not None:
                     await self.on_chunk(offset + n)
             self.leases.mark_pulled(request.handle_id)
             if request.release_after:
                 self.leases.release(request.handle_id)
             self.streams_completed += 1
+        except KvTransferFailed as e:
+            await _abort(context, e)
         finally:
             self.leases.end_read(lease)
+
+    def _blocks_to_read(
+        self, request: kvtransfer_pb2.ReadBlocksRequest, held: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The requested subset of the lease's blocks (all of them when none is named),
+        after checking the reader's pool has our layout."""
+        if request.HasField("layout"):
+            try:
+                self.pool.layout.check_compatible(layout_from_proto(request.layout))
+            except LayoutMismatch as e:
+                raise KvTransferFailed(FailureKind.LAYOUT_MISMATCH, f"reader's pool: {e}") from e
+        if not request.block_ids:
+            return held
+        stray = set(request.block_ids) - set(held)
+        if stray:
+            raise KvTransferFailed(
+                FailureKind.INVALID,
+                f"blocks {sorted(stray)[:4]} are not held under handle {request.handle_id!r}",
+            )
+        return tuple(request.block_ids)
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: KvTransferFailed) -> None:
@@ -226,11 +250,9 @@ class GrpcTransport:
             raise KvTransferFailed(
                 FailureKind.INVALID, f"handle {handle.handle_id!r} has no kv_source_address"
             )
-        bb = self.pool.block_bytes
-        want = dict(zip(src, dst, strict=True))
-        # dst block for each position of the handle's blocks (None = already cached here)
-        dst_at = [want.get(b) for b in handle.block_ids]
-        total = len(handle.block_ids) * bb
+        # Ask for just the blocks we lack, in `src` order; chunk i of the stream is dst[i].
+        dst_at: list[int | None] = list(dst)
+        total = len(src) * self.pool.block_bytes
         read = self._channel(handle.kv_source_address).unary_stream(
             READ_BLOCKS,
             request_serializer=kvtransfer_pb2.ReadBlocksRequest.SerializeToString,
@@ -242,6 +264,8 @@ class GrpcTransport:
                 requester_id=self.worker_id,
                 chunk_bytes=self.config.chunk_bytes,
                 release_after=True,
+                block_ids=list(src),
+                layout=layout_to_proto(self.pool.layout),
             ),
             timeout=deadline_s,
         )
@@ -276,8 +300,7 @@ class GrpcTransport:
         if chunk.total_bytes != total:
             raise KvTransferFailed(
                 FailureKind.LAYOUT_MISMATCH,
-                f"holder has {chunk.total_bytes} bytes for {handle.handle_id!r}, "
-                f"the handle describes {total} ({len(handle.block_ids)} blocks)",
+                f"holder has {chunk.total_bytes} bytes for {handle.handle_id!r}, we asked for {total}",
             )
         if chunk.offset != received:
             raise KvTransferFailed(

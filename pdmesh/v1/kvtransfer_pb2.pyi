@@ -148,16 +148,20 @@ class KvTransferServiceStatsResponse(_message.Message):
     def __init__(self, agents: _Optional[int] = ..., registrations: _Optional[int] = ..., expirations: _Optional[int] = ..., transfers: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., bytes: _Optional[int] = ..., latency_ms_p50: _Optional[float] = ..., latency_ms_p99: _Optional[float] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
-    __slots__ = ("handle_id", "requester_id", "chunk_bytes", "release_after")
+    __slots__ = ("handle_id", "requester_id", "chunk_bytes", "release_after", "block_ids", "layout")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     requester_id: str
     chunk_bytes: int
     release_after: bool
-    def __init__(self, handle_id: _Optional[str] = ..., requester_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., release_after: _Optional[bool] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    layout: _common_pb2.KvLayout
+    def __init__(self, handle_id: _Optional[str] = ..., requester_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., release_after: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ...) -> None: ...
 
 class ReadBlocksResponse(_message.Message):
     __slots__ = ("offset", "data", "total_bytes")

@@ -228,3 +228,41 @@ async def test_a_standard_generated_client_reads_our_stream(pair):
     data = b"".join(c.data for c in chunks)
     assert data == b"".join(bytes(m) for m in holder.pool.read([3, 8, 9], 0, 3 * LAYOUT.block_bytes))
     assert holder.leases.release("std")  # release_after was not asked for
+
+
+async def test_only_the_requested_blocks_cross_the_wire():
+    sent = []
+
+    async def on_chunk(upto):
+        sent.append(upto)
+
+    holder = Holder(on_chunk=on_chunk)
+    await holder.server.start()
+    receiver = Receiver()
+    try:
+        h = holder.export("sub", [3, 4, 5, 6, 7, 8])
+        dst, _ = await receiver.pull(h, h.block_ids[4:], [0, 1])
+        assert sent[-1] == 2 * LAYOUT.block_bytes  # two blocks streamed, not six
+        assert checksum(receiver.pool, dst) == expected_checksum(LAYOUT.block_bytes, SEED, [7, 8])
+        receiver.blocks.free(dst)
+    finally:
+        await receiver.transport.close()
+        await holder.server.stop()
+        holder.leases.close()
+    assert receiver.blocks.num_free == N and holder.blocks.num_free == N
+
+
+async def test_same_block_bytes_but_another_layout_is_refused_by_the_source(pair):
+    holder, _ = pair
+    h = holder.export("same-bytes", [1, 2])
+    other = KvLayout(2, 4, 16, "float16", 4)  # 2048-byte blocks too, different heads and dtype
+    assert other.block_bytes == LAYOUT.block_bytes
+    wrong = Receiver(layout=other)
+    handle = BlockHandle(
+        h.handle_id, h.agent_name, other, h.block_ids, h.num_tokens, h.kv_source_address, "dec-1"
+    )
+    err = await expect_failure(
+        FailureKind.LAYOUT_MISMATCH, wrong.pull(handle, handle.block_ids, [0, 1]), wrong
+    )
+    assert "reader's pool" in str(err)
+    await wrong.transport.close()
