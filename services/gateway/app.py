@@ -197,7 +197,7 @@ class Gateway:
         upstream = self.client.generate(plan)
         self.metrics.inflight.inc()
         try:
-            first = await until_disconnect(request.receive, _first(upstream))
+            first = await until_disconnect(request.receive, _next(upstream))
             self._first_token(out, first)
             if plan.stream:
                 return EventStream(
@@ -298,10 +298,6 @@ async def _next(upstream: UpstreamStream) -> Any:
         raise GatewayError(
             502, "the router ended the stream without a final message", "upstream_error"
         ) from None
-
-
-async def _first(upstream: UpstreamStream) -> Any:
-    return await _next(upstream)
 
 
 def _error_response(request: Request, exc: Exception) -> Response:

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.v1 import router_pb2_grpc
-from services.gateway.errors import GatewayError, from_grpc
+from services.gateway.errors import from_grpc
 from services.gateway.params import GenerationPlan
 
 ROUTER_READY = "pdmesh.v1.RouterService"
@@ -77,6 +77,3 @@ class RouterClient:
 
     async def close(self) -> None:
         await self._channel.close()
-
-
-__all__ = ["ROUTER_READY", "GatewayError", "RouterClient", "UpstreamStream"]
