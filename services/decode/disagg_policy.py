@@ -58,8 +58,10 @@ class DisaggConfig:
     )
 
     def __post_init__(self) -> None:
-        require(self.default_mode in {m.value for m in Mode}, f"default_mode must be auto, local or remote, "
-                f"got {self.default_mode!r}")
+        require(
+            self.default_mode in {m.value for m in Mode},
+            f"default_mode must be auto, local or remote, got {self.default_mode!r}",
+        )
         require(self.max_local_prefill_tokens >= 0, "max_local_prefill_tokens must be >= 0")
         require(self.busy_margin_s >= 0, "busy_margin_s must be >= 0")
 

@@ -21,6 +21,7 @@ from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.decode.config import DecodeConfig
 from services.decode.disagg_policy import Candidate, DisaggConfig, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
+from services.decode.prefill_load import PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.servicer import DecodeServicer
 from services.engine.config import EngineConfig
@@ -63,6 +64,7 @@ async def serve(cfg: dict[type, object]) -> None:
         worker_info=rt.info(),
         static_candidates=[Candidate(a, a) for a in decode_cfg.prefill_workers],
         prefill_timeout_s=decode_cfg.prefill_timeout_s,
+        probe=PrefillLoadProbe(rt.channels) if remote is not None else None,
     )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, rt.server.server)
     await rt.serve(servicer.load)

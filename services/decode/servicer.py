@@ -35,6 +35,7 @@ from services.common.wait_estimator import WaitEstimator
 from services.common.worker import counters_from_stats, kv_event_stream, load_from_stats
 from services.decode.disagg_policy import Candidate, Decision, DisaggregationPolicy, Mode, Path, Reason
 from services.decode.metrics import DecodeMetrics
+from services.decode.prefill_load import PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
 from services.engine.api import Engine, EngineRequest, FinishReason, RequestOutput
 
@@ -74,6 +75,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         worker_info: common_pb2.WorkerInfo,
         static_candidates: list[Candidate],
         prefill_timeout_s: float = 30.0,
+        probe: PrefillLoadProbe | None = None,
     ):
         self.engine = engine
         self.policy = policy
@@ -83,6 +85,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.info = worker_info
         self.static_candidates = static_candidates
         self.prefill_timeout_s = prefill_timeout_s
+        self.probe = probe
         self.waits = WaitEstimator()
         self._ids = itertools.count()
 
@@ -97,9 +100,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         deadline = started + (context.time_remaining() or 3600.0)
         context_ids = [*req.prompt_token_ids, *req.resume_token_ids]
         cached = self.engine.prefix_lookup(context_ids)
-        decision = self.policy.decide(
-            len(context_ids), cached, self._candidates(request), self._local_wait_s(), mode
-        )
+        candidates = self._candidates(request)
+        if candidates and self.probe is not None and self._may_go_remote(len(context_ids) - cached, mode):
+            candidates = await self.probe.refresh(candidates)
+        decision = self.policy.decide(len(context_ids), cached, candidates, self._local_wait_s(), mode)
         attempt = _Attempt(decision, prompt_tokens=len(req.prompt_token_ids), cached_tokens=cached)
         self.metrics.decided(decision)
         log.info(
@@ -244,6 +248,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 for c in r.prefill_candidates
             ]
         return self.static_candidates
+
+    def _may_go_remote(self, uncached: int, mode: Mode) -> bool:
+        return mode is Mode.REMOTE or (
+            mode is Mode.AUTO and uncached > self.policy.config.max_local_prefill_tokens
+        )
 
     def _local_wait_s(self) -> float:
         s = self.engine.stats()
