@@ -125,13 +125,28 @@ def test_the_launcher_refuses_a_cycle_and_an_undeclared_dependency(tmp_path):
     with pytest.raises(ComposeError, match="cycle"):
         load_compose(cyclic)
     services = load_compose(COMPOSE)
+    gateway = services["gateway"]
+    stripped = ComposeService(
+        gateway.name, gateway.module, gateway.args, gateway.env, gateway.ready, {}, gateway.port
+    )
     with pytest.raises(ComposeError, match="does not depend"):
-        local_env(services["kvtransfer"], services, {})  # fine: kvtransfer names no peer
-        gateway = services["gateway"]
-        stripped = ComposeService(
-            gateway.name, gateway.module, gateway.args, gateway.env, gateway.ready, {}, gateway.port
-        )
         local_env(stripped, services, {})
+
+
+def test_an_address_of_a_scaled_service_becomes_every_replica(services):
+    """What a DNS name with one A record per replica gives a static worker list."""
+    router = services["router"]
+    listing = ComposeService(
+        "router",
+        router.module,
+        router.args,
+        {**router.env, "PDMESH_DECODE_WORKERS": "decode:50051"},
+        router.ready,
+        {"decode": "service_healthy"},
+        router.port,
+    )
+    env = local_env(listing, services, {"decode": ["127.0.0.1:7001", "127.0.0.1:7002"]})
+    assert env["PDMESH_DECODE_WORKERS"] == "127.0.0.1:7001,127.0.0.1:7002"
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
