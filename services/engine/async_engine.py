@@ -38,16 +38,24 @@ from services.engine.api import (
 )
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
-from services.engine.llm_engine import LLMEngine
+from services.engine.llm_engine import LLMEngine, RunnerFactory
 from services.engine.validation import validate_request
 
 _STOP = object()
 
 
 class TorchEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: EngineSpec | None = None,
+        runner_factory: RunnerFactory | None = None,
+    ):
+        """`spec` and `runner_factory` default to the torch engine's; the sim
+        engine passes its own (services/engine/sim/engine.py)."""
         self.config = config
-        self._spec = EngineSpec.resolve(config)  # cheap: config + tokenizer files only
+        self._spec = spec or EngineSpec.resolve(config)  # cheap: config + tokenizer files only
+        self._runner_factory = runner_factory
         self.info = self._spec.info
         self.tokenizer = self._spec.tokenizer
         self._core: LLMEngine | None = None
@@ -70,7 +78,7 @@ class TorchEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._core = await asyncio.to_thread(LLMEngine, self.config, self._spec)
+        self._core = await asyncio.to_thread(LLMEngine, self.config, self._spec, self._runner_factory)
         self._thread = threading.Thread(target=self._run, name="torch-engine-step", daemon=True)
         self._thread.start()
 

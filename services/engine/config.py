@@ -8,6 +8,7 @@ below reads the environment.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.common.config import setting
@@ -44,6 +45,10 @@ class EngineConfig:
     seed: int = setting(0, "seed of the built-in model's random weights")
     enable_prefix_caching: bool = setting(True, "reuse KV of cached prompt prefixes")
     kv_event_buffer: int = setting(4096, "KV events kept for subscribers that fall behind")
+    sim_profile: str = setting(
+        "dynamo-mocker", "sim backend: timing profile in services/engine/sim/profiles.json"
+    )
+    sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -70,6 +75,16 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
         if self.num_threads < 0:
             raise ValueError(f"EngineConfig.num_threads must be >= 0, got {self.num_threads}")
+        if not (self.sim_speedup > 0 and math.isfinite(self.sim_speedup)):
+            raise ValueError(f"EngineConfig.sim_speedup must be a finite number > 0, got {self.sim_speedup}")
+        if self.backend == "sim":  # only sim workers read the profile table
+            from services.engine.sim.timing import load_profiles
+
+            if self.sim_profile not in load_profiles():
+                raise ValueError(
+                    f"EngineConfig.sim_profile must be one of {sorted(load_profiles())}, "
+                    f"got {self.sim_profile!r}"
+                )
 
     @property
     def resolved_model_id(self) -> str:

@@ -15,7 +15,11 @@ def create_engine(config: EngineConfig) -> Engine:
         from services.engine.async_engine import TorchEngine
 
         return TorchEngine(config)
-    if config.backend in ("sim", "trtllm"):
-        # Hook: return SimEngine(config) / TrtllmEngine(config) once they exist.
+    if config.backend == "sim":
+        from services.engine.sim.engine import SimEngine
+
+        return SimEngine(config)
+    if config.backend == "trtllm":
+        # Hook: return TrtllmEngine(config) once it exists.
         raise NotImplementedError(f"engine backend {config.backend!r} is not implemented yet; use 'torch'")
     raise ValueError(f"unknown engine backend {config.backend!r}")

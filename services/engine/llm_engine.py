@@ -17,7 +17,9 @@ Request paths (api.py has the lifecycle):
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -43,15 +45,24 @@ from services.engine.sequence import Sequence, SequenceStatus
 from services.engine.tokenizer import IncrementalDetokenizer
 from services.engine.validation import check_token_ids, validate_request
 
+# Builds what runs a step from the spec: ModelRunner (the default), or the sim
+# engine's SimRunner (same run / kv_pool / import_blocks / export_blocks surface).
+RunnerFactory = Callable[[EngineSpec], Any]
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, spec: EngineSpec | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: EngineSpec | None = None,
+        runner_factory: RunnerFactory | None = None,
+    ):
         self.spec = spec or EngineSpec.resolve(config)
         self.config = config
         self.info = self.spec.info
         self.tokenizer = self.spec.tokenizer
         self.block_size = config.block_size
-        self.runner = ModelRunner(self.spec)
+        self.runner = (runner_factory or ModelRunner)(self.spec)
         block_manager = BlockManager(
             self.spec.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_event_buffer
         )

@@ -18,7 +18,7 @@ already cached or computed; B: decoding requests; K: their total context.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 PROFILES_PATH = Path(__file__).with_name("profiles.json")
@@ -52,6 +52,10 @@ class TimingProfile:
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    def scaled_to(self, num_blocks: int, block_size: int) -> TimingProfile:
+        """This profile on a pool of another size (the mocker form's utilisation is of the pool)."""
+        return replace(self, num_blocks=num_blocks, block_size=block_size)
 
     def prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
         if new_tokens <= 0:

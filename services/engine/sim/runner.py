@@ -1,0 +1,157 @@
+"""SimRunner: stands in for ModelRunner in the sim engine. No tensors computed.
+
+LLMEngine calls `run(scheduled)` once per step, exactly as it calls
+ModelRunner.run: the real Scheduler and BlockManager decided what runs, with
+the real prefix cache. SimRunner prices that pass with a `TimingProfile`
+(prefill of the new prompt tokens and the context they attend to, decode of
+the batch and its total context), waits it out on the step thread (wall time =
+modeled time / speedup: this sleep IS the simulated GPU), and returns a token
+for every sequence that reaches its end.
+
+Tokens are a pure function of (prompt hash [mixed with the seed when
+sampling], output position), so a prefill worker's first token, a decode
+worker's continuation and a migrated request's resumption agree token for
+token. They are byte tokens < 256 and never EOS: max_tokens decides the
+length (sampling parameters other than the seed do not matter).
+
+The KV pool is a tiny real tensor (spec.py's layout) so transports move real
+bytes; `import_blocks` / `export_blocks` copy them as ModelRunner does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.api import EngineError
+from services.engine.engine_spec import EngineSpec
+from services.engine.sequence import Sequence
+from services.engine.sim.timing import TimingProfile
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """The modeled cost of one scheduler pass and what it was priced from."""
+
+    new_tokens: int  # prompt (or recompute) tokens computed this pass
+    context_tokens: float  # mean context those tokens attend to, weighted by chunk size
+    batch: int  # sequences that decode a token this pass
+    decode_context_tokens: int  # total context of those sequences
+    prefill_ms: float
+    decode_ms: float
+
+    @property
+    def ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+
+class SimRunner:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        profile: TimingProfile,
+        speedup: float = 1.0,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {speedup}")
+        self.profile = profile
+        self.speedup = speedup
+        self._sleep, self._clock = sleep, clock
+        self.kv_pool = spec.layout.allocate_pool(spec.num_blocks)
+        # Tokens a sequence may emit: bytes, minus any EOS id of the vocabulary.
+        eos = set(spec.info.eos_token_ids)
+        self._alphabet = [t for t in range(min(256, spec.info.vocab_size)) if t not in eos]
+        self._keys: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        # Totals since start, read by tests and benchmarks (step thread only).
+        self.passes = 0
+        self.modeled_s = 0.0
+        self.late_s = 0.0  # wall time passes ran beyond their modeled time (Python overhead)
+        self.last_pass: PassCost | None = None
+
+    def pass_cost(self, scheduled: list[tuple[Sequence, int]]) -> PassCost:
+        """Price one pass. Entries are (sequence, tokens to compute), before
+        LLMEngine advances `num_computed_tokens` (as in ModelRunner.run)."""
+        new = weighted_ctx = batch = decode_ctx = 0
+        for seq, n in scheduled:
+            c = seq.num_computed_tokens
+            prompt = max(0, min(c + n, seq.prefill_target) - c)
+            if prompt:
+                new += prompt
+                weighted_ctx += prompt * c
+            if n > prompt:  # a decode token (or the first one after a prompt)
+                batch += 1
+                decode_ctx += c + n
+        context = weighted_ctx / new if new else 0.0
+        return PassCost(
+            new_tokens=new,
+            context_tokens=context,
+            batch=batch,
+            decode_context_tokens=decode_ctx,
+            prefill_ms=self.profile.prefill_ms(new, context),
+            decode_ms=self.profile.decode_ms(batch, decode_ctx),
+        )
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
+        """Wait the pass's modeled time / speedup; the sampled token per entry (None mid-prompt)."""
+        start = self._clock()
+        cost = self.pass_cost(scheduled)
+        out = [
+            self.token_for(seq, seq.num_output_tokens)
+            if seq.num_computed_tokens + n == seq.num_tokens
+            else None
+            for seq, n in scheduled
+        ]
+        self.passes += 1
+        self.modeled_s += cost.ms / 1000.0
+        self.last_pass = cost
+        wall = cost.ms / 1000.0 / self.speedup
+        remaining = start + wall - self._clock()
+        if remaining > 0:
+            self._sleep(remaining)
+        else:
+            self.late_s -= remaining
+        return out
+
+    def token_for(self, seq: Sequence, position: int) -> int:
+        """The token at output `position` of `seq`: a hash of its key and the position."""
+        key = self._keys.get(seq)
+        if key is None:
+            key = self._keys[seq] = sequence_key(seq)
+        return self._alphabet[_mix(key ^ _mix(position + 1)) % len(self._alphabet)]
+
+    def chunk_logits(self, seq: Sequence, n: int) -> torch.Tensor:
+        raise EngineError("the sim engine computes no logits")
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.kv_pool[torch.tensor(block_ids, dtype=torch.long)]
+
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.kv_pool[torch.tensor(block_ids, dtype=torch.long)] = blocks
+
+
+def sequence_key(seq: Sequence) -> int:
+    """Hash of the prompt (not resumed outputs), mixed with the seed when sampling."""
+    prompt = np.asarray(seq.token_ids[: seq.num_prompt_tokens], dtype="<u4").tobytes()
+    key = int.from_bytes(hashlib.blake2b(prompt, digest_size=8).digest(), "little")
+    if not seq.sampling.greedy and seq.seed is not None:
+        key = _mix(key ^ seq.seed)
+    return key
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a cheap, well-spread 64-bit hash of an int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

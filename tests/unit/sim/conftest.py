@@ -1,0 +1,48 @@
+"""Sim engine test helpers: LLMEngines with a SimRunner that records its waits instead of sleeping."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.sim.runner import SimRunner
+from services.engine.sim.spec import sim_spec
+from services.engine.sim.timing import load_profile
+from tests.unit.engine.conftest import assert_pool_restored, make_engine  # noqa: F401 (fixture)
+
+
+def sim_config(**overrides) -> EngineConfig:
+    values = {"backend": "sim", "num_blocks": 128, "max_num_batched_tokens": 256}
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def sim_core(waits: list[float] | None = None, profile: str = "dynamo-mocker", **overrides) -> LLMEngine:
+    """A synchronous sim LLMEngine; its runner appends each wall wait to `waits` (no sleeping)."""
+    config = sim_config(sim_profile=profile, **overrides)
+    prof = load_profile(profile)
+    spec = sim_spec(config, prof)
+    prof = prof.scaled_to(spec.num_blocks, config.block_size)
+    sink = waits if waits is not None else []
+    factory = partial(
+        SimRunner, profile=prof, speedup=config.sim_speedup, sleep=sink.append, clock=lambda: 0.0
+    )
+    return LLMEngine(config, spec, factory)
+
+
+@pytest.fixture
+def make_core():
+    """Factory of sim LLMEngines; each must have its pool back when the test ends."""
+    cores: list[LLMEngine] = []
+
+    def make(**kw) -> LLMEngine:
+        core = sim_core(**kw)
+        cores.append(core)
+        return core
+
+    yield make
+    for core in cores:
+        assert_pool_restored(core)
