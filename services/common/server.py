@@ -34,6 +34,10 @@ from services.common.metrics import MetricsServer, start_metrics_server
 log = structlog.get_logger()
 
 _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Long-lived subscriptions (the router's KV-event streams) never finish on
+# their own: a drain does not wait for them; stopping the server ends them and
+# the subscriber resubscribes elsewhere.
+_SUBSCRIPTIONS = ("/SubscribeKvEvents",)
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,9 @@ class _DrainGate(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(_ALWAYS_ALLOWED):
             return handler
-        return self._wrap(handler)
+        return self._wrap(handler, counted=not details.method.endswith(_SUBSCRIPTIONS))
 
-    def _wrap(self, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _wrap(self, h: grpc.RpcMethodHandler, counted: bool = True) -> grpc.RpcMethodHandler:
         gate = self
         ser = {"request_deserializer": h.request_deserializer, "response_serializer": h.response_serializer}
 
@@ -115,7 +119,8 @@ class _DrainGate(grpc.aio.ServerInterceptor):
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if gate.draining:
                     await refuse(context)
-                gate._enter()
+                if counted:
+                    gate._enter()
                 try:
                     if inspect.isasyncgenfunction(inner) or inspect.isasyncgenfunction(
                         getattr(inner, "__func__", None)
@@ -125,7 +130,8 @@ class _DrainGate(grpc.aio.ServerInterceptor):
                     else:
                         await inner(request, context)
                 finally:
-                    gate._exit()
+                    if counted:
+                        gate._exit()
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, **ser)
 

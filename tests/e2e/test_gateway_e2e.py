@@ -137,10 +137,8 @@ def test_seed_repeats_sampling_and_stop_ends_the_text(mesh):
     full = c.completions.create(model=MODEL, prompt="Hello there", **GREEDY).choices[0].text
     stop = next(ch for ch in full[1:] if ch.isascii() and ch.isprintable())  # some character past the first
     cut = c.completions.create(model=MODEL, prompt="Hello there", stop=[stop], **GREEDY).choices[0]
-    end = full.index(stop, 1)
-    # common.proto says the stop string is not part of the output; the router currently sends the
-    # token that completes it (reported to its owner), so both are accepted here until that is fixed.
-    assert cut.text in (full[:end], full[: end + len(stop)]) and cut.finish_reason == "stop"
+    # The stop string ends the text at its first occurrence and is not part of it (common.proto).
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
 
 
 def test_models_lists_the_served_model(mesh):

@@ -150,3 +150,30 @@ async def test_cli_health_reports_serving(served):
         out, _ = await proc.communicate()
         assert proc.returncode == 0, out
         assert b"SERVING" in out
+
+
+async def test_open_kv_subscriptions_do_not_hold_up_a_drain():
+    from pdmesh.v1 import worker_pb2 as wpb
+
+    class Subscribed(decode_pb2_grpc.DecodeServiceServicer):
+        def __init__(self):
+            self.subscribed = asyncio.Event()
+
+        async def SubscribeKvEvents(self, request, context):
+            yield wpb.SubscribeKvEventsResponse(worker_id="w")
+            self.subscribed.set()
+            await asyncio.Event().wait()  # a subscription never ends on its own
+
+    server = MeshServer(ServerConfig(port=0, drain_grace_s=30), SERVICE)
+    fake = Subscribed()
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(fake, server.server)
+    await server.start()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stream = decode_pb2_grpc.DecodeServiceStub(channel).SubscribeKvEvents(wpb.SubscribeKvEventsRequest())
+        await stream.read()
+        await fake.subscribed.wait()
+        assert server.inflight == 0
+        # Finishes without waiting the 30 s grace for the subscription.
+        await asyncio.wait_for(server.drain(), 10)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stream.read()
