@@ -80,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "loadgen_args"):  # only `pdmesh bench` passes options through
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.loadgen_args = [*extra, *args.loadgen_args]
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

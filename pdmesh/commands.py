@@ -9,7 +9,7 @@ import sys
 import time
 
 from pdmesh.cli import command
-from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags
+from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags, wait_all
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 SERVICES = {
@@ -100,67 +100,102 @@ def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
     return specs
 
 
-def start_mesh(launcher: Launcher, args: argparse.Namespace, say=print) -> dict[str, RunningService]:
-    """Start kvtransfer, prefill, decode (and the router when it exists); wait for each."""
-    started: dict[str, RunningService] = {}
+class StartStatus:
+    """Which services are up, shown while `pdmesh up` starts them: one line
+    rewritten in place on a terminal, a line per service otherwise."""
+
+    def __init__(self, names: list[str], out=sys.stdout):
+        self.state = dict.fromkeys(names, "...")
+        self.out = out
+        self.tty = out.isatty()
+
+    def ready(self, svc: RunningService, shown: str | None = None) -> None:
+        self.state[svc.spec.name] = "ok"
+        if self.tty:
+            line = "  ".join(f"{n} {'✓' if s == 'ok' else '…'}" for n, s in self.state.items())
+            self.out.write(f"\r\033[K  {line}")
+        else:
+            self.out.write(f"  {svc.spec.name:<12} {shown or svc.address}  SERVING\n")
+        self.out.flush()
+
+    def done(self, started: dict[str, RunningService]) -> None:
+        if self.tty:
+            self.out.write("\n")
+            for name, svc in started.items():
+                self.out.write(f"  {name:<12} {svc.address}  SERVING\n")
+        self.out.flush()
+
+
+def start_mesh(
+    launcher: Launcher, args: argparse.Namespace, status: StartStatus | None = None
+) -> dict[str, RunningService]:
+    """Start kvtransfer, the prefill workers, the decode workers (each group in
+    parallel), then the router and the gateway; wait for each to be SERVING."""
     specs = mesh_specs(args)
-    kv = launcher.start_ready(specs[0], args.timeout)
-    started[kv.spec.name] = kv
-    say(f"  kvtransfer   {kv.address}  SERVING")
-    prefills = [
-        launcher.start(_with(s, kvtransfer_address=kv.address)) for s in specs if s.name.startswith("prefill")
-    ]
-    for svc in prefills:
-        launcher.wait_ready(svc, args.timeout)
-        started[svc.spec.name] = svc
-        say(f"  {svc.spec.name:<12} {svc.address}  SERVING")
+    names = [s.name for s in specs] + ["router", "gateway"]
+    status = status or StartStatus(names)
+    started: dict[str, RunningService] = {}
+
+    def group(svcs: list[RunningService]) -> list[RunningService]:
+        wait_all(launcher, svcs, args.timeout, on_ready=status.ready)
+        started.update({s.spec.name: s for s in svcs})
+        return svcs
+
+    (kv,) = group([launcher.start(specs[0])])
+    prefills = group(
+        [
+            launcher.start(_with(s, kvtransfer_address=kv.address))
+            for s in specs
+            if s.name.startswith("prefill")
+        ]
+    )
     prefill_addrs = [s.address for s in prefills]
-    decodes = [
-        launcher.start(_with(s, kvtransfer_address=kv.address, prefill_workers=prefill_addrs or None))
-        for s in specs
-        if s.name.startswith("decode")
-    ]
-    for svc in decodes:
-        launcher.wait_ready(svc, args.timeout)
-        started[svc.spec.name] = svc
-        say(f"  {svc.spec.name:<12} {svc.address}  SERVING")
-    if _exists(SERVICES["router"][0]):
-        router = launcher.start_ready(
-            ServiceSpec(
-                "router",
-                SERVICES["router"][0],
-                flags(
+    decodes = group(
+        [
+            launcher.start(_with(s, kvtransfer_address=kv.address, prefill_workers=prefill_addrs or None))
+            for s in specs
+            if s.name.startswith("decode")
+        ]
+    )
+    router_flags = flags(
+        host=args.host,
+        port=args.router_port,
+        decode_workers=[d.address for d in decodes],
+        prefill_workers=prefill_addrs or None,
+        policy=args.policy,
+        preset=None if args.model else args.preset,
+        model_path=args.model,
+    )
+    (router,) = group(
+        [
+            launcher.start(
+                ServiceSpec(
+                    "router",
+                    SERVICES["router"][0],
+                    router_flags,
+                    ready_service=SERVICES["router"][1],
                     host=args.host,
-                    port=args.router_port,
-                    decode_workers=[d.address for d in decodes],
-                    prefill_workers=prefill_addrs or None,
-                    policy=args.policy,
-                    preset=None if args.model else args.preset,
-                    model_path=args.model,
-                ),
-                ready_service=SERVICES["router"][1],
+                )
+            )
+        ]
+    )
+    if _exists("services.gateway.main"):
+        from services.gateway.launch import gateway_spec, start_ready
+
+        gateway = start_ready(
+            launcher,
+            gateway_spec(
+                router.address,
                 host=args.host,
+                port=args.gateway_port,
+                model_path=args.model,
+                preset=None if args.model else args.preset,
             ),
             args.timeout,
         )
-        started["router"] = router
-        say(f"  router       {router.address}  SERVING")
-        if _exists("services.gateway.main"):
-            from services.gateway.launch import gateway_spec, start_ready
-
-            gateway = start_ready(
-                launcher,
-                gateway_spec(
-                    router.address,
-                    host=args.host,
-                    port=args.gateway_port,
-                    model_path=args.model,
-                    preset=None if args.model else args.preset,
-                ),
-                args.timeout,
-            )
-            started["gateway"] = gateway
-            say(f"  gateway      http://{gateway.address}/v1  SERVING")
+        started["gateway"] = gateway
+        status.ready(gateway, f"http://{gateway.address}/v1")
+    status.done(started)
     return started
 
 
@@ -182,11 +217,10 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     print(f"pdmesh up: starting (logs in {launcher.workdir})", flush=True)
     try:
-        started = start_mesh(launcher, args, say=lambda s: print(s, flush=True))
-        entry = started.get("router") or next(s for n, s in started.items() if n.startswith("decode"))
-        kind = "router" if "router" in started else "decode worker (no router yet)"
+        started = start_mesh(launcher, args)
+        router = started["router"]
         print(
-            f"pdmesh up: serving on {entry.address} ({kind}); try: pdmesh generate --address {entry.address} "
+            f"pdmesh up: serving on {router.address} (router); try: pdmesh generate --address {router.address} "
             f'"Hello"   (Ctrl-C to stop)',
             flush=True,
         )
@@ -245,3 +279,20 @@ def workers(args: argparse.Namespace) -> int:
     from pdmesh.client import print_workers
 
     return print_workers(args.address, args.timeout)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "loadgen_args", nargs=argparse.REMAINDER, help="arguments of bench/loadgen.py (see --help)"
+    )
+
+
+@command("bench", _bench_args)
+def bench(args: argparse.Namespace) -> int:
+    """Run the load generator (bench/loadgen.py) against a router or an OpenAI-compatible endpoint."""
+    try:
+        from bench import loadgen
+    except ModuleNotFoundError:
+        print("pdmesh bench: run it from a pdmesh checkout (bench/ is not installed)", file=sys.stderr)
+        return 2
+    return loadgen.main(args.loadgen_args or ["--help"])

@@ -95,24 +95,24 @@ class Launcher:
         self.services.append(svc)
         return svc
 
+    def poll_ready(self, svc: RunningService) -> bool:
+        """One look: True once the service reports SERVING; LaunchError if it exited."""
+        if svc.proc.poll() is not None:
+            raise LaunchError(f"{svc.spec.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
+        if not svc.port and svc.port_file.exists():
+            data = json.loads(svc.port_file.read_text())
+            svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
+        return (
+            bool(svc.port) and health_check(svc.address, svc.spec.ready_service, timeout=1.0)[0] == "SERVING"
+        )
+
     def wait_ready(
         self, svc: RunningService, timeout_s: float = 120.0, on_poll: Callable[[], None] | None = None
     ) -> RunningService:
         """Wait for the port file, then for health SERVING on the ready name."""
         deadline = time.monotonic() + timeout_s
         delay = 0.02
-        while True:
-            if svc.proc.poll() is not None:
-                raise LaunchError(
-                    f"{svc.spec.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}"
-                )
-            if not svc.port and svc.port_file.exists():
-                data = json.loads(svc.port_file.read_text())
-                svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
-            if svc.port:
-                status, _ = health_check(svc.address, svc.spec.ready_service, timeout=1.0)
-                if status == "SERVING":
-                    return svc
+        while not self.poll_ready(svc):
             if time.monotonic() > deadline:
                 raise LaunchError(f"{svc.spec.name} not ready after {timeout_s:.0f}s:\n{svc.log_tail()}")
             if on_poll is not None:
@@ -120,6 +120,7 @@ class Launcher:
             # Polling a child's readiness: backoff, not synchronisation on time.
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
+        return svc
 
     def start_ready(self, spec: ServiceSpec, timeout_s: float = 120.0) -> RunningService:
         return self.wait_ready(self.start(spec), timeout_s)
@@ -171,6 +172,25 @@ def flags(**values: object) -> tuple[str, ...]:
     return tuple(out)
 
 
-def wait_all(launcher: Launcher, services: Sequence[RunningService], timeout_s: float = 120.0) -> None:
-    for svc in services:
-        launcher.wait_ready(svc, timeout_s)
+def wait_all(
+    launcher: Launcher,
+    services: Sequence[RunningService],
+    timeout_s: float = 120.0,
+    on_ready: Callable[[RunningService], None] | None = None,
+) -> None:
+    """Wait until every one of `services` (started together) is SERVING."""
+    pending = list(services)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    while pending:
+        for svc in [s for s in pending if launcher.poll_ready(s)]:
+            pending.remove(svc)
+            if on_ready is not None:
+                on_ready(svc)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(s.spec.name for s in pending)
+            raise LaunchError(f"{names} not ready after {timeout_s:.0f}s:\n{pending[0].log_tail()}")
+        time.sleep(delay)  # polling children's readiness, with backoff
+        delay = min(delay * 1.5, 0.25)
