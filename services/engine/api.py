@@ -46,6 +46,10 @@ class UnknownRequestError(EngineError, KeyError):
     """No request / held KV with that id (already released, finished or aborted)."""
 
 
+class InvalidHandoffError(EngineError):
+    """An engine_state handed over by another worker is malformed or not this engine's."""
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
@@ -144,7 +148,9 @@ class PrefillResult:
     computed_tokens: int
     # None when `finished` (nothing is held) or when the engine moves KV itself.
     held: HeldKv | None
-    # Engine-specific handoff state (trtllm's DisaggregatedParams fields).
+    # Engine-specific handoff state when the engine moves KV itself (trtllm's
+    # DisaggregatedParams fields). Keys are field names of the pdmesh.v1.EngineState
+    # proto ("backend" included); None when `finished` or when blocks are `held`.
     engine_state: dict | None = None
 
 
@@ -301,3 +307,26 @@ class Engine(Protocol):
 
     async def wait_kv_events(self, after_seq: int) -> None:
         """Return once an event with seq > after_seq exists."""
+
+
+@runtime_checkable
+class KvHandoffEngine(Engine, Protocol):
+    """An Engine whose KV moves through the engine's own transfer machinery
+    (`info.capabilities.moves_kv_itself`, e.g. TensorRT-LLM's cache transceiver).
+
+    Its `prefill` returns `PrefillResult.engine_state` instead of `held` blocks, and
+    the decode worker, instead of reserve_external / pull / generate_external, hands
+    that state to `generate_from_state`. Engines that never report moves_kv_itself
+    need not implement it.
+    """
+
+    def generate_from_state(self, request: EngineRequest, engine_state: dict) -> AsyncIterator[RequestOutput]:
+        """Decode `request` (same prompt and resume tokens as the prefill) from KV that
+        another worker's engine computed, described by its `engine_state`.
+
+        Raises InvalidHandoffError (nothing started) when the state is malformed or of
+        another backend. The engine fetches the KV itself; a failed or timed-out transfer
+        surfaces as an EngineError from the iterator before any token. The first output
+        carries the remotely sampled first token (and possibly more). Closing the
+        iterator aborts the request and frees its KV.
+        """
