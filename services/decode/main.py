@@ -53,7 +53,7 @@ async def serve(cfg: dict[type, object]) -> None:
     await rt.setup()
     metrics = DecodeMetrics(rt.registry)
     remote = None
-    if rt.transport is not None:
+    if rt.transport is not None or rt.engine.info.capabilities.moves_kv_itself:
         remote = RemotePrefill(rt.engine, rt.transport, rt.channels, rt.worker_id, decode_cfg.kv_lease_ms)
     servicer = DecodeServicer(
         engine=rt.engine,

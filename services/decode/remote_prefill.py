@@ -5,6 +5,12 @@
       -> pull the blocks we lack with the KV transport (NIXL READ / gRPC stream)
       -> commit: the engine decodes on from the remotely sampled first token
 
+An engine that moves KV itself (`capabilities.moves_kv_itself`, trtllm) skips
+reserve and pull: Prefill returns the prefill engine's transfer state
+(KvHandle.engine_state), this engine's `generate_from_state` fetches the KV, and
+the path waits for its first output under the deadline, so a malformed state, a
+failed transfer or a timeout still falls back to local prefill.
+
 Every failure is a `RemotePrefillFailed` raised only after this worker's
 reservation is freed and the holder has been asked to release its lease; the
 caller then falls back to a local prefill. Cancellation (client gone,
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -24,11 +31,19 @@ import structlog
 
 from kvtransfer.errors import KvTransferFailed
 from kvtransfer.transport import BlockHandle, KvTransport
-from pdmesh.v1 import prefill_pb2, prefill_pb2_grpc
+from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.channels import ChannelCache
 from services.common.validation import sampling_to_proto
 from services.decode.disagg_policy import Candidate
-from services.engine.api import Engine, EngineCapacityError, EngineRequest, FinishReason, RequestOutput
+from services.engine.api import (
+    Engine,
+    EngineCapacityError,
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    InvalidHandoffError,
+    RequestOutput,
+)
 
 log = structlog.get_logger()
 
@@ -65,7 +80,7 @@ class RemotePrefill:
     def __init__(
         self,
         engine: Engine,
-        transport: KvTransport,
+        transport: KvTransport | None,
         channels: ChannelCache,
         worker_id: str,
         lease_ms: int = 30_000,
@@ -79,6 +94,9 @@ class RemotePrefill:
 
     async def run(self, req: EngineRequest, candidate: Candidate, deadline: float) -> RemoteResult:
         """`deadline` is absolute on time.monotonic(); the whole path must fit in it."""
+        if self.engine.info.capabilities.moves_kv_itself:
+            return await self._run_engine_handoff(req, candidate, deadline)
+        assert self.transport is not None, "an engine without its own KV transfer needs a transport"
         try:
             reservation = await self.engine.reserve_external(req)
         except EngineCapacityError as e:
@@ -160,7 +178,7 @@ class RemotePrefill:
             sampling=sampling_to_proto(req.sampling),
             output_position=len(req.resume_token_ids),
             requester_id=self.worker_id,
-            requester_agent=self.transport.agent_name,
+            requester_agent=self.transport.agent_name if self.transport is not None else "",
             lease_ms=self.lease_ms,
             priority=req.priority,
         )
@@ -169,6 +187,55 @@ class RemotePrefill:
         except grpc.aio.AioRpcError as e:
             reason = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
             raise RemotePrefillFailed("prefill", reason, e.details() or e.code().name) from e
+
+    async def _run_engine_handoff(
+        self, req: EngineRequest, candidate: Candidate, deadline: float
+    ) -> RemoteResult:
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(candidate.address))
+        t0 = time.monotonic()
+        resp = await self._prefill(stub, req, candidate, deadline)
+        if resp.finished:
+            return self._finished_early(candidate, resp)
+        state = self._check_engine_state(resp, req)
+        try:
+            outputs = self.engine.generate_from_state(req, state)  # type: ignore[attr-defined]
+        except InvalidHandoffError as e:
+            raise RemotePrefillFailed("handle", "invalid", str(e)) from e
+        first = await _first_output(outputs, deadline)
+        log.info(
+            "remote_prefill_done",
+            request_id=req.request_id,
+            prefill_worker=candidate.worker_id,
+            handoff_ms=round((time.monotonic() - t0) * 1000, 1),
+            kv_moved_by="engine",
+        )
+        return RemoteResult(
+            prefill_worker_id=candidate.worker_id,
+            first_token_id=resp.first_token_id,
+            finished=False,
+            finish_reason=None,
+            cached_prefix_tokens=resp.cached_prefix_tokens,
+            local_cached_tokens=first.num_cached_tokens,
+            prefill_computed_tokens=resp.computed_tokens,
+            bytes_transferred=0,
+            transfer_seconds=0.0,
+            outputs=_prepend(first, outputs),
+        )
+
+    def _check_engine_state(self, resp: prefill_pb2.PrefillResponse, req: EngineRequest) -> dict:
+        h = resp.handle
+        problems = []
+        if h.WhichOneof("payload") != "engine_state":
+            problems.append(f"payload is {h.WhichOneof('payload')!r}, not engine_state")
+        if h.model_id and h.model_id != self.engine.info.model_id:
+            problems.append(f"model {h.model_id!r} != {self.engine.info.model_id!r}")
+        if h.issued_to and h.issued_to != self.worker_id:
+            problems.append(f"issued to {h.issued_to!r}")
+        if h.num_tokens != len(req.prompt_token_ids) + len(req.resume_token_ids):
+            problems.append(f"covers {h.num_tokens} tokens")
+        if problems:
+            raise RemotePrefillFailed("handle", "invalid", "; ".join(problems))
+        return engine_state_from_proto(h.engine_state)
 
     def _check_handle(
         self, resp: prefill_pb2.PrefillResponse, req: EngineRequest, n_blocks: int
@@ -217,3 +284,42 @@ class RemotePrefill:
         task = asyncio.ensure_future(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
+
+
+def engine_state_from_proto(s: common_pb2.EngineState) -> dict:
+    """The engine_state dict (PrefillResult.engine_state) of an EngineState message."""
+    state: dict = {"backend": s.backend}
+    if s.first_gen_tokens:
+        state["first_gen_tokens"] = list(s.first_gen_tokens)
+    if s.draft_tokens:
+        state["draft_tokens"] = list(s.draft_tokens)
+    for name in ("opaque_state", "ctx_request_id", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint"):
+        if s.HasField(name):
+            state[name] = getattr(s, name)
+    return state
+
+
+async def _first_output(outputs: AsyncIterator[RequestOutput], deadline: float) -> RequestOutput:
+    """Wait for the engine's first output (its KV has arrived) within the deadline."""
+    try:
+        return await asyncio.wait_for(anext(outputs), max(deadline - time.monotonic(), 0.0))
+    except TimeoutError as e:
+        await outputs.aclose()  # type: ignore[attr-defined]
+        raise RemotePrefillFailed(
+            "transfer", "timeout", "no KV from the prefill engine within the deadline"
+        ) from e
+    except (EngineError, StopAsyncIteration) as e:
+        await outputs.aclose()  # type: ignore[attr-defined]
+        raise RemotePrefillFailed("transfer", "engine", str(e) or "the stream ended before any output") from e
+    except BaseException:
+        await outputs.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async with aclosing(rest) as stream:  # type: ignore[type-var]
+        yield first
+        if first.finished:
+            return
+        async for out in stream:
+            yield out

@@ -7,7 +7,8 @@ issues a lease on the held blocks to the requesting decode worker and returns
 the handle. The lease frees the blocks (engine.release) when the decode
 worker has pulled them, releases them, when the lease expires, or when the
 requester's agent is known dead. Cancelling the call before it returns frees
-everything.
+everything. An engine that moves KV itself (trtllm) returns `engine_state`
+instead of held blocks: the handle then carries that state and no lease.
 """
 
 from __future__ import annotations
@@ -78,7 +79,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             finished=result.finished,
             finish_reason=FINISH_TO_PROTO[result.finish_reason],
         )
-        if result.finished or result.held is None:
+        if result.finished:
+            return resp
+        if result.engine_state is not None:  # the engine moves the KV itself (trtllm)
+            resp.handle.CopyFrom(self._engine_handle(req, request, result.engine_state))
+            log.info(
+                "prefilled",
+                request_id=request.request_id,
+                handle_id=resp.handle.handle_id,
+                backend=result.engine_state.get("backend"),
+                cached=result.cached_prefix_tokens,
+                computed=result.computed_tokens,
+                requester=request.requester_id,
+            )
+            return resp
+        if result.held is None:
             return resp
         try:
             resp.handle.CopyFrom(self._lease(req, request, result))
@@ -121,6 +136,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             lease_expires_unix_ms=lease.expires_unix_ms,
         )
         return handle.to_proto(model_id=self.engine.info.model_id)
+
+    def _engine_handle(
+        self, req: EngineRequest, request: prefill_pb2.PrefillRequest, state: dict
+    ) -> common_pb2.KvHandle:
+        """A handle whose payload is the engine's own transfer state. No lease: the
+        engine keeps the KV until the requester's engine pulls it or its own transfer
+        timeout passes (lease_expires_unix_ms = 0, engine-managed), so Release is a no-op."""
+        return common_pb2.KvHandle(
+            handle_id=req.request_id,
+            issued_to=request.requester_id,
+            model_id=self.engine.info.model_id,
+            num_tokens=len(req.prompt_token_ids) + len(req.resume_token_ids),
+            engine_state=common_pb2.EngineState(**state),
+        )
 
     def _validate(self, r: prefill_pb2.PrefillRequest) -> EngineRequest:
         info = self.engine.info

@@ -178,7 +178,7 @@ async def test_close_ends_streams_with_abort():
 
 def test_factory_and_config_validation():
     assert isinstance(create_engine(EngineConfig()), TorchEngine)
-    with pytest.raises(NotImplementedError, match="trtllm"):  # sim: tests/unit/sim
+    with pytest.raises(ValueError, match="model-path"):  # sim: tests/unit/sim; trtllm: tests/unit/trtllm
         create_engine(EngineConfig(backend="trtllm"))
     for bad in (
         {"backend": "x"},
