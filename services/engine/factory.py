@@ -20,6 +20,7 @@ def create_engine(config: EngineConfig) -> Engine:
 
         return SimEngine(config)
     if config.backend == "trtllm":
-        # Hook: return TrtllmEngine(config) once it exists.
-        raise NotImplementedError(f"engine backend {config.backend!r} is not implemented yet; use 'torch'")
+        from services.engine.trtllm.engine import TrtllmEngine  # imports tensorrt_llm only in start()
+
+        return TrtllmEngine(config)
     raise ValueError(f"unknown engine backend {config.backend!r}")

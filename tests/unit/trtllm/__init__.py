@@ -1,0 +1,1 @@
+"""trtllm engine backend tests (against the fake TensorRT-LLM in tests/fakes)."""
