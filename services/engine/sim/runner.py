@@ -80,19 +80,8 @@ class SimRunner:
         self.last_pass: PassCost | None = None
 
     def pass_cost(self, scheduled: list[tuple[Sequence, int]]) -> PassCost:
-        """Price one pass. Entries are (sequence, tokens to compute), before
-        LLMEngine advances `num_computed_tokens` (as in ModelRunner.run)."""
-        new = weighted_ctx = batch = decode_ctx = 0
-        for seq, n in scheduled:
-            c = seq.num_computed_tokens
-            prompt = max(0, min(c + n, seq.prefill_target) - c)
-            if prompt:
-                new += prompt
-                weighted_ctx += prompt * c
-            if n > prompt:  # a decode token (or the first one after a prompt)
-                batch += 1
-                decode_ctx += c + n
-        context = weighted_ctx / new if new else 0.0
+        """Price one pass (see `pass_shape` for what is counted)."""
+        new, context, batch, decode_ctx = pass_shape(scheduled)
         return PassCost(
             new_tokens=new,
             context_tokens=context,
@@ -138,6 +127,30 @@ class SimRunner:
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         self.kv_pool[torch.tensor(block_ids, dtype=torch.long)] = blocks
+
+
+def pass_shape(scheduled: list[tuple[Sequence, int]]) -> tuple[int, float, int, int]:
+    """(new prompt tokens T, their mean context C, decode batch B, decode context K) of a pass.
+
+    Entries are (sequence, tokens to compute), before LLMEngine advances
+    `num_computed_tokens` (as ModelRunner.run sees them). Tokens below a
+    sequence's `prefill_target` are prompt (or recompute) work attending to the
+    `num_computed_tokens` before them; C is their mean weighted by chunk size,
+    so T * C sums each chunk's T_i * C_i. A token past the prompt is a decode
+    token of a sequence whose context (K's share) is everything computed plus it.
+    bench/calibrate.py measures the torch engine against the same quantities.
+    """
+    new = weighted_ctx = batch = decode_ctx = 0
+    for seq, n in scheduled:
+        c = seq.num_computed_tokens
+        prompt = max(0, min(c + n, seq.prefill_target) - c)
+        if prompt:
+            new += prompt
+            weighted_ctx += prompt * c
+        if n > prompt:
+            batch += 1
+            decode_ctx += c + n
+    return new, (weighted_ctx / new if new else 0.0), batch, decode_ctx
 
 
 def sequence_key(seq: Sequence) -> int:

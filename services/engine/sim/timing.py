@@ -7,6 +7,7 @@ pass time this model gives, divided by a speedup factor.
 
     prefill_ms(T, C) = p0 + p1*T + p2*T^2 + p3*T*C/1000       (0 when T == 0)
     decode_ms  linear: d0 + d1*B + d2*K/1000
+               quadratic: d0 + d1*B + d2*K/1000 + d3*(K/1000)^2
                mocker: max(d_min, m0 + m1*u + m2*u^2), u = min(K / capacity, 1)
     pass_ms = prefill_ms + decode_ms                          (no overlap, as Dynamo's mocker)
     transfer_s(tokens) = tokens * kv_bytes_per_token / (kv_bandwidth_gbps * 1e9)
@@ -22,6 +23,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 PROFILES_PATH = Path(__file__).with_name("profiles.json")
+# decode_form -> number of decode coefficients
+DECODE_FORMS = {"linear": 3, "quadratic": 4, "mocker": 3}
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class TimingProfile:
     source: str
     prefill: tuple[float, float, float, float]
     decode_form: str
-    decode: tuple[float, float, float]
+    decode: tuple[float, ...]  # 3 coefficients (linear, mocker) or 4 (quadratic)
     decode_min_ms: float
     kv_bytes_per_token: int
     kv_bandwidth_gbps: float
@@ -40,12 +43,16 @@ class TimingProfile:
     max_num_batched_tokens: int
 
     def __post_init__(self) -> None:
-        if self.decode_form not in ("linear", "mocker"):
+        if self.decode_form not in DECODE_FORMS:
             raise ValueError(
-                f"profile {self.name}: decode_form must be linear or mocker, got {self.decode_form!r}"
+                f"profile {self.name}: decode_form must be one of {sorted(DECODE_FORMS)}, "
+                f"got {self.decode_form!r}"
             )
-        if len(self.prefill) != 4 or len(self.decode) != 3:
-            raise ValueError(f"profile {self.name}: prefill needs 4 and decode 3 coefficients")
+        want = DECODE_FORMS[self.decode_form]
+        if len(self.prefill) != 4 or len(self.decode) != want:
+            raise ValueError(
+                f"profile {self.name}: prefill needs 4 and {self.decode_form} decode {want} coefficients"
+            )
         if self.kv_bandwidth_gbps <= 0 or self.num_blocks <= 0 or self.block_size <= 0:
             raise ValueError(f"profile {self.name}: bandwidth, num_blocks and block_size must be positive")
 
@@ -67,9 +74,10 @@ class TimingProfile:
     def decode_ms(self, batch: int, context_tokens: int) -> float:
         if batch <= 0:
             return 0.0
-        a, b, c = self.decode
-        if self.decode_form == "linear":
-            value = a + b * batch + c * context_tokens / 1000.0
+        a, b, c, *rest = self.decode
+        if self.decode_form in ("linear", "quadratic"):
+            k = context_tokens / 1000.0
+            value = a + b * batch + c * k + (rest[0] * k * k if rest else 0.0)
         else:
             u = min(context_tokens / self.capacity_tokens, 1.0)
             value = a + b * u + c * u * u

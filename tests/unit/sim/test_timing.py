@@ -39,3 +39,14 @@ def test_every_profile_cites_its_source_and_bad_tables_are_refused(tmp_path):
         load_profiles(bad)
     with pytest.raises(ValueError, match="unknown sim profile"):
         load_profile("nope")
+
+
+def test_calibrated_cpu_profile_matches_its_table():
+    p = load_profile("cpu-small-bfloat16")  # written by bench/calibrate.py
+    assert "bench/calibrate.py" in p.source and p.decode_form == "quadratic"
+    d0, d1, d2, d3 = p.decode
+    k = 5.0
+    assert p.decode_ms(8, 5000) == pytest.approx(max(d0 + d1 * 8 + d2 * k + d3 * k * k, p.decode_min_ms))
+    p0, p1, p2, p3 = p.prefill
+    assert p.prefill_ms(300, 700) == pytest.approx(p0 + p1 * 300 + p2 * 300**2 + p3 * 300 * 0.7)
+    assert p.kv_bytes_per_token == 8 * 2 * 4 * 64 * 2  # small preset, bfloat16
