@@ -1,0 +1,749 @@
+"""pdmesh side by side with NVIDIA Dynamo: same trace, same rates, same client.
+
+    .venv/bin/python bench/peers/dynamo/run.py            (default: ~8 minutes)
+    .venv/bin/python bench/peers/dynamo/run.py --quick    (~2 minutes)
+
+Needs bench/peers/dynamo/setup.sh once (Dynamo 1.6.1 in its own venv, and the
+model folder). Runs with the project's .venv; Dynamo's processes run with the
+Dynamo venv's python. For each (policy, rate) and each system, in turn:
+
+- Dynamo: `dynamo.frontend --router-mode kv|round-robin` plus one
+  `dynamo.mocker --num-workers N` process (N simulated vLLM-style engines with
+  Dynamo's own perf model), no etcd/NATS (file discovery, TCP request plane,
+  ZMQ events; ../shared/peers/dynamo.md);
+- pdmesh: router (`kv_aware` | `round_robin`) + N decode workers on the `sim`
+  backend with the `dynamo-mocker` timing profile (the mocker's formulas,
+  services/engine/sim/profiles.json) + the OpenAI gateway.
+
+Both get the same block size, KV blocks per worker, speedup, max_num_seqs and
+token budget per pass, and load the same tokenizer folder. Every run starts
+cold (fresh processes, empty caches) and is stopped by PID afterwards. The
+load is the Mooncake conversation trace (bench/traces), lengths / L and
+arrivals compressed by each rate factor, prompts synthesised from hash_ids
+(shared ids = shared prefixes) over the folder's word ids, sent open-loop by
+bench.loadgen's streaming /v1/completions client to each system's HTTP front.
+
+Measured per run: TTFT and ITL p50/p99, TPOT, output tokens/s, prefix reuse
+(cached prompt tokens / prompt tokens from each response's final usage,
+`prompt_tokens_details.cached_tokens`: both systems report the engine's own
+prefix-cache hit there), and CPU seconds of each system's processes (front:
+Dynamo's frontend vs pdmesh's gateway + router; workers: the mocker process vs
+the N sim workers). Before each load, a near-zero-load probe (sequential
+requests with fresh 64-token prompts, 2 output tokens) gives the TTFT beyond
+the modeled prefill time: each system's own overhead (HTTP front, router,
+transport, worker loop). For pdmesh the same probe also goes straight to a
+decode worker and to the router over gRPC, splitting that overhead by hop;
+Dynamo's workers have no client API, so its router's own share is read from
+its /metrics (`dynamo_router_overhead_total_ms`).
+
+Ends with the comparison table and one line `dynamo_vs_pdmesh key=value ...`
+(Dynamo / pdmesh ratios: below 1 means Dynamo is lower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/peers/dynamo/run.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import numpy as np
+
+from bench.loadgen import GrpcClient, OpenAIHttpClient, StreamClient, WorkItem, build_workload, run_load
+from bench.peers.dynamo.compare import (
+    Row,
+    format_table,
+    ideal_prefix_reuse,
+    make_row,
+    mean_of,
+    metric,
+    parse_prometheus,
+    summary_line,
+)
+from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, FIRST_WORD_ID, write_folder
+from bench.stats import RequestRecord, write_records
+from bench.traces import VocabRange
+from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
+from services.engine.sim.timing import load_profile
+from services.gateway.launch import gateway_spec
+from services.gateway.launch import start_ready as gateway_start_ready
+
+HERE = Path(__file__).resolve().parent
+MODEL_NAME = "dm"
+PROFILE = "dynamo-mocker"
+POLICIES = {"kv": ("kv", "kv_aware"), "round_robin": ("round-robin", "round_robin")}  # ours: (dynamo, pdmesh)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What both systems are given, identically."""
+
+    workers: int
+    block_size: int
+    num_blocks: int  # KV blocks per worker
+    speedup: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    model_folder: Path
+    dynamo_python: Path
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+
+def free_port(below: int | None = None) -> int:
+    """A port nothing listens on now (the usual small race: it is bound again right after)."""
+    if below is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = np.random.default_rng()
+    for _ in range(200):
+        port = int(rng.integers(20000, below))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {below}")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of a live process; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no {path.name})"
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+    except OSError as e:
+        return 0, str(e)
+
+
+@dataclass
+class Deployment:
+    """A running system: its HTTP front, and the PIDs of its front and worker processes."""
+
+    system: str
+    url: str
+    front_pids: list[int]
+    worker_pids: list[int]
+    workers: int
+    stop: object  # () -> None, stops everything it started, by PID
+    direct: str = ""  # grpc address of one worker (pdmesh only)
+    router: str = ""  # grpc address of the router (pdmesh only)
+    metrics_url: str = ""  # the front's /metrics
+    worker_metrics_urls: list[str] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def cpu(self) -> tuple[float, float]:
+        return sum(map(cpu_s, self.front_pids)), sum(map(cpu_s, self.worker_pids))
+
+
+class DynamoProcs:
+    """Dynamo's frontend and mocker as child processes of ours; stopped by PID only."""
+
+    def __init__(self, setup: Setup, workdir: Path):
+        self.setup, self.workdir = setup, workdir
+        self.procs: list[subprocess.Popen] = []
+        kv = workdir / "dyn-kv"  # DYN_FILE_KV: must be the same folder for every process
+        kv.mkdir(parents=True, exist_ok=True)
+        (workdir / "home").mkdir(exist_ok=True)
+        self.env = {
+            **os.environ,
+            "DYN_FILE_KV": str(kv),
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq",
+            "DYN_TCP_RPC_HOST": "127.0.0.1",
+            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+            "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "DYN_LOG": "warn",
+            "HOME": str(workdir / "home"),  # its model-card cache goes under $HOME/.cache
+            "VIRTUAL_ENV": str(setup.dynamo_python.parent.parent),
+        }
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = self.workdir / f"{name}.log"
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(
+                [str(self.setup.dynamo_python), *args],
+                env={**self.env, **(env or {})},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # workers first, then the frontend
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_dynamo(setup: Setup, policy: str, workdir: Path, timeout_s: float = 120.0) -> Deployment:
+    """The frontend, then one mocker process per worker (`--num-workers 1` each, like
+    pdmesh's one process per worker, and so each has its own metrics page: with
+    several engines in one process, 1.6.1's system page shows only one of them)."""
+    procs = DynamoProcs(setup, workdir)
+    port = free_port()
+    try:
+        front = procs.start(
+            "frontend",
+            [
+                "-m", "dynamo.frontend",
+                "--http-host", "127.0.0.1",
+                "--http-port", str(port),
+                "--router-mode", POLICIES[policy][0],
+                "--discovery-backend", "file",
+            ],
+        )  # fmt: skip
+        mockers, metrics_urls = [], []
+        for i in range(setup.workers):
+            # DYN_SYSTEM_PORT is parsed as an i16 by Dynamo 1.6.1: it must be below 32768.
+            system_port = free_port(below=32768)
+            mockers.append(
+                procs.start(
+                    f"mocker-{i}",
+                    [
+                        "-m", "dynamo.mocker",
+                        "--model-path", str(setup.model_folder),
+                        "--model-name", MODEL_NAME,
+                        "--num-workers", "1",
+                        "--block-size", str(setup.block_size),
+                        "--num-gpu-blocks-override", str(setup.num_blocks),
+                        "--max-num-seqs", str(setup.max_num_seqs),
+                        "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
+                        "--speedup-ratio", f"{setup.speedup:g}",
+                        "--discovery-backend", "file",
+                    ],
+                    env={"DYN_SYSTEM_PORT": str(system_port)},  # the engine's vllm:* metrics
+                )
+            )  # fmt: skip
+            metrics_urls.append(f"http://127.0.0.1:{system_port}/metrics")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        delay = 0.1
+        named = [(front, "frontend")] + [(m, f"mocker-{i}") for i, m in enumerate(mockers)]
+        while True:
+            for proc, name in named:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"dynamo {name} exited with {proc.returncode}:\n{log_tail(workdir / f'{name}.log')}"
+                    )
+            status, body = http_get(url + "/v1/models")
+            if status == 200 and MODEL_NAME in body and dynamo_workers(url) >= setup.workers:
+                break
+            if time.monotonic() > deadline:
+                tails = "\n".join(log_tail(workdir / f"{name}.log") for _, name in named)
+                raise RuntimeError(f"dynamo not ready after {timeout_s:.0f}s:\n{tails}")
+            time.sleep(delay)  # polling a child's readiness with backoff
+            delay = min(delay * 1.5, 0.5)
+    except BaseException:
+        procs.stop()
+        raise
+    return Deployment(
+        "dynamo",
+        url,
+        [front.pid],
+        [m.pid for m in mockers],
+        setup.workers,
+        procs.stop,
+        metrics_url=url + "/metrics",
+        worker_metrics_urls=metrics_urls,
+        logs=[workdir / f"{name}.log" for _, name in named],
+    )
+
+
+def dynamo_workers(url: str) -> int:
+    """Workers the frontend's /health lists as instances of the generate endpoint."""
+    status, body = http_get(url + "/health")
+    if status != 200:
+        return 0
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return 0
+    return sum(1 for inst in data.get("instances", []) if inst.get("endpoint") == "generate")
+
+
+def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 180.0) -> Deployment:
+    launcher = Launcher(workdir)
+    folder = str(setup.model_folder)
+    no_limit = 1 << 20
+    engine = flags(
+        engine_backend="sim",
+        engine_model_path=folder,
+        engine_sim_profile=PROFILE,
+        engine_sim_speedup=setup.speedup,
+        engine_block_size=setup.block_size,
+        engine_num_blocks=setup.num_blocks,
+        engine_max_num_seqs=setup.max_num_seqs,
+        engine_max_num_batched_tokens=setup.max_num_batched_tokens,
+        default_mode="local",  # no prefill workers here; Dynamo's mockers are aggregated too
+        metrics_port=0,
+        limits_max_prompt_tokens=no_limit,
+        log_level="warning",
+    )
+    try:
+        decodes = [
+            launcher.start(
+                ServiceSpec(
+                    f"decode-{i}",
+                    "services.decode.main",
+                    flags(worker_id=f"decode-{i}") + engine,
+                    ready_service="pdmesh.v1.DecodeService",
+                )
+            )
+            for i in range(setup.workers)
+        ]
+        for d in decodes:
+            launcher.wait_ready(d, timeout_s)
+        router = launcher.start_ready(
+            ServiceSpec(
+                "router",
+                "services.router.main",
+                flags(
+                    decode_workers=[d.address for d in decodes],
+                    model_path=folder,
+                    block_size=setup.block_size,
+                    policy=POLICIES[policy][1],
+                    # Dynamo's frontend queues nothing by default: let every engine slot be used.
+                    admission_max_inflight=setup.workers * setup.max_num_seqs,
+                    limits_max_prompt_tokens=no_limit,
+                    metrics_port=0,
+                    log_level="warning",
+                ),
+                ready_service="pdmesh.v1.RouterService",
+            ),
+            timeout_s,
+        )
+        gateway: RunningService = gateway_start_ready(
+            launcher,
+            gateway_spec(
+                router.address,
+                model_path=folder,
+                extra=flags(served_model_name=MODEL_NAME, log_level="warning"),
+            ),
+            timeout_s,
+        )
+    except BaseException:
+        launcher.close()
+        raise
+    return Deployment(
+        "pdmesh",
+        f"http://{gateway.address}",
+        [router.proc.pid, gateway.proc.pid],
+        [d.proc.pid for d in decodes],
+        setup.workers,
+        launcher.close,
+        direct=decodes[0].address,
+        router=router.address,
+        metrics_url=f"http://127.0.0.1:{router.metrics_port}/metrics" if router.metrics_port else "",
+        worker_metrics_urls=[f"http://127.0.0.1:{d.metrics_port}/metrics" for d in decodes if d.metrics_port],
+        logs=[s.log_path for s in launcher.services],
+    )
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+
+class HttpClient(OpenAIHttpClient):
+    """bench.loadgen's client, except that a chunk carrying only a finish_reason (empty
+    text, no usage count) is not a token. pdmesh's gateway sends one at the end and no
+    continuous usage, so the base client would count one token too many per request
+    (an extra ~0 ms ITL); Dynamo's continuous usage already avoids it."""
+
+    @staticmethod
+    def _on_chunk(rec: RequestRecord, data: dict, t: float, usage_total: int | None) -> int | None:
+        choices = data.get("choices") or []
+        usage = data.get("usage") or {}
+        if (
+            choices
+            and choices[0].get("finish_reason")
+            and not choices[0].get("text")
+            and usage.get("completion_tokens") is None
+        ):
+            rec.finish_reason = choices[0]["finish_reason"]
+            data = {**data, "choices": []}
+        return OpenAIHttpClient._on_chunk(rec, data, t, usage_total)
+
+
+async def sequential_ttfts(
+    client: StreamClient, items: Sequence[WorkItem], timeout_s: float = 30.0
+) -> list[float]:
+    """TTFT (s) of each item sent one at a time (near-zero load)."""
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    out = []
+    for i, item in enumerate(items):
+        rec = RequestRecord(
+            f"probe-{os.getpid()}-{time.time_ns()}-{i}",
+            clock(),
+            clock(),
+            len(item.prompt_ids),
+            item.max_tokens,
+        )
+        await client.generate(rec, item, clock, timeout_s)
+        if rec.ok and rec.ttft_s is not None:
+            out.append(rec.ttft_s)
+    return out
+
+
+def probe_items(n: int, seed: int, prompt_len: int, vocab_size: int) -> list[WorkItem]:
+    """n fresh prompts (no shared prefix with anything), 2 output tokens each."""
+    rng = np.random.default_rng([seed, 7])
+    return [
+        WorkItem(0.0, tuple(rng.integers(FIRST_WORD_ID, vocab_size, prompt_len).tolist()), 2)
+        for _ in range(n)
+    ]
+
+
+async def probe(dep: Deployment, n: int, seed: int, prompt_len: int, vocab_size: int) -> dict[str, float]:
+    """Median near-zero-load TTFT (ms) through the HTTP front, and for pdmesh direct and via the router."""
+    out = {}
+    paths: list[tuple[str, StreamClient]] = [("http", HttpClient(dep.url, MODEL_NAME))]
+    if dep.direct:
+        paths += [("direct", GrpcClient(dep.direct, "decode")), ("router", GrpcClient(dep.router, "router"))]
+    for k, (name, client) in enumerate(paths):
+        items = probe_items(n + 5, seed * 100 + k, prompt_len, vocab_size)
+        ttfts = (await sequential_ttfts(client, items))[5:]  # the first 5 warm connections and caches up
+        await client.close()
+        out[name] = float(np.median(ttfts)) * 1e3 if ttfts else math.nan
+    return out
+
+
+# ---- one run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    row: Row
+    probe: dict[str, float]
+    metrics: dict[str, float]
+
+
+def run_one(
+    system: str,
+    policy: str,
+    rate_label: str,
+    setup: Setup,
+    items: list[WorkItem],
+    args: argparse.Namespace,
+    workdir: Path,
+) -> RunResult:
+    start = start_dynamo if system == "dynamo" else start_pdmesh
+    t_start = time.monotonic()
+    dep = start(setup, policy, workdir)
+    try:
+        print(f"   {system} {policy} up in {time.monotonic() - t_start:.1f}s; probing", flush=True)
+        pr = asyncio.run(probe(dep, args.probe_requests, args.seed, args.probe_prompt_len, args.vocab_size))
+        span = items[-1].arrival_s
+        print(f"   load: {len(items)} requests over {span:.1f}s", flush=True)
+        front0, workers0 = dep.cpu()
+        records = asyncio.run(
+            run_load(
+                items,
+                HttpClient(dep.url, MODEL_NAME),
+                max_requests=len(items),
+                max_duration_s=span + 1.0,
+                timeout_s=args.timeout_s,
+            )
+        )
+        front1, workers1 = dep.cpu()
+        mets = scrape(dep)
+    finally:
+        dep.stop()
+    row = make_row(system, policy, rate_label, records, (front1 - front0) + (workers1 - workers0))
+    row.extra.update(
+        cpu_front_s=front1 - front0,
+        cpu_workers_s=workers1 - workers0,
+        prompt_tokens_sent=float(sum(len(it.prompt_ids) for it in items)),
+    )
+    if args.records_dir:
+        out = Path(args.records_dir) / f"{system}-{policy}-{rate_label.split()[0]}.jsonl"
+        write_records(out, records, meta={"system": system, "policy": policy, "rate": rate_label})
+    errors = sorted({r.error_code for r in records if not r.ok})
+    print(
+        f"   done: ok {row.ok}/{row.requests}{' errors ' + ','.join(errors) if errors else ''}; "
+        f"TTFT p50 {row.ttft_p50:.1f} ms; reuse {row.prefix_reuse:.1%}; "
+        f"CPU front {front1 - front0:.1f}s workers {workers1 - workers0:.1f}s",
+        flush=True,
+    )
+    return RunResult(row, pr, mets)
+
+
+def scrape(dep: Deployment) -> dict[str, float]:
+    """What each system's own /metrics says about routing, reuse and balance."""
+    front = parse_prometheus(http_get(dep.metrics_url)[1]) if dep.metrics_url else []
+    workers = [parse_prometheus(http_get(u)[1]) for u in dep.worker_metrics_urls]
+    if dep.system == "dynamo":
+        engines = [s for w in workers for s in w]
+        per_engine = [metric(w, "vllm:e2e_request_latency_seconds_count") for w in workers]
+        return {
+            "router_decision_ms": mean_of(front, "dynamo_router_overhead_total_ms"),
+            "cached_tokens": metric(front, "dynamo_frontend_cached_tokens_sum"),
+            "prompt_tokens": metric(front, "dynamo_frontend_input_sequence_tokens_sum"),
+            "router_predicted_cached_tokens": metric(
+                front, "dynamo_component_router_kv_selected_cached_prefix_tokens_total"
+            ),
+            "preemptions": metric(engines, "vllm:num_preemptions_total"),
+            "engine_ttft_ms": mean_of(engines, "vllm:time_to_first_token_seconds") * 1e3,
+            "front_ttft_ms": mean_of(front, "dynamo_frontend_time_to_first_token_seconds") * 1e3,
+            **balance(per_engine, dep.workers),
+        }
+    per_worker = [
+        metric(w, "pdmesh_decode_requests_total") or metric(w, "pdmesh_decode_requests") for w in workers
+    ]
+    return {
+        "cached_tokens": sum(metric(w, "pdmesh_engine_prompt_tokens_cached_total") for w in workers),
+        "preemptions": sum(metric(w, "pdmesh_engine_preemptions_total") for w in workers),
+        "front_ttft_ms": mean_of(front, "pdmesh_router_ttft_seconds") * 1e3,
+        **balance(per_worker, dep.workers),
+    }
+
+
+def balance(requests_per_worker: list[float], workers: int) -> dict[str, float]:
+    """Requests of the busiest worker over the mean (1.0 = even), counting idle workers."""
+    counts = list(requests_per_worker) + [0.0] * max(workers - len(requests_per_worker), 0)
+    total = sum(counts)
+    return {"busiest_over_mean": max(counts) / (total / len(counts)) if total else math.nan}
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one rate, KV routing only, fewer requests (~2 min)")
+    p.add_argument("--workers", type=int, default=4, help="engines per system")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
+    p.add_argument("--speedup", type=float, default=1.0, help="modeled time / wall time, both systems")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--length-factor", type=float, default=8.0, help="trace lengths are divided by this")
+    p.add_argument(
+        "--rates", help="arrival rate multipliers of the trace (time_factor = 1/x); default 2,4 (quick: 4)"
+    )
+    p.add_argument("--policies", help="kv and/or round_robin; default kv,round_robin (quick: kv)")
+    p.add_argument("--rr-rates", default="last", help="rates for round_robin: all | last")
+    p.add_argument("--systems", default="dynamo,pdmesh")
+    p.add_argument("--num-requests", type=int, help="first N requests of the trace; default 300 (quick: 120)")
+    p.add_argument("--max-duration-s", type=float, default=60.0, help="of scaled trace time per run")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="per-request deadline")
+    p.add_argument(
+        "--probe-requests", type=int, help="near-zero-load probes per path; default 30 (quick: 20)"
+    )
+    p.add_argument("--probe-prompt-len", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dynamo-venv", type=Path, default=HERE / ".venv")
+    p.add_argument("--model-folder", type=Path, default=HERE / "model")
+    p.add_argument("--records-dir", default="", help="write each run's records as JSONL here")
+    a = p.parse_args(argv)
+    defaults = (
+        {"rates": "4", "policies": "kv", "num_requests": 120, "probe_requests": 20}
+        if a.quick
+        else {"rates": "2,4", "policies": "kv,round_robin", "num_requests": 300, "probe_requests": 30}
+    )
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    dyn_python = args.dynamo_venv / "bin" / "python"
+    if "dynamo" in args.systems and not dyn_python.exists():
+        print(f"no Dynamo venv at {args.dynamo_venv}: run bench/peers/dynamo/setup.sh first", file=sys.stderr)
+        return 2
+    write_folder(args.model_folder, args.vocab_size)
+    setup = Setup(
+        args.workers,
+        args.block_size,
+        args.num_blocks,
+        args.speedup,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.model_folder.resolve(),
+        dyn_python,
+    )
+    capacity = setup.num_blocks * setup.block_size
+    rates = [float(x) for x in args.rates.split(",")]
+    policies = [x for x in args.policies.split(",") if x]
+    systems = [x for x in args.systems.split(",") if x]
+    for pol in policies:
+        if pol not in POLICIES:
+            raise SystemExit(f"unknown policy {pol!r}; want kv or round_robin")
+
+    workloads: dict[float, list[WorkItem]] = {}
+    for rate in rates:
+        items = build_workload(
+            "mooncake",
+            num_requests=args.num_requests,
+            max_duration_s=args.max_duration_s,
+            length_factor=args.length_factor,
+            time_factor=1.0 / rate,
+            seed=args.seed,
+            vocab=VocabRange(FIRST_WORD_ID, args.vocab_size),
+        )
+        # A request must fit one worker's cache with room to spare, on both systems alike.
+        workloads[rate] = [it for it in items if len(it.prompt_ids) + it.max_tokens <= capacity // 2]
+    profile = load_profile(PROFILE)
+    started = datetime.datetime.now(datetime.UTC)
+    print(
+        f"dynamo side by side: {setup.workers} workers per system, block {setup.block_size}, "
+        f"{setup.num_blocks} blocks/worker ({capacity} tokens), speedup {setup.speedup:g}, "
+        f"max_num_seqs {setup.max_num_seqs}, max_num_batched_tokens {setup.max_num_batched_tokens}"
+    )
+    print(
+        f"trace mooncake_conversation, length_factor {args.length_factor:g}, first {args.num_requests} "
+        f"requests within {args.max_duration_s:g}s; rates x{', x'.join(f'{r:g}' for r in rates)}; "
+        f"{started:%Y-%m-%dT%H:%MZ}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
+        f"{platform.python_implementation()} {platform.python_version()}"
+    )
+    rate_labels = {}
+    for rate, items in workloads.items():
+        span = items[-1].arrival_s
+        rate_labels[rate] = f"x{rate:g} ({len(items) / max(span, 1e-9):.1f}/s)"
+        print(
+            f"  rate {rate_labels[rate]}: {len(items)} requests over {span:.1f}s, prompt mean "
+            f"{np.mean([len(i.prompt_ids) for i in items]):.0f} max {max(len(i.prompt_ids) for i in items)} tokens, "
+            f"output mean {np.mean([i.max_tokens for i in items]):.0f}; ideal prefix reuse "
+            f"{ideal_prefix_reuse([i.prompt_ids for i in items], setup.block_size):.1%}"
+        )
+
+    plan = []
+    for policy in policies:
+        for rate in rates if policy == "kv" or args.rr_rates == "all" else rates[-1:]:
+            plan += [(policy, rate, system) for system in systems]
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="pdmesh-vs-dynamo-") as tmp:
+        for i, (policy, rate, system) in enumerate(plan):
+            print(f"== [{i + 1}/{len(plan)}] {system} {policy} {rate_labels[rate]}", flush=True)
+            workdir = Path(tmp) / f"{i}-{system}-{policy}"
+            workdir.mkdir()
+            results.append(run_one(system, policy, rate_labels[rate], setup, workloads[rate], args, workdir))
+    report(results, setup, profile, args)
+    return 0 if all(r.row.ok == r.row.requests for r in results) else 1
+
+
+def report(results: list[RunResult], setup: Setup, profile, args: argparse.Namespace) -> None:
+    rows = [r.row for r in results]
+    print()
+    print(
+        "times in ms; reuse = cached prompt tokens / prompt tokens (each response's final usage: the "
+        "engine's own prefix-cache hits); CPU s = CPU seconds of the system's processes during the load"
+    )
+    print(format_table(rows))
+    print()
+    for r in results:
+        m, x = r.metrics, r.row.extra
+        worker_reuse = (
+            m.get("cached_tokens", math.nan) / m["prompt_tokens"] if m.get("prompt_tokens") else math.nan
+        )
+        parts = [
+            f"CPU front {x['cpu_front_s']:.1f}s workers {x['cpu_workers_s']:.1f}s",
+            f"busiest worker {m.get('busiest_over_mean', math.nan):.2f}x the mean request count",
+            f"preemptions {m.get('preemptions', math.nan):.0f}",
+            f"worker-counted cached tokens {m.get('cached_tokens', math.nan):.0f}",
+        ]
+        if r.row.system == "dynamo":
+            parts.append(
+                f"({worker_reuse:.1%} of prompt tokens, probes included; router predicted "
+                f"{m['router_predicted_cached_tokens'] / m['prompt_tokens']:.1%})"
+                if m.get("prompt_tokens")
+                else "(no prompt-token count)"
+            )
+            parts.append(
+                f"TTFT mean at the engine {m.get('engine_ttft_ms', math.nan):.1f} vs at the frontend {m.get('front_ttft_ms', math.nan):.1f}"
+            )
+        else:
+            parts.append(
+                f"({m.get('cached_tokens', math.nan) / x['prompt_tokens_sent']:.1%} of the load's prompt tokens)"
+            )
+            parts.append(f"router-side TTFT mean {m.get('front_ttft_ms', math.nan):.1f}")
+        print(f"  {r.row.system} {r.row.policy} {r.row.rate}: " + "; ".join(parts))
+
+    modeled = profile.prefill_ms(args.probe_prompt_len) / setup.speedup
+    print()
+    print(
+        f"near-zero load: median TTFT of {args.probe_prompt_len}-token fresh prompts, 2 output tokens, sent one "
+        f"at a time before each load (modeled prefill {modeled:.1f} ms):"
+    )
+    over: dict[str, list[float]] = {"dynamo": [], "pdmesh": []}
+    hops: dict[str, list[float]] = {"router": [], "gateway": [], "worker": []}
+    decisions: list[float] = []
+    for r in results:
+        p, m = r.probe, r.metrics
+        over[r.row.system].append(p["http"] - modeled)
+        line = f"  {r.row.system:<7} {r.row.policy:<11} HTTP front {p['http']:.2f}"
+        if "direct" in p:
+            hops["worker"].append(p["direct"] - modeled)
+            hops["router"].append(p["router"] - p["direct"])
+            hops["gateway"].append(p["http"] - p["router"])
+            line += f"; router over gRPC {p['router']:.2f}; a worker over gRPC directly {p['direct']:.2f}"
+        if not math.isnan(m.get("router_decision_ms", math.nan)):
+            decisions.append(m["router_decision_ms"])
+            line += f"; router decision {m['router_decision_ms']:.3f} (dynamo_router_overhead_total_ms)"
+        print(line)
+    med = {k: float(np.median(v)) if v else math.nan for k, v in {**over, **hops}.items()}
+    print(
+        f"  beyond the modeled engine time: dynamo {med['dynamo']:.2f} ms, pdmesh {med['pdmesh']:.2f} ms "
+        f"(pdmesh: worker {med['worker']:.2f} + router hop {med['router']:.2f} + gateway hop {med['gateway']:.2f})"
+    )
+    print()
+    overhead = {
+        "overhead_ms_dynamo": med["dynamo"],
+        "overhead_ms_pdmesh": med["pdmesh"],
+        "router_hop_ms_pdmesh": med["router"],
+        "router_decision_ms_dynamo": float(np.median(decisions)) if decisions else math.nan,
+    }
+    print(summary_line(rows, overhead))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
