@@ -232,7 +232,11 @@ class LLMEngine:
             free_blocks=bm.num_free_blocks,
             cached_blocks=bm.num_cached_blocks,
             held_blocks=sum(len(s.block_table) for s in held),
-            tokens_waiting=sum(s.num_tokens - s.num_computed_tokens for s in waiting),
+            # Prompt backlog: what waiting requests still need plus the rest of
+            # prompts being prefilled in chunks (a long prompt mid-prefill keeps a
+            # worker busy as surely as a queued one).
+            tokens_waiting=sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+            + sum(n for s in running if (n := s.num_tokens - s.num_computed_tokens) > 1),
             active_decode_blocks=sum(len(s.block_table) for s in running),
             prompt_tokens_computed=self.prompt_tokens_computed,
             decode_tokens_computed=self.decode_tokens_computed,

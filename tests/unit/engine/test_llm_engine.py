@@ -258,3 +258,17 @@ def test_import_refuses_a_layout_mismatch(make_engine):
         engine.import_blocks([engine.info.num_blocks - 1], blocks[:1], layout)
     assert engine.cancel_external("x") and not engine.cancel_external("x")
     assert_pool_restored(engine)
+
+
+def test_tokens_waiting_counts_the_rest_of_a_prompt_being_prefilled_in_chunks(make_engine):
+    from tests.unit.engine.conftest import prompt_of, request
+
+    engine = make_engine(max_num_batched_tokens=32)
+    engine.add_request(request("long", prompt_of(200, 1), max_tokens=2))
+    assert engine.stats().tokens_waiting == 200
+    engine.step()  # 32 of 200 prompt tokens computed; the request is running
+    s = engine.stats()
+    assert (s.running, s.waiting, s.tokens_waiting) == (1, 0, 168)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().tokens_waiting == 0
