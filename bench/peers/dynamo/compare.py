@@ -5,6 +5,7 @@ No processes, no Dynamo imports: run.py feeds it load-generator records and
 
 - `parse_prometheus` / `metric`: Prometheus text exposition -> values (sums
   over label sets matching a filter), for Dynamo's /metrics page;
+- `balance`: how unevenly requests spread over the workers;
 - `ideal_prefix_reuse`: the prefix reuse an infinite single cache would get on
   a workload (the ceiling any router can reach);
 - `Row` / `make_row`: one (system, policy, rate) run reduced to the compared
@@ -55,6 +56,13 @@ def mean_of(samples: Sequence[tuple[str, dict[str, str], float]], base: str, **l
     return metric(samples, base + "_sum", **labels) / count if count else math.nan
 
 
+def balance(requests_per_worker: Sequence[float], workers: int) -> dict[str, float]:
+    """Requests of the busiest worker over the mean (1.0 = even), idle workers counted."""
+    counts = list(requests_per_worker) + [0.0] * max(workers - len(requests_per_worker), 0)
+    total = sum(counts)
+    return {"busiest_over_mean": max(counts) / (total / len(counts)) if total else math.nan}
+
+
 def ideal_prefix_reuse(prompts: Iterable[Sequence[int]], block_size: int) -> float:
     """Share of prompt tokens in full blocks whose whole prefix came earlier in `prompts`.
 
@@ -83,11 +91,12 @@ class Row:
 
     system: str  # "dynamo" | "pdmesh"
     policy: str  # "kv" | "round_robin"
-    rate: str  # label of the arrival rate, e.g. "x4 (11.3/s)"
+    rate: str  # label of the arrival rate: "x<multiplier> (<requests/s>/s)", e.g. "x4 (11.3/s)"
     requests: int
     ok: int
     ttft_p50: float
     ttft_p99: float
+    ttft_mean: float
     itl_p50: float
     itl_p99: float
     tpot_p50: float
@@ -113,6 +122,7 @@ def make_row(system: str, policy: str, rate: str, records: Sequence[RequestRecor
         ok=s.ok,
         ttft_p50=s.ttft.p50 * 1e3,
         ttft_p99=s.ttft.p99 * 1e3,
+        ttft_mean=s.ttft.mean * 1e3,
         itl_p50=s.itl.p50 * 1e3,
         itl_p99=s.itl.p99 * 1e3,
         tpot_p50=s.tpot.p50 * 1e3,
@@ -164,12 +174,11 @@ def summary_line(rows: Sequence[Row], overhead: dict[str, float] | None = None) 
     (policy, rate) present for both systems, plus the measured overheads in ms."""
     by = {(r.system, r.policy, r.rate): r for r in rows}
     parts = []
-    rates = list(dict.fromkeys(r.rate for r in rows))
     for policy, rate in dict.fromkeys(r.key for r in rows):
         d, p = by.get(("dynamo", policy, rate)), by.get(("pdmesh", policy, rate))
         if d is None or p is None:
             continue
-        tag = f"{'kv' if policy == 'kv' else 'rr'}_r{rates.index(rate) + 1}"
+        tag = f"{'kv' if policy == 'kv' else 'rr'}_{rate.split()[0]}"
         parts += [
             f"ttft_p50_{tag}={_ratio(d.ttft_p50, p.ttft_p50)}",
             f"ttft_p99_{tag}={_ratio(d.ttft_p99, p.ttft_p99)}",

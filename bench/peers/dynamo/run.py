@@ -68,6 +68,7 @@ import numpy as np
 from bench.loadgen import GrpcClient, OpenAIHttpClient, StreamClient, WorkItem, build_workload, run_load
 from bench.peers.dynamo.compare import (
     Row,
+    balance,
     format_table,
     ideal_prefix_reuse,
     make_row,
@@ -544,13 +545,6 @@ def scrape(dep: Deployment) -> dict[str, float]:
     }
 
 
-def balance(requests_per_worker: list[float], workers: int) -> dict[str, float]:
-    """Requests of the busiest worker over the mean (1.0 = even), counting idle workers."""
-    counts = list(requests_per_worker) + [0.0] * max(workers - len(requests_per_worker), 0)
-    total = sum(counts)
-    return {"busiest_over_mean": max(counts) / (total / len(counts)) if total else math.nan}
-
-
 # ---- main --------------------------------------------------------------------------------------
 
 
@@ -699,13 +693,16 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
                 else "(no prompt-token count)"
             )
             parts.append(
-                f"TTFT mean at the engine {m.get('engine_ttft_ms', math.nan):.1f} vs at the frontend {m.get('front_ttft_ms', math.nan):.1f}"
+                f"TTFT mean at the engines {m.get('engine_ttft_ms', math.nan):.1f}, at the frontend "
+                f"{m.get('front_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
             )
         else:
             parts.append(
                 f"({m.get('cached_tokens', math.nan) / x['prompt_tokens_sent']:.1%} of the load's prompt tokens)"
             )
-            parts.append(f"router-side TTFT mean {m.get('front_ttft_ms', math.nan):.1f}")
+            parts.append(
+                f"TTFT mean at the router {m.get('front_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
+            )
         print(f"  {r.row.system} {r.row.policy} {r.row.rate}: " + "; ".join(parts))
 
     modeled = profile.prefill_ms(args.probe_prompt_len) / setup.speedup

@@ -1,0 +1,150 @@
+"""The pure helpers of the Dynamo side-by-side (bench/peers/dynamo): no Dynamo venv needed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.peers.dynamo.compare import (
+    Row,
+    balance,
+    format_table,
+    ideal_prefix_reuse,
+    make_row,
+    mean_of,
+    metric,
+    parse_prometheus,
+    summary_line,
+)
+from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, EOS_ID, FIRST_WORD_ID, write_folder
+from bench.stats import RequestRecord
+
+METRICS = """\
+# HELP dynamo_frontend_cached_tokens cached
+# TYPE dynamo_frontend_cached_tokens histogram
+dynamo_frontend_cached_tokens_sum{model="dm"} 928
+dynamo_frontend_cached_tokens_count{model="dm"} 3
+dynamo_router_overhead_total_ms_sum{router_id="1"} 0.5
+dynamo_router_overhead_total_ms_count{router_id="1"} 2
+vllm:num_preemptions_total{engine="0",model_name="dm"} 4
+vllm:num_preemptions_total{engine="1",model_name="dm"} 1
+weird line without value
+plain_metric 7
+"""
+
+
+def test_parse_prometheus_sums_label_sets_and_skips_junk():
+    s = parse_prometheus(METRICS)
+    assert metric(s, "plain_metric") == 7
+    assert metric(s, "vllm:num_preemptions_total") == 5
+    assert metric(s, "vllm:num_preemptions_total", engine="1") == 1
+    assert metric(s, "absent") == 0.0
+    assert mean_of(s, "dynamo_router_overhead_total_ms") == pytest.approx(0.25)
+    assert math.isnan(mean_of(s, "absent"))
+
+
+def test_balance_counts_idle_workers():
+    assert balance([5, 5, 5, 5], 4)["busiest_over_mean"] == pytest.approx(1.0)
+    assert balance([8], 4)["busiest_over_mean"] == pytest.approx(4.0)  # three idle workers
+    assert math.isnan(balance([], 2)["busiest_over_mean"])
+
+
+def test_ideal_prefix_reuse_counts_full_blocks_of_repeated_prefixes():
+    a = list(range(8))
+    b = [*a[:4], 100, 101, 102, 103]  # shares the first block of 4 with a
+    assert ideal_prefix_reuse([a, a], 4) == pytest.approx(8 / 16)
+    assert ideal_prefix_reuse([a, b], 4) == pytest.approx(4 / 16)
+    # A repeated block after a different one is not a prefix hit.
+    c = [9, 9, 9, 9, *a[4:]]
+    assert ideal_prefix_reuse([a, c], 4) == 0.0
+    assert math.isnan(ideal_prefix_reuse([], 4))
+
+
+def record(i: int, ttft: float, gaps: list[float], cached: int, prompt: int = 100) -> RequestRecord:
+    r = RequestRecord(f"r{i}", float(i), float(i), prompt, len(gaps) + 1)
+    t = r.send_s + ttft
+    r.add_message(t, 1)
+    for g in gaps:
+        t += g
+        r.add_message(t, 1)
+    r.ok, r.end_s, r.cached_tokens = True, t, cached
+    return r
+
+
+def test_rows_table_and_summary_line():
+    d = make_row("dynamo", "kv", "x4 (11.4/s)", [record(i, 0.05, [0.01] * 4, 50) for i in range(10)], 1.5)
+    p = make_row("pdmesh", "kv", "x4 (11.4/s)", [record(i, 0.10, [0.02] * 4, 25) for i in range(10)], 5.0)
+    assert d.ttft_p50 == pytest.approx(50.0) and p.itl_p50 == pytest.approx(20.0)
+    assert d.prefix_reuse == pytest.approx(0.5) and p.prefix_reuse == pytest.approx(0.25)
+    table = format_table([p, d])
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["system", "policy", "rate"]
+    assert lines[1].startswith("dynamo") and lines[2].startswith("pdmesh")  # systems side by side
+    assert "10/10" in lines[1]
+    line = summary_line([d, p], {"overhead_ms_dynamo": 2.5, "router_decision_ms_dynamo": math.nan})
+    kv = dict(part.split("=") for part in line.split()[1:])
+    assert line.startswith("dynamo_vs_pdmesh ")
+    assert kv["ttft_p50_kv_x4"] == "0.50"
+    assert kv["itl_p50_kv_x4"] == "0.50"
+    assert kv["reuse_kv_x4"] == "0.500/0.250"
+    assert kv["overhead_ms_dynamo"] == "2.50" and kv["router_decision_ms_dynamo"] == "n/a"
+
+
+def test_summary_line_skips_a_pair_with_one_system():
+    d = Row("dynamo", "round_robin", "x2 (5/s)", 1, 1, 1, 1, 1, 1, 1, 1, 1, 0.1)
+    assert summary_line([d]) == "dynamo_vs_pdmesh "
+
+
+def test_model_folder_is_shared_by_both_tokenizer_paths(tmp_path):
+    from tokenizers import Tokenizer
+
+    from services.engine.model_config import ModelConfig
+
+    out = tmp_path / "model"
+    assert write_folder(out) is True
+    assert write_folder(out) is False  # idempotent
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.get_vocab_size() == DEFAULT_VOCAB
+    ids = [FIRST_WORD_ID, 500, DEFAULT_VOCAB - 1]
+    assert tok.decode(ids) == f"w{FIRST_WORD_ID} w500 w{DEFAULT_VOCAB - 1}"
+    assert tok.encode(tok.decode(ids)).ids == ids  # every word id round-trips
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == EOS_ID
+    assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    cfg = ModelConfig.from_hf_folder(out)  # what pdmesh's sim workers, router and gateway read
+    assert cfg.vocab_size == DEFAULT_VOCAB and cfg.eos_token_ids == (EOS_ID,)
+
+
+def test_http_client_does_not_count_a_finish_only_chunk_as_a_token():
+    from bench.peers.dynamo.run import HttpClient
+
+    rec = RequestRecord("r", 0.0, 0.0, 10, 2)
+    total = None
+    chunks = [  # pdmesh's gateway: a chunk per token, then finish_reason alone, then usage
+        {"choices": [{"text": "w5", "finish_reason": None}]},
+        {"choices": [{"text": " w6", "finish_reason": None}]},
+        {"choices": [{"text": "", "finish_reason": "length"}]},
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 8},
+            },
+        },
+    ]
+    for t, c in enumerate(chunks):
+        total = HttpClient._on_chunk(rec, c, float(t), total)
+    assert rec.token_counts == [1, 1] and rec.finish_reason == "length"
+    assert total == 2 and rec.cached_tokens == 8
+    # Dynamo's continuous usage: a finish chunk repeating the count adds no token either.
+    rec2, total = RequestRecord("d", 0.0, 0.0, 10, 1), None
+    for t, c in enumerate(
+        [
+            {"choices": [{"text": " w7"}], "usage": {"completion_tokens": 1}},
+            {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 1}},
+        ]
+    ):
+        total = HttpClient._on_chunk(rec2, c, float(t), total)
+    assert rec2.token_counts == [1] and rec2.finish_reason == "length"
