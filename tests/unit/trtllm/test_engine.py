@@ -96,6 +96,18 @@ async def test_remote_handoff_equals_local_generate_and_the_torch_engine(pair, t
     assert decode.stats().prompt_tokens_transferred == len(PROMPT)
 
 
+async def test_handoff_when_the_decode_side_already_caches_every_block(pair):
+    prefill, decode = pair
+    prompt = [(i * 41) % 500 + 2 for i in range(48)]  # exactly 3 blocks: nothing left to transfer
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    local, _ = await collect(decode.generate(EngineRequest("l48", prompt, sp)))
+    res = await prefill.prefill(EngineRequest("p48", prompt, sp))
+    remote, _ = await collect(decode.generate_from_state(EngineRequest("d48", prompt, sp), res.engine_state))
+    assert remote == local
+    server = prefill._llm._executor.server  # the context side was still told to drop its KV
+    await _settled(lambda: not server._held)
+
+
 async def test_first_token_that_finishes_skips_decode_and_frees_the_context_kv(pair):
     prefill, _ = pair
     res = await prefill.prefill(EngineRequest("p1", PROMPT, SamplingParams(max_tokens=1)))

@@ -166,6 +166,8 @@ def pull_blocks(state: HandoffState, first_block: int, timeout_s: float | None) 
         raise RuntimeError(f"KV transfer from {state.endpoint} failed: {e}") from e
     if len(data) != nbytes:
         raise RuntimeError(f"KV transfer from {state.endpoint} ended after {len(data)} of {nbytes} bytes")
+    if nbytes == 0:  # every block was already cached on the generation side
+        return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
