@@ -30,7 +30,7 @@ import os
 import re
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,13 +105,18 @@ def _readiness(name: str, raw: Any) -> Readiness:
 
 
 def load_compose(
-    path: str | os.PathLike, environ: Mapping[str, str] | None = None
+    path: str | os.PathLike, environ: Mapping[str, str] | None = None, profiles: Sequence[str] = ()
 ) -> dict[str, ComposeService]:
-    """The services of a compose file, interpolated with `environ` (default: none set)."""
+    """The services of a compose file, interpolated with `environ` (default: none set).
+
+    As in Docker Compose, a service with `profiles:` is active only when one of its
+    profiles is given (compose.yaml's `gpu` services are skipped by default)."""
     environ = {} if environ is None else environ
     doc = yaml.safe_load(Path(path).read_text())
     services: dict[str, ComposeService] = {}
     for name, raw in (doc.get("services") or {}).items():
+        if raw.get("profiles") and not set(raw["profiles"]) & set(profiles):
+            continue
         env_raw = raw.get("environment") or {}
         if isinstance(env_raw, list):
             env_raw = dict(item.split("=", 1) for item in env_raw)

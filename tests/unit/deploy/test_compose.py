@@ -35,7 +35,10 @@ def test_every_role_is_a_service(services):
 
 def test_one_image_built_from_docker_dir(raw):
     for name, svc in raw["services"].items():
-        assert svc["image"] == repo.image(), name
+        gpu = "gpu" in svc.get("profiles", ())  # TensorRT-LLM workers: tests/unit/trtllm/test_gpu_deploy.py
+        assert svc["image"] == (repo.image().replace("pdmesh:", "pdmesh-trtllm:") if gpu else repo.image()), (
+            name
+        )
         assert svc["build"]["context"] == "."
         assert (repo.ROOT / svc["build"]["dockerfile"]).is_file(), name
 
@@ -88,7 +91,7 @@ def test_start_order_cannot_deadlock(services):
 
 def test_ports_only_on_router_and_gateway_and_one_network(raw):
     published = {name for name, svc in raw["services"].items() if svc.get("ports")}
-    assert published == {"router", "gateway"}
+    assert published == {"router", "gateway", "router-gpu", "gateway-gpu"}
     assert "container_name" not in raw["services"]["decode"]  # --scale decode=N needs generated names
     networks = {tuple(svc["networks"]) for svc in raw["services"].values()}
     assert networks == {("mesh",)} and "mesh" in raw["networks"]
@@ -160,6 +163,8 @@ def test_docker_compose_config_accepts_and_resolves_the_file(raw):
     )
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
-    assert set(resolved["services"]) == ROLES
+    assert set(resolved["services"]) == ROLES | {
+        f"{r}-gpu" for r in ("router", "prefill", "decode", "gateway")
+    }
     assert resolved["services"]["decode"]["environment"]["PDMESH_ROUTER_ADDRESS"] == "router:50051"
     assert resolved["services"]["gateway"]["depends_on"]["router"]["condition"] == "service_healthy"
