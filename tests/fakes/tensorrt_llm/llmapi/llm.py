@@ -20,10 +20,10 @@ from typing import Any
 
 from services.engine.config import EngineConfig
 
+from .._pdmesh_fake.runtime import FakeExecutor
 from ..disaggregated_params import DisaggregatedParams
 from ..executor.result import GenerationResult
 from ..sampling_params import SamplingParams
-from .._pdmesh_fake.runtime import FakeExecutor
 from .llm_args import TORCH_LLM_ARG_NAMES, CacheTransceiverConfig, KvCacheConfig
 
 PRESET_PREFIX = "pdmesh-preset:"
