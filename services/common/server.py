@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.config import require, setting
 from services.common.metrics import MetricsServer, start_metrics_server
+from services.common.request_guard import MalformedRequestGuard
 
 log = structlog.get_logger()
 
@@ -157,7 +158,8 @@ class MeshServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 1 if config.so_reuseport else 0),
         ]
-        self.server = grpc.aio.server(interceptors=[self._gate], options=options)
+        # Bytes that do not parse as the request are INVALID_ARGUMENT (gRPC alone says UNKNOWN).
+        self.server = grpc.aio.server(interceptors=[MalformedRequestGuard(), self._gate], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [
