@@ -128,7 +128,9 @@ class KvSourceServicer:
 
 async def _abort(context: grpc.aio.ServicerContext, e: KvTransferFailed) -> None:
     context.set_trailing_metadata(e.trailing_metadata())
-    await context.abort(e.status_code, e.message)
+    # The message may quote a request's handle id: keep the header small (see services.common.errors).
+    message = e.message if len(e.message) <= 512 else e.message[:512] + "..."
+    await context.abort(e.status_code, message)
 
 
 def add_kv_source(server: grpc.aio.Server, servicer: KvSourceServicer) -> None:

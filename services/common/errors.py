@@ -23,6 +23,10 @@ from services.engine.api import EngineCapacityError, InvalidRequestError, Unknow
 
 log = structlog.get_logger()
 
+# Status details travel in a header (percent-encoded, up to 12 bytes a character);
+# clients refuse headers over 16 KiB and then see RESOURCE_EXHAUSTED instead of the status.
+MAX_DETAILS_CHARS = 512
+
 
 class MeshError(Exception):
     """Base of pdmesh's domain errors; `code` is the gRPC status at the edge."""
@@ -86,6 +90,8 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
         log.error("internal_error", method=_method(context), exc_info=exc)
         mapped = (grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
     code, message = mapped
+    if len(message) > MAX_DETAILS_CHARS:  # messages echo client input, and headers have a size limit
+        message = message[:MAX_DETAILS_CHARS] + "..."
     retry_after = getattr(exc, "retry_after_s", None)
     if retry_after is not None:
         context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))

@@ -1,7 +1,11 @@
 """Requests no well-behaved client sends still end with a clear status (found by tests/fuzz).
 
 - bytes that do not parse as the request are INVALID_ARGUMENT, unary and streaming
-  alike (gRPC alone answers UNKNOWN "Unexpected <class DecodeError>").
+  alike (gRPC alone answers UNKNOWN "Unexpected <class DecodeError>");
+- an error message that quotes a huge field is cut, so the status still reaches the
+  client (a status message over the client's 16 KiB header limit arrives as
+  RESOURCE_EXHAUSTED "Stream removed" instead);
+- the same for KvSource's own aborts, which quote the handle id.
 """
 
 import grpc
@@ -12,7 +16,7 @@ from kvtransfer.grpc_transport import READ_BLOCKS, KvSourceServicer, add_kv_sour
 from kvtransfer.layout import KvLayout
 from kvtransfer.leases import LeaseManager
 from kvtransfer.pool import PoolView
-from pdmesh.v1 import kvtransfer_pb2_grpc
+from pdmesh.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.common.server import MeshServer, ServerConfig
 from services.kvtransfer.metrics import KvServiceMetrics
 from services.kvtransfer.registry import AgentRegistry
@@ -53,3 +57,25 @@ async def test_unparsable_streaming_request_is_invalid_argument(served, payload)
         async for _ in call:
             pass
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_status_quoting_a_huge_field_still_arrives(served):
+    stub = kvtransfer_pb2_grpc.KvTransferServiceStub(served)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="\u00e9" * 5000), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(e.value.details()) < 600
+
+
+async def test_a_kv_source_abort_quoting_a_huge_handle_id_still_arrives(served):
+    read = served.unary_stream(
+        READ_BLOCKS,
+        request_serializer=kvtransfer_pb2.ReadBlocksRequest.SerializeToString,
+        response_deserializer=kvtransfer_pb2.ReadBlocksResponse.FromString,
+    )
+    call = read(kvtransfer_pb2.ReadBlocksRequest(handle_id="\u00e9" * 5000, requester_id="d"), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(e.value.details()) < 600
