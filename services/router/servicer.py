@@ -44,6 +44,9 @@ def parse_generate(
 ) -> FlowRequest:
     """Validate a GenerateRequest and tokenize its prompt (raises InvalidArgument)."""
     check_ident(request.request_id, "request_id", limits.max_request_id_bytes)
+    # The id goes back in the "x-request-id" header, whose values are printable ASCII.
+    if not all(" " <= c <= "~" for c in request.request_id):
+        raise InvalidArgument("request_id: must be printable ASCII (it is sent back as x-request-id)")
     check_ident(request.tenant, "tenant", limits.max_tenant_bytes)
     check_priority(request.priority, limits)
     if request.model and request.model != model.model_id:

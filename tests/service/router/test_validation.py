@@ -22,6 +22,10 @@ def _bad_requests():
     yield "priority too high", request("hi", priority=11)
     yield "priority too low", request("hi", priority=-11)
     yield "request id too long", request("hi", request_id="x" * 129)
+    # it goes back as the x-request-id header: printable ASCII only
+    yield "request id with a NUL", request("hi", request_id="a\x00b")
+    yield "request id with a newline", request("hi", request_id="a\nb")
+    yield "request id not ASCII", request("hi", request_id="caf\u00e9")
     yield "tenant too long", request("hi", tenant="t" * 129)
     bad_temp = request("hi")
     bad_temp.sampling.temperature = 3.0
