@@ -12,6 +12,8 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
+_U64_MAX = 2**64 - 1
+
 
 @dataclass(frozen=True)
 class StatsSnapshot:
@@ -40,7 +42,9 @@ class TransferStatistics:
         self.transfers += 1
         self.transfers_by_transport[transport] += 1
         if ok:
-            self.bytes += nbytes
+            # Saturates at the contract's uint64 rather than overflow it: a worker may
+            # report nonsense, and one bad record must not break Stats for good.
+            self.bytes = min(self.bytes + nbytes, _U64_MAX)
             self._latencies_ms.append(duration_ms)
         else:
             self.failures += 1

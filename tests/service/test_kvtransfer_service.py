@@ -165,6 +165,14 @@ async def test_a_bad_record_is_refused_and_nothing_is_counted(svc):
     assert stats.transfers == 0
 
 
+async def test_byte_totals_past_uint64_saturate_instead_of_breaking_stats(svc):
+    _, _, stub, _, _ = svc
+    huge = kvtransfer_pb2.TransferRecord(transport="grpc", bytes=2**64 - 1, duration_ms=1, ok=True)
+    await stub.ReportTransfers(kvtransfer_pb2.ReportTransfersRequest(records=[huge, huge]))
+    stats = await stub.Stats(kvtransfer_pb2.KvTransferServiceStatsRequest())
+    assert stats.transfers == 2 and stats.bytes == 2**64 - 1
+
+
 async def test_directory_reregisters_when_its_lease_lapsed(svc):
     clock, _, stub, _, _ = svc
     d = AgentDirectory(stub, lease_ms=1000)
