@@ -10,7 +10,7 @@ from __future__ import annotations
 import structlog
 
 from kvtransfer.agents import AgentDirectory
-from kvtransfer.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransfer.grpc_transport import ChannelFactory, GrpcTransport, GrpcTransportConfig
 from kvtransfer.nixl_transport import NixlConfig, NixlTransport
 from kvtransfer.pool import PoolView
 from kvtransfer.transport import KvTransport, TransferReporter
@@ -30,6 +30,7 @@ def create_transport(
     nixl_config: NixlConfig | None = None,
     grpc_config: GrpcTransportConfig | None = None,
     reporter: TransferReporter | None = None,
+    channel_factory: ChannelFactory | None = None,
 ) -> KvTransport:
     if kind not in KINDS:
         raise ValueError(f"KV transport must be one of {KINDS}, got {kind!r}")
@@ -43,5 +44,11 @@ def create_transport(
         except ImportError as e:
             log.warning("nixl_unavailable_using_grpc", error=str(e))
     return GrpcTransport(
-        agent_name, pool, worker_id=worker_id, directory=directory, config=grpc_config, reporter=reporter
+        agent_name,
+        pool,
+        worker_id=worker_id,
+        directory=directory,
+        config=grpc_config,
+        reporter=reporter,
+        channel_factory=channel_factory,
     )

@@ -9,6 +9,10 @@ no staging tensor and no protobuf re-encoding.
 The stream reads the whole handle (ReadBlocksRequest cannot name a subset);
 a receiver that already has a prefix cached drops those bytes on arrival.
 
+Only the worker a handle was issued to may read it (`requester_id` against the
+lease's `issued_to`); with mTLS and a certificate that names its worker
+(`pdmesh://decode/<worker_id>`), `requester_id` must also be that worker.
+
 The holder pins the lease while streaming (`LeaseManager.begin_read`), checks
 between chunks that the lease has not ended, and releases it after the last
 chunk when asked (`release_after`). A reader that goes away mid-stream leaves
@@ -21,6 +25,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -39,6 +44,7 @@ log = structlog.get_logger()
 SERVICE_NAME = "pdmesh.v1.KvSourceService"
 READ_BLOCKS = f"/{SERVICE_NAME}/ReadBlocks"
 MIB = 1024 * 1024
+ChannelFactory = Callable[[str, Sequence[tuple[str, Any]]], grpc.aio.Channel]
 
 
 class KvSourceServicer:
@@ -58,9 +64,12 @@ class KvSourceServicer:
         default_chunk_bytes: int = 4 * MIB,
         max_chunk_bytes: int = 16 * MIB,
         on_chunk: Callable[[int], Awaitable[None]] | None = None,
+        caller_worker: Callable[[grpc.aio.ServicerContext], str] | None = None,
     ):
         self.pool = pool
         self.leases = leases
+        # The worker id the caller's client certificate names ("" = none; mTLS only).
+        self.caller_worker = caller_worker
         self.default_chunk_bytes = default_chunk_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.on_chunk = on_chunk
@@ -72,6 +81,12 @@ class KvSourceServicer:
         return max(4096, min(size, self.max_chunk_bytes))
 
     async def ReadBlocks(self, request: kvtransfer_pb2.ReadBlocksRequest, context: grpc.aio.ServicerContext):
+        certified = self.caller_worker(context) if self.caller_worker is not None else ""
+        if certified and certified != request.requester_id:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"requester_id {request.requester_id!r} is not the worker {certified!r} of the client certificate",
+            )
         try:
             lease = self.leases.begin_read(request.handle_id, request.requester_id)
         except KvTransferFailed as e:
@@ -177,6 +192,7 @@ class GrpcTransport:
         directory: AgentDirectory | None = None,
         config: GrpcTransportConfig | None = None,
         reporter: TransferReporter | None = None,
+        channel_factory: ChannelFactory | None = None,
     ):
         self.agent_name = agent_name
         self.pool = pool
@@ -185,6 +201,8 @@ class GrpcTransport:
         self.directory = directory
         self.config = config or GrpcTransportConfig()
         self.reporter = reporter
+        # (address, options) -> channel; the worker passes one with its TLS credentials.
+        self._new_channel = channel_factory or (lambda a, o: grpc.aio.insecure_channel(a, options=list(o)))
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def start(self, kv_source_address: str = "") -> None:
@@ -214,12 +232,9 @@ class GrpcTransport:
                 del self._channels[old_addr]
                 asyncio.get_running_loop().create_task(old.close())
             limit = self.config.chunk_bytes + MIB  # a chunk plus its few header bytes
-            ch = grpc.aio.insecure_channel(
+            ch = self._new_channel(
                 address,
-                options=[
-                    ("grpc.max_receive_message_length", limit),
-                    ("grpc.max_send_message_length", limit),
-                ],
+                [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
             )
             self._channels[address] = ch
         return ch

@@ -5,6 +5,8 @@
     pdmesh health ADDR [SVC]    grpc.health.v1 check (exit 0 only when SERVING)
     pdmesh workers              list the router's workers
     pdmesh serve ROLE           run one service in the foreground (what `up` starts)
+    pdmesh certs --out DIR      a dev CA and per-role certificates for TLS/mTLS
+    pdmesh keys add TENANT      a new API key (printed once; its hash goes to the keys file)
 
 Subcommands import what they need lazily so `pdmesh health` stays fast.
 """
@@ -33,13 +35,16 @@ def _health_args(p: argparse.ArgumentParser) -> None:
         "service", nargs="?", default="", help='service name ("" = liveness; e.g. pdmesh.v1.DecodeService)'
     )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
+    from pdmesh.client import add_security_arguments
+
+    add_security_arguments(p, api_key=False)
 
 
 @command("health", _health_args)
 def _health(args: argparse.Namespace) -> int:
-    from pdmesh.client import health_check
+    from pdmesh.client import health_check, tls_of
 
-    status, detail = health_check(args.address, args.service, args.timeout)
+    status, detail = health_check(args.address, args.service, args.timeout, tls_of(args))
     print(f"{args.address} {args.service or '(liveness)'}: {status}{(' (' + detail + ')') if detail else ''}")
     return 0 if status == "SERVING" else 1
 
@@ -56,7 +61,7 @@ def _load_commands() -> None:
     """Subcommands defined next to the services they drive register themselves here."""
     import importlib
 
-    for module in ("pdmesh.commands",):
+    for module in ("pdmesh.commands", "pdmesh.security_commands"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -1,14 +1,46 @@
-"""Small synchronous helpers for talking to a pdmesh mesh (CLI, scripts, tests)."""
+"""Small synchronous helpers for talking to a pdmesh mesh (CLI, scripts, tests).
+
+TLS: every command takes the services' `--tls-*` flags (`PDMESH_TLS_*` env;
+a client certificate of role "client" for an mTLS router, a mesh role's for
+workers); `--api-key` (`PDMESH_API_KEY`) is sent as `authorization: Bearer`.
+"""
 
 from __future__ import annotations
+
+import argparse
+import os
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.tls import ClientTls, TlsConfig, client_tls, sync_channel
 
-def health_check(address: str, service: str = "", timeout: float = 3.0) -> tuple[str, str]:
+
+def add_security_arguments(p: argparse.ArgumentParser, api_key: bool = True) -> None:
+    """`--tls-cert-file`, ... (and `--api-key`) on a CLI subcommand."""
+    from services.common.config import add_arguments
+
+    add_arguments(p, TlsConfig, "tls_")
+    if api_key:
+        p.add_argument("--api-key", default=None, help="API key sent as a bearer token (env PDMESH_API_KEY)")
+
+
+def tls_of(args: argparse.Namespace) -> ClientTls | None:
+    from services.common.config import build
+
+    return client_tls(build(TlsConfig, args, os.environ, "tls_"))
+
+
+def auth_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    key = getattr(args, "api_key", None) or os.environ.get("PDMESH_API_KEY", "")
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def health_check(
+    address: str, service: str = "", timeout: float = 3.0, tls: ClientTls | None = None
+) -> tuple[str, str]:
     """grpc.health.v1 Check: ("SERVING" | "NOT_SERVING" | "SERVICE_UNKNOWN" | "UNREACHABLE" | ..., detail)."""
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -44,7 +76,8 @@ def stream_generate(args) -> int:
 
     from pdmesh.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    metadata = auth_metadata(args)
+    with sync_channel(args.address, tls_of(args)) as channel:
         try:
             if args.direct:
                 # No router: tokenize with the built-in byte tokenizer, as the router would.
@@ -72,7 +105,7 @@ def stream_generate(args) -> int:
                 return 0
             stub = router_pb2_grpc.RouterServiceStub(channel)
             req = router_pb2.GenerateRequest(text=args.text, sampling=_sampling(args))
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
                 if msg.HasField("delta"):
                     sys.stdout.write(msg.delta.text)
                     sys.stdout.flush()
@@ -88,15 +121,17 @@ def stream_generate(args) -> int:
             return 1
 
 
-def print_workers(address: str, timeout: float) -> int:
+def print_workers(
+    address: str, timeout: float, tls: ClientTls | None = None, metadata: tuple[tuple[str, str], ...] = ()
+) -> int:
     import sys
 
     from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         try:
             resp = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(
-                router_pb2.ListWorkersRequest(), timeout=timeout
+                router_pb2.ListWorkersRequest(), timeout=timeout, metadata=metadata
             )
         except grpc.RpcError as e:
             print(f"pdmesh workers: {e.code().name}: {e.details()}", file=sys.stderr)

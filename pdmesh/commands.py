@@ -9,6 +9,7 @@ import sys
 import time
 
 from pdmesh.cli import command
+from pdmesh.client import add_security_arguments
 from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags, wait_all
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
@@ -258,6 +259,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    add_security_arguments(p)
 
 
 @command("generate", _generate_args)
@@ -271,14 +273,15 @@ def generate(args: argparse.Namespace) -> int:
 def _workers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ROUTER, help="router host:port")
     p.add_argument("--timeout", type=float, default=5.0)
+    add_security_arguments(p)
 
 
 @command("workers", _workers_args)
 def workers(args: argparse.Namespace) -> int:
     """List the router's workers: role, address, health, load, cached blocks."""
-    from pdmesh.client import print_workers
+    from pdmesh.client import auth_metadata, print_workers, tls_of
 
-    return print_workers(args.address, args.timeout)
+    return print_workers(args.address, args.timeout, tls_of(args), auth_metadata(args))
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

@@ -1,12 +1,20 @@
 """One grpc.aio channel per peer address, shared by every call to that peer.
 
-Creating a channel per request costs a TCP (and later TLS) handshake; gRPC
-channels multiplex calls, so workers keep one per peer for their lifetime.
+Creating a channel per request costs a TCP (and TLS) handshake; gRPC channels
+multiplex calls, so workers keep one per peer for their lifetime. With a
+`TlsConfig` the channels speak TLS (presenting this process's certificate for
+mTLS); when the certificate files change, the next `get` replaces the cached
+channel, and calls still running on the old one get `REPLACED_GRACE_S` to finish.
 """
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import grpc
+
+from services.common.tls import TlsConfig, aio_channel, client_tls
 
 DEFAULT_OPTIONS = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -16,26 +24,38 @@ DEFAULT_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 )
+REPLACED_GRACE_S = 30.0
 
 
 class ChannelCache:
-    def __init__(self, options: tuple[tuple[str, object], ...] = DEFAULT_OPTIONS):
+    def __init__(
+        self, options: tuple[tuple[str, object], ...] = DEFAULT_OPTIONS, tls: TlsConfig | None = None
+    ):
         self._options = options
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = client_tls(tls)
+        self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=list(self._options))
-            self._channels[address] = channel
+        version = self._tls.version() if self._tls is not None else None
+        cached = self._channels.get(address)
+        if cached is not None and cached[1] == version:
+            return cached[0]
+        if cached is not None:  # certificate files changed: new handshakes use the new ones
+            asyncio.get_running_loop().create_task(cached[0].close(REPLACED_GRACE_S))
+        channel = self.new_channel(address, self._options)
+        self._channels[address] = (channel, version)
         return channel
 
+    def new_channel(self, address: str, options: Any = ()) -> grpc.aio.Channel:
+        """An uncached channel with this cache's credentials (the caller closes it)."""
+        return aio_channel(address, self._tls, options)
+
     async def drop(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close()
+        cached = self._channels.pop(address, None)
+        if cached is not None:
+            await cached[0].close()
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = [c for c, _ in self._channels.values()], {}
         for channel in channels:
             await channel.close()

@@ -8,7 +8,12 @@
     get UNAVAILABLE, in-flight calls finish (up to `drain_grace_s`), then the
     server stops;
   - optionally the Prometheus metrics HTTP server and a port file that tells a
-    parent process (pdmesh up, e2e tests) the ports bound when asked for port 0.
+    parent process (pdmesh up, e2e tests) the ports bound when asked for port 0;
+  - with a `TlsConfig` holding a certificate: TLS (mTLS with require_client_cert)
+    on the port, the certificate re-read when its files change, per-method mesh
+    roles (services/common/call_guards.py), and optionally a plaintext port that
+    serves only grpc.health.v1 (`health_port`, for kubelet's gRPC probes);
+  - optionally a cap on concurrent calls per client connection.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from services.common.call_guards import ConnectionLimit, MeshAuthorizer
 from services.common.config import require, setting
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.request_guard import MalformedRequestGuard
+from services.common.tls import TlsConfig, server_credentials
 
 log = structlog.get_logger()
 
@@ -53,6 +60,15 @@ class ServerConfig:
     so_reuseport: bool = setting(
         False, "set SO_REUSEPORT so several processes can share one listening port (same host and port)"
     )
+    max_concurrent_streams: int = setting(
+        0, "HTTP/2 streams one client connection may have open (gRPC's own cap; 0 = gRPC's default)"
+    )
+    max_calls_per_connection: int = setting(
+        0, "concurrent calls per client connection; one more is RESOURCE_EXHAUSTED (0 = no limit)"
+    )
+    health_port: int = setting(
+        -1, "with TLS: a plaintext port serving only grpc.health.v1, for kubelet probes (0 = any, -1 = off)"
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -61,6 +77,11 @@ class ServerConfig:
         )
         require(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         require(self.max_message_bytes >= 4096, "max_message_bytes must be >= 4096")
+        require(self.max_concurrent_streams >= 0, "max_concurrent_streams must be >= 0")
+        require(self.max_calls_per_connection >= 0, "max_calls_per_connection must be >= 0")
+        require(
+            -1 <= self.health_port <= 65535, f"health_port must be in [-1, 65535], got {self.health_port}"
+        )
 
 
 class _DrainGate(grpc.aio.ServerInterceptor):
@@ -148,18 +169,31 @@ class MeshServer:
         service_name: str,
         registry: CollectorRegistry | None = None,
         reflection_names: Sequence[str] = (),
+        tls: TlsConfig | None = None,
     ):
         self.config = config
         self.service_name = service_name
         self.registry = registry
+        self.tls = tls if tls is not None and tls.serves_tls else None
         self._gate = _DrainGate()
-        options = [
+        options: list[tuple[str, int]] = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 1 if config.so_reuseport else 0),
         ]
+        if config.max_concurrent_streams:
+            options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        self.authorizer: MeshAuthorizer | None = None
+        if self.tls is not None:
+            self.authorizer = MeshAuthorizer(self.tls.require_client_cert)
+            interceptors.append(self.authorizer)
+        if config.max_calls_per_connection:
+            interceptors.append(ConnectionLimit(config.max_calls_per_connection))
         # Bytes that do not parse as the request are INVALID_ARGUMENT (gRPC alone says UNKNOWN).
-        self.server = grpc.aio.server(interceptors=[MalformedRequestGuard(), self._gate], options=options)
+        interceptors.append(MalformedRequestGuard())
+        self.options = tuple(options)
+        self.server = grpc.aio.server(interceptors=[*interceptors, self._gate], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [
@@ -170,6 +204,8 @@ class MeshServer:
         ]
         reflection.enable_server_reflection(names, self.server)
         self.port = 0
+        self.health_port: int | None = None
+        self.cert_watcher = None
         self.metrics: MetricsServer | None = None
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Future[None] | None = None
@@ -189,9 +225,19 @@ class MeshServer:
     def bind(self) -> int:
         """Bind the listening port (before servicers that need our address are made)."""
         if not self.port:
-            self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            where = f"{self.config.host}:{self.config.port}"
+            if self.tls is not None:
+                creds, self.cert_watcher = server_credentials(self.tls)
+                self.port = self.server.add_secure_port(where, creds)
+            else:
+                self.port = self.server.add_insecure_port(where)
             if self.port == 0:
-                raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+                raise OSError(f"could not bind {where}")
+            if self.tls is not None and self.config.health_port >= 0:
+                # Plaintext, but MeshAuthorizer lets only grpc.health.v1 through it.
+                self.health_port = self.server.add_insecure_port(
+                    f"{self.config.host}:{self.config.health_port}"
+                )
         return self.port
 
     async def start(self) -> int:
@@ -208,6 +254,7 @@ class MeshServer:
             service=self.service_name,
             address=self.address,
             metrics_port=self.metrics.port if self.metrics else None,
+            tls="mtls" if self.tls and self.tls.require_client_cert else ("tls" if self.tls else "off"),
         )
         return self.port
 
@@ -217,6 +264,7 @@ class MeshServer:
         data = {
             "port": self.port,
             "metrics_port": self.metrics.port if self.metrics else None,
+            "health_port": self.health_port,
             "pid": os.getpid(),
         }
         tmp = self.config.port_file + ".tmp"

@@ -6,7 +6,8 @@ KV transport with its agent registered at the KV-transfer service, and the
 router membership. Role-specific mains add their servicers between `setup()`
 and `serve()`. Shutdown runs in reverse: drain the server (NOT_SERVING,
 in-flight calls finish), leave the router, close the transport, close the
-engine.
+engine. With a `TlsConfig` the server and every client channel (router,
+KV-transfer service, peers' KvSource) speak TLS/mTLS.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from services.common.config import require, setting
 from services.common.metrics import EngineCollector
 from services.common.router_registration import RouterMembership
 from services.common.server import MeshServer, ServerConfig
+from services.common.tls import TlsConfig
 from services.common.worker import default_worker_id
 from services.engine.api import Engine
 from services.engine.config import EngineConfig
@@ -63,13 +65,15 @@ class WorkerRuntime:
         server_config: ServerConfig,
         config: WorkerConfig,
         engine_config: EngineConfig,
+        tls: TlsConfig | None = None,
     ):
         self.role = role
         self.config = config
         self.engine_config = engine_config
+        self.tls = tls
         self.registry = CollectorRegistry()
-        self.server = MeshServer(server_config, service_name, self.registry)
-        self.channels = ChannelCache()
+        self.server = MeshServer(server_config, service_name, self.registry, tls=tls)
+        self.channels = ChannelCache(tls=tls)  # every client channel of this worker
         self.engine: Engine = create_engine(engine_config)
         self.transport: KvTransport | None = None
         self.directory: AgentDirectory | None = None
@@ -103,6 +107,7 @@ class WorkerRuntime:
                 worker_id=self.worker_id,
                 directory=self.directory,
                 reporter=self.reporter,
+                channel_factory=self.channels.new_channel,
             )
             await self.transport.start(kv_source_address=self.address)
             self.reporter.start()

@@ -1,8 +1,9 @@
 """Entry point of a decode worker: `python -m services.decode.main [flags]`.
 
 Flags (and PDMESH_* environment variables) come from the config dataclasses:
-ServerConfig, WorkerConfig, DecodeConfig, DisaggConfig, RequestLimits and
-EngineConfig (with the `--engine-` prefix, e.g. `--engine-preset small`).
+ServerConfig, WorkerConfig, DecodeConfig, DisaggConfig, RequestLimits,
+EngineConfig (with the `--engine-` prefix, e.g. `--engine-preset small`) and
+TlsConfig (`--tls-cert-file`, ...).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pdmesh.v1 import decode_pb2_grpc
 from services.common.config import add_arguments, build
 from services.common.logging import configure_logging
 from services.common.server import ServerConfig, run
+from services.common.tls import TlsConfig
 from services.common.validation import RequestLimits
 from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.decode.config import DecodeConfig
@@ -34,6 +36,7 @@ CONFIGS = (
     (DisaggConfig, ""),
     (RequestLimits, "limits_"),
     (EngineConfig, "engine_"),
+    (TlsConfig, "tls_"),
 )
 
 
@@ -49,7 +52,14 @@ async def serve(cfg: dict[type, object]) -> None:
     server_cfg: ServerConfig = cfg[ServerConfig]  # type: ignore[assignment]
     decode_cfg: DecodeConfig = cfg[DecodeConfig]  # type: ignore[assignment]
     configure_logging("decode", server_cfg.log_level)
-    rt = WorkerRuntime("decode", SERVICE_NAME, server_cfg, cfg[WorkerConfig], cfg[EngineConfig])  # type: ignore[arg-type]
+    rt = WorkerRuntime(
+        "decode",
+        SERVICE_NAME,
+        server_cfg,
+        cfg[WorkerConfig],  # type: ignore[arg-type]
+        cfg[EngineConfig],  # type: ignore[arg-type]
+        tls=cfg[TlsConfig],  # type: ignore[arg-type]
+    )
     await rt.setup()
     metrics = DecodeMetrics(rt.registry)
     remote = None

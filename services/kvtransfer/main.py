@@ -19,6 +19,7 @@ from pdmesh.v1 import kvtransfer_pb2_grpc
 from services.common.config import ConfigError, add_arguments, build
 from services.common.logging import configure_logging
 from services.common.server import MeshServer, ServerConfig, run
+from services.common.tls import TlsConfig
 from services.kvtransfer.config import KvTransferConfig
 from services.kvtransfer.metrics import KvServiceMetrics
 from services.kvtransfer.registry import AgentRegistry
@@ -43,11 +44,11 @@ async def _expire_forever(servicer: KvTransferServicer, interval_s: float) -> No
         await asyncio.sleep(interval_s)  # a periodic sweep, not synchronisation
 
 
-async def serve(server_config: ServerConfig, config: KvTransferConfig) -> None:
+async def serve(server_config: ServerConfig, config: KvTransferConfig, tls: TlsConfig | None = None) -> None:
     configure_logging("kvtransfer", server_config.log_level)
     metrics_registry = CollectorRegistry()
     servicer = build_servicer(config, metrics_registry)
-    server = MeshServer(server_config, SERVICE_NAME, registry=metrics_registry)
+    server = MeshServer(server_config, SERVICE_NAME, registry=metrics_registry, tls=tls)
     kvtransfer_pb2_grpc.add_KvTransferServiceServicer_to_server(servicer, server.server)
     await server.start()
     server.install_signal_handlers()
@@ -65,14 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdmesh-kvtransfer", description=__doc__.splitlines()[0])
     add_arguments(parser, ServerConfig)
     add_arguments(parser, KvTransferConfig)
+    add_arguments(parser, TlsConfig, "tls_")
     args = parser.parse_args(argv)
     try:
         server_config = build(ServerConfig, args, os.environ)
         config = build(KvTransferConfig, args, os.environ)
+        tls = build(TlsConfig, args, os.environ, "tls_")
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr)
         return 2
-    run(lambda: serve(server_config, config))
+    run(lambda: serve(server_config, config, tls))
     return 0
 
 

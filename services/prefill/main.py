@@ -1,9 +1,9 @@
 """Entry point of a prefill worker: `python -m services.prefill.main [flags]`.
 
 Flags (and PDMESH_* environment variables) come from ServerConfig,
-WorkerConfig, PrefillConfig, RequestLimits and EngineConfig (`--engine-`
-prefix). The worker serves PrefillService and KvSourceService (the gRPC
-transport's byte stream) on one port.
+WorkerConfig, PrefillConfig, RequestLimits, EngineConfig (`--engine-`
+prefix) and TlsConfig (`--tls-` prefix). The worker serves PrefillService
+and KvSourceService (the gRPC transport's byte stream) on one port.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pdmesh.v1 import prefill_pb2_grpc
 from services.common.config import add_arguments, build
 from services.common.logging import configure_logging
 from services.common.server import ServerConfig, run
+from services.common.tls import TlsConfig, certified_worker
 from services.common.validation import RequestLimits
 from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.engine.config import EngineConfig
@@ -35,6 +36,7 @@ CONFIGS = (
     (PrefillConfig, ""),
     (RequestLimits, "limits_"),
     (EngineConfig, "engine_"),
+    (TlsConfig, "tls_"),
 )
 
 
@@ -50,7 +52,14 @@ async def serve(cfg: dict[type, object]) -> None:
     server_cfg: ServerConfig = cfg[ServerConfig]  # type: ignore[assignment]
     prefill_cfg: PrefillConfig = cfg[PrefillConfig]  # type: ignore[assignment]
     configure_logging("prefill", server_cfg.log_level)
-    rt = WorkerRuntime("prefill", SERVICE_NAME, server_cfg, cfg[WorkerConfig], cfg[EngineConfig])  # type: ignore[arg-type]
+    rt = WorkerRuntime(
+        "prefill",
+        SERVICE_NAME,
+        server_cfg,
+        cfg[WorkerConfig],  # type: ignore[arg-type]
+        cfg[EngineConfig],  # type: ignore[arg-type]
+        tls=cfg[TlsConfig],  # type: ignore[arg-type]
+    )
     await rt.setup()
     leases = LeaseManager(default_ttl_s=prefill_cfg.lease_ttl_s)
     rt.registry.register(LeaseCollector(leases))
@@ -59,7 +68,10 @@ async def serve(cfg: dict[type, object]) -> None:
         rt.transport.attach_source(leases)
     pool = rt.engine.kv_pool()
     if pool is not None and rt.engine.info.layout is not None:
-        add_kv_source(rt.server.server, KvSourceServicer(PoolView(pool, rt.engine.info.layout), leases))
+        source = KvSourceServicer(
+            PoolView(pool, rt.engine.info.layout), leases, caller_worker=certified_worker
+        )
+        add_kv_source(rt.server.server, source)
     servicer = PrefillServicer(
         engine=rt.engine,
         leases=leases,

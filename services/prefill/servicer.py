@@ -13,16 +13,19 @@ instead of held blocks: the handle then carries that state and no lease.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
 import grpc
 import structlog
 
+from kvtransfer.errors import StaleHandle
 from kvtransfer.leases import LeaseManager
 from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2
-from services.common.errors import InvalidArgument, grpc_errors
+from services.common.errors import InvalidArgument, PermissionDenied, grpc_errors
+from services.common.tls import certified_worker
 from services.common.validation import (
     FINISH_TO_PROTO,
     RequestLimits,
@@ -63,6 +66,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     @grpc_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         req = self._validate(request)
+        certified = certified_worker(context)
+        if certified and certified != request.requester_id:
+            raise PermissionDenied(f"requester_id: the client certificate is for worker {certified!r}")
         started = time.monotonic()
         try:
             result = await self.engine.prefill(req)  # cancelling this frees the blocks
@@ -182,6 +188,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     @grpc_errors
     async def Release(self, request: prefill_pb2.ReleaseRequest, context) -> prefill_pb2.ReleaseResponse:
         check_ident(request.handle_id, "handle_id", 256, required=True)
+        certified = certified_worker(context)  # mTLS with per-worker certificates: only the owner
+        if certified:
+            with contextlib.suppress(StaleHandle):  # unknown: released=False below
+                self.leases.get(request.handle_id, certified)  # NotOwner: PERMISSION_DENIED
         return prefill_pb2.ReleaseResponse(released=self.leases.release(request.handle_id))
 
     async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context):

@@ -1,0 +1,167 @@
+"""Server interceptors that guard every call before a servicer sees it.
+
+`MeshAuthorizer` (installed by MeshServer when it serves TLS):
+  - a call that did not come over TLS (the plaintext health port kubelet's gRPC
+    probes use, which cannot speak TLS) may only reach grpc.health.v1;
+  - with mTLS on, the caller's certificate must name a mesh role
+    (`pdmesh://<role>`, see services/common/tls.py) allowed for the method by
+    `POLICY`: a public client ("client", "gateway") may only call
+    RouterService.Generate/Cancel/ListWorkers (and health/reflection); worker
+    membership RPCs need a worker's certificate, Prefill/Release/ReadBlocks a
+    decode worker's; everything else is internal (router, decode, prefill,
+    kvtransfer). Refusals are PERMISSION_DENIED naming the role and method.
+
+`ConnectionLimit`: at most `limit` concurrent calls per client connection
+(`context.peer()` is the connection's remote address); one more is refused
+with RESOURCE_EXHAUSTED. gRPC's own `grpc.max_concurrent_streams` (ServerConfig)
+bounds the streams of a connection at the HTTP/2 layer, where extra calls wait
+in the client instead of failing; this gives a caller a clear error instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from services.common.tls import is_tls_call, peer_identity
+
+PUBLIC_ROLES = frozenset({"client", "gateway"})
+INTERNAL_ROLES = frozenset({"router", "decode", "prefill", "kvtransfer"})
+ROLES = PUBLIC_ROLES | INTERNAL_ROLES
+WORKER_ROLES = frozenset({"decode", "prefill"})
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# (method or service prefix, roles allowed); the first match wins, INTERNAL_ROLES otherwise.
+POLICY: tuple[tuple[str, frozenset[str]], ...] = (
+    (HEALTH_PREFIX, ROLES),
+    ("/grpc.reflection.", ROLES),
+    ("/pdmesh.v1.RouterService/Generate", ROLES),
+    ("/pdmesh.v1.RouterService/Cancel", ROLES),
+    ("/pdmesh.v1.RouterService/ListWorkers", ROLES),
+    ("/pdmesh.v1.RouterService/RegisterWorker", WORKER_ROLES),
+    ("/pdmesh.v1.RouterService/Heartbeat", WORKER_ROLES),
+    ("/pdmesh.v1.RouterService/DeregisterWorker", WORKER_ROLES),
+    ("/pdmesh.v1.PrefillService/Prefill", frozenset({"decode"})),
+    ("/pdmesh.v1.PrefillService/Release", frozenset({"decode"})),
+    ("/pdmesh.v1.KvSourceService/ReadBlocks", frozenset({"decode"})),
+)
+
+
+def allowed_roles(method: str) -> frozenset[str]:
+    for prefix, roles in POLICY:
+        if method.startswith(prefix):
+            return roles
+    return INTERNAL_ROLES
+
+
+Check = Callable[[grpc.aio.ServicerContext], Awaitable[Callable[[], None] | None]]
+
+
+def guard(h: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandler:
+    """`h` with `check(context)` awaited first; it aborts the call or returns a cleanup (or None)."""
+    ser = {"request_deserializer": h.request_deserializer, "response_serializer": h.response_serializer}
+    if h.unary_unary is not None:
+        inner_uu = h.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            done = await check(context)
+            try:
+                return await inner_uu(request, context)
+            finally:
+                if done is not None:
+                    done()
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **ser)
+    if h.unary_stream is not None:
+        inner = h.unary_stream
+        is_gen = inspect.isasyncgenfunction(inner) or inspect.isasyncgenfunction(
+            getattr(inner, "__func__", None)
+        )
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            done = await check(context)
+            try:
+                if is_gen:
+                    async for item in inner(request, context):
+                        yield item
+                else:
+                    await inner(request, context)
+            finally:
+                if done is not None:
+                    done()
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **ser)
+    return h  # client-streaming kinds: not used by pdmesh services
+
+
+class MeshAuthorizer(grpc.aio.ServerInterceptor):
+    """Per-method mesh roles with mTLS; health only on a plaintext connection."""
+
+    def __init__(self, require_client_cert: bool):
+        self.require_client_cert = require_client_cert
+        self.denied = 0
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        roles = allowed_roles(method)
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            if not is_tls_call(context):
+                if not method.startswith(HEALTH_PREFIX):
+                    await self._deny(context, f"{method} needs TLS; this plaintext port serves health only")
+                return None
+            if not self.require_client_cert:
+                return None
+            ident = peer_identity(context)
+            if ident is None:
+                await self._deny(context, f"{method}: the client certificate names no pdmesh:// role")
+            elif ident.role not in roles:
+                await self._deny(context, f"{method} is not open to role {ident.role!r}")
+            return None
+
+        return guard(handler, check)
+
+    async def _deny(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        self.denied += 1
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+
+
+class ConnectionLimit(grpc.aio.ServerInterceptor):
+    """At most `limit` concurrent calls per client connection (RESOURCE_EXHAUSTED beyond)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.open: dict[str, int] = {}
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+
+        async def check(context: grpc.aio.ServicerContext) -> Callable[[], None]:
+            peer = context.peer()
+            n = self.open.get(peer, 0)
+            if n >= self.limit:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this connection has {n} calls open (limit {self.limit} per connection); "
+                    "wait for one to finish",
+                )
+            self.open[peer] = n + 1
+
+            def done() -> None:
+                left = self.open[peer] - 1
+                if left:
+                    self.open[peer] = left
+                else:
+                    del self.open[peer]
+
+            return done
+
+        return guard(handler, check)
