@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import math
@@ -72,7 +73,6 @@ from bench.peers.dynamo.compare import (
     format_table,
     ideal_prefix_reuse,
     make_row,
-    mean_of,
     metric,
     parse_prometheus,
     summary_line,
@@ -156,18 +156,23 @@ class Deployment:
 
     system: str
     url: str
-    front_pids: list[int]
+    front_pids: dict[str, int]  # name -> PID of the processes in front of the workers
     worker_pids: list[int]
     workers: int
     stop: object  # () -> None, stops everything it started, by PID
     direct: str = ""  # grpc address of one worker (pdmesh only)
     router: str = ""  # grpc address of the router (pdmesh only)
-    metrics_url: str = ""  # the front's /metrics
+    metrics_url: str = ""  # the front's /metrics (pdmesh: the router's)
+    gateway_metrics_url: str = ""
     worker_metrics_urls: list[str] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
-    def cpu(self) -> tuple[float, float]:
-        return sum(map(cpu_s, self.front_pids)), sum(map(cpu_s, self.worker_pids))
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of each front process by name, and of all workers as "workers"."""
+        return {
+            **{k: cpu_s(p) for k, p in self.front_pids.items()},
+            "workers": sum(map(cpu_s, self.worker_pids)),
+        }
 
 
 class DynamoProcs:
@@ -284,7 +289,7 @@ def start_dynamo(setup: Setup, policy: str, workdir: Path, timeout_s: float = 12
     return Deployment(
         "dynamo",
         url,
-        [front.pid],
+        {"frontend": front.pid},
         [m.pid for m in mockers],
         setup.workers,
         procs.stop,
@@ -372,13 +377,14 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
     return Deployment(
         "pdmesh",
         f"http://{gateway.address}",
-        [router.proc.pid, gateway.proc.pid],
+        {"router": router.proc.pid, "gateway": gateway.proc.pid},
         [d.proc.pid for d in decodes],
         setup.workers,
         launcher.close,
         direct=decodes[0].address,
         router=router.address,
         metrics_url=f"http://127.0.0.1:{router.metrics_port}/metrics" if router.metrics_port else "",
+        gateway_metrics_url=f"http://{gateway.address}/metrics",
         worker_metrics_urls=[f"http://127.0.0.1:{d.metrics_port}/metrics" for d in decodes if d.metrics_port],
         logs=[s.log_path for s in launcher.services],
     )
@@ -482,7 +488,7 @@ def run_one(
         pr = asyncio.run(probe(dep, args.probe_requests, args.seed, args.probe_prompt_len, args.vocab_size))
         span = items[-1].arrival_s
         print(f"   load: {len(items)} requests over {span:.1f}s", flush=True)
-        front0, workers0 = dep.cpu()
+        cpu0, before = dep.cpu(), counters(dep)
         records = asyncio.run(
             run_load(
                 items,
@@ -492,14 +498,13 @@ def run_one(
                 timeout_s=args.timeout_s,
             )
         )
-        front1, workers1 = dep.cpu()
-        mets = scrape(dep)
+        cpu = {k: v - cpu0[k] for k, v in dep.cpu().items()}
+        mets = load_metrics(before, counters(dep), dep.workers)
     finally:
         dep.stop()
-    row = make_row(system, policy, rate_label, records, (front1 - front0) + (workers1 - workers0))
+    row = make_row(system, policy, rate_label, records, sum(cpu.values()))
     row.extra.update(
-        cpu_front_s=front1 - front0,
-        cpu_workers_s=workers1 - workers0,
+        **{f"cpu_{k}_s": v for k, v in cpu.items()},
         prompt_tokens_sent=float(sum(len(it.prompt_ids) for it in items)),
     )
     if args.records_dir:
@@ -509,40 +514,62 @@ def run_one(
     print(
         f"   done: ok {row.ok}/{row.requests}{' errors ' + ','.join(errors) if errors else ''}; "
         f"TTFT p50 {row.ttft_p50:.1f} ms; reuse {row.prefix_reuse:.1%}; "
-        f"CPU front {front1 - front0:.1f}s workers {workers1 - workers0:.1f}s",
+        "CPU " + ", ".join(f"{k} {v:.1f}s" for k, v in cpu.items()),
         flush=True,
     )
     return RunResult(row, pr, mets)
 
 
-def scrape(dep: Deployment) -> dict[str, float]:
-    """What each system's own /metrics says about routing, reuse and balance."""
+def counters(dep: Deployment) -> dict[str, float]:
+    """Raw counters (sums, counts) of each system's own /metrics pages, read before and
+    after the load so that `load_metrics` sees the load alone (not the probes)."""
     front = parse_prometheus(http_get(dep.metrics_url)[1]) if dep.metrics_url else []
     workers = [parse_prometheus(http_get(u)[1]) for u in dep.worker_metrics_urls]
+    gateway = parse_prometheus(http_get(dep.gateway_metrics_url)[1]) if dep.gateway_metrics_url else []
+    out: dict[str, float] = {}
+
+    def hist(name: str, samples, base: str) -> None:
+        out[name + "_sum"] = metric(samples, base + "_sum")
+        out[name + "_count"] = metric(samples, base + "_count")
+
     if dep.system == "dynamo":
         engines = [s for w in workers for s in w]
-        per_engine = [metric(w, "vllm:e2e_request_latency_seconds_count") for w in workers]
-        return {
-            "router_decision_ms": mean_of(front, "dynamo_router_overhead_total_ms"),
-            "cached_tokens": metric(front, "dynamo_frontend_cached_tokens_sum"),
-            "prompt_tokens": metric(front, "dynamo_frontend_input_sequence_tokens_sum"),
-            "router_predicted_cached_tokens": metric(
-                front, "dynamo_component_router_kv_selected_cached_prefix_tokens_total"
-            ),
-            "preemptions": metric(engines, "vllm:num_preemptions_total"),
-            "engine_ttft_ms": mean_of(engines, "vllm:time_to_first_token_seconds") * 1e3,
-            "front_ttft_ms": mean_of(front, "dynamo_frontend_time_to_first_token_seconds") * 1e3,
-            **balance(per_engine, dep.workers),
-        }
-    per_worker = [
-        metric(w, "pdmesh_decode_requests_total") or metric(w, "pdmesh_decode_requests") for w in workers
-    ]
-    return {
-        "cached_tokens": sum(metric(w, "pdmesh_engine_prompt_tokens_cached_total") for w in workers),
-        "preemptions": sum(metric(w, "pdmesh_engine_preemptions_total") for w in workers),
-        "front_ttft_ms": mean_of(front, "pdmesh_router_ttft_seconds") * 1e3,
-        **balance(per_worker, dep.workers),
-    }
+        hist("router_decision", front, "dynamo_router_overhead_total_ms")
+        hist("front_ttft", front, "dynamo_frontend_time_to_first_token_seconds")
+        hist("engine_ttft", engines, "vllm:time_to_first_token_seconds")
+        out["cached_tokens"] = metric(front, "dynamo_frontend_cached_tokens_sum")
+        out["prompt_tokens"] = metric(front, "dynamo_frontend_input_sequence_tokens_sum")
+        out["predicted_cached_tokens"] = metric(
+            front, "dynamo_component_router_kv_selected_cached_prefix_tokens_total"
+        )
+        out["preemptions"] = metric(engines, "vllm:num_preemptions_total")
+        requests = [metric(w, "vllm:e2e_request_latency_seconds_count") for w in workers]
+    else:
+        hist("front_ttft", front, "pdmesh_router_ttft_seconds")
+        hist("gateway_ttft", gateway, "pdmesh_gateway_ttft_seconds")
+        out["cached_tokens"] = sum(metric(w, "pdmesh_engine_prompt_tokens_cached_total") for w in workers)
+        out["preemptions"] = sum(metric(w, "pdmesh_engine_preemptions_total") for w in workers)
+        requests = [metric(w, "pdmesh_decode_requests_total") for w in workers]
+    out.update({f"requests_{i}": v for i, v in enumerate(requests)})
+    return out
+
+
+def load_metrics(before: dict[str, float], after: dict[str, float], workers: int) -> dict[str, float]:
+    """The load's share of the counters: totals, means (ms) and the request balance."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+    def mean(name: str, scale: float = 1e3) -> float:
+        return d[name + "_sum"] / d[name + "_count"] * scale if d.get(name + "_count") else math.nan
+
+    out = {k: v for k, v in d.items() if not k.endswith(("_sum", "_count")) and not k.startswith("requests_")}
+    out.update(
+        front_ttft_ms=mean("front_ttft"),
+        engine_ttft_ms=mean("engine_ttft"),
+        gateway_ttft_ms=mean("gateway_ttft"),
+        router_decision_ms=mean("router_decision", 1.0),
+        **balance([v for k, v in d.items() if k.startswith("requests_")], workers),
+    )
+    return out
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -553,7 +580,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one rate, KV routing only, fewer requests (~2 min)")
     p.add_argument("--workers", type=int, default=4, help="engines per system")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
+    p.add_argument(
+        "--num-blocks", type=int, default=16384, help="KV blocks per worker (the mocker's default)"
+    )
     p.add_argument("--speedup", type=float, default=1.0, help="modeled time / wall time, both systems")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -564,8 +593,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", help="kv and/or round_robin; default kv,round_robin (quick: kv)")
     p.add_argument("--rr-rates", default="last", help="rates for round_robin: all | last")
     p.add_argument("--systems", default="dynamo,pdmesh")
-    p.add_argument("--num-requests", type=int, help="first N requests of the trace; default 300 (quick: 120)")
-    p.add_argument("--max-duration-s", type=float, default=60.0, help="of scaled trace time per run")
+    p.add_argument("--num-requests", type=int, help="first N requests of the trace; default 500 (quick: 120)")
+    p.add_argument("--max-duration-s", type=float, default=120.0, help="of scaled trace time per run")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request deadline")
     p.add_argument(
         "--probe-requests", type=int, help="near-zero-load probes per path; default 30 (quick: 20)"
@@ -580,12 +609,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = (
         {"rates": "4", "policies": "kv", "num_requests": 120, "probe_requests": 20}
         if a.quick
-        else {"rates": "2,4", "policies": "kv,round_robin", "num_requests": 300, "probe_requests": 30}
+        else {"rates": "2,4", "policies": "kv,round_robin", "num_requests": 500, "probe_requests": 30}
     )
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     return a
+
+
+def machine() -> str:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} CPUs ({model or platform.machine()}), {platform.system()} {platform.release()}"
+
+
+def versions(python: Path) -> str:
+    """ai-dynamo / ai-dynamo-runtime versions in Dynamo's venv."""
+    code = "import importlib.metadata as m; print(m.version('ai-dynamo'), m.version('ai-dynamo-runtime'))"
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+    return " / runtime ".join(out.stdout.split()) if out.returncode == 0 else "version unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -628,6 +674,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads[rate] = [it for it in items if len(it.prompt_ids) + it.max_tokens <= capacity // 2]
     profile = load_profile(PROFILE)
     started = datetime.datetime.now(datetime.UTC)
+    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
+    print(f"machine: {machine()}; dynamo {versions(dyn_python) if 'dynamo' in systems else '-'}")
     print(
         f"dynamo side by side: {setup.workers} workers per system, block {setup.block_size}, "
         f"{setup.num_blocks} blocks/worker ({capacity} tokens), speedup {setup.speedup:g}, "
@@ -674,34 +722,27 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
     )
     print(format_table(rows))
     print()
+    print("each system's own counters over the load (probes excluded):")
     for r in results:
         m, x = r.metrics, r.row.extra
-        worker_reuse = (
-            m.get("cached_tokens", math.nan) / m["prompt_tokens"] if m.get("prompt_tokens") else math.nan
-        )
+        sent = x["prompt_tokens_sent"]
+        cpu = {k.removeprefix("cpu_").removesuffix("_s"): v for k, v in x.items() if k.startswith("cpu_")}
         parts = [
-            f"CPU front {x['cpu_front_s']:.1f}s workers {x['cpu_workers_s']:.1f}s",
+            "CPU " + " ".join(f"{k} {v:.1f}s" for k, v in cpu.items()),
             f"busiest worker {m.get('busiest_over_mean', math.nan):.2f}x the mean request count",
             f"preemptions {m.get('preemptions', math.nan):.0f}",
-            f"worker-counted cached tokens {m.get('cached_tokens', math.nan):.0f}",
+            f"cached tokens {m.get('cached_tokens', math.nan) / sent:.1%} of the load's prompt tokens",
         ]
         if r.row.system == "dynamo":
-            parts.append(
-                f"({worker_reuse:.1%} of prompt tokens, probes included; router predicted "
-                f"{m['router_predicted_cached_tokens'] / m['prompt_tokens']:.1%})"
-                if m.get("prompt_tokens")
-                else "(no prompt-token count)"
-            )
+            parts[-1] += f" (router predicted {m.get('predicted_cached_tokens', math.nan) / sent:.1%})"
             parts.append(
                 f"TTFT mean at the engines {m.get('engine_ttft_ms', math.nan):.1f}, at the frontend "
                 f"{m.get('front_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
             )
         else:
             parts.append(
-                f"({m.get('cached_tokens', math.nan) / x['prompt_tokens_sent']:.1%} of the load's prompt tokens)"
-            )
-            parts.append(
-                f"TTFT mean at the router {m.get('front_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
+                f"TTFT mean at the router {m.get('front_ttft_ms', math.nan):.1f}, at the gateway "
+                f"{m.get('gateway_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
             )
         print(f"  {r.row.system} {r.row.policy} {r.row.rate}: " + "; ".join(parts))
 
