@@ -66,6 +66,10 @@ class FailedPrecondition(MeshError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unauthenticated(MeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The gRPC status for a known domain error, None for anything else."""
     if isinstance(exc, MeshError):

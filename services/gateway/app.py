@@ -6,6 +6,10 @@ message *before* answering, so that a refusal (shed, bad argument, router down)
 still becomes an HTTP status (429/400/503) even for `stream: true`. Then the
 answer is either collected into one JSON body or relayed as SSE chunks.
 
+The client's `Authorization: Bearer <key>` header goes to the router as gRPC
+metadata; the router authenticates the key and maps it to a tenant (401 on
+UNAUTHENTICATED, 429 when that tenant is over quota).
+
 While the answer is being produced the gateway watches the ASGI `receive`
 channel; when the client disconnects the upstream gRPC call is cancelled (the
 router then aborts the request on its workers and frees their KV).
@@ -29,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from services.common.tls import TlsConfig
 from services.gateway import responses as R
 from services.gateway.chat_template import ChatTemplate, load_chat_template
 from services.gateway.config import GatewayConfig
@@ -126,8 +131,10 @@ class Gateway:
         config: GatewayConfig,
         metrics: GatewayMetrics | None = None,
         template: ChatTemplate | None = None,
+        tls: TlsConfig | None = None,
     ):
         self.config = config
+        self.tls = tls
         self.metrics = metrics or GatewayMetrics()
         self.template = template if template is not None else load_chat_template(config.model_path)
         self.client: RouterClient | None = None
@@ -136,7 +143,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         cfg = self.config
-        self.client = RouterClient(cfg.router_address, cfg.request_timeout_s, cfg.health_timeout_s)
+        self.client = RouterClient(cfg.router_address, cfg.request_timeout_s, cfg.health_timeout_s, self.tls)
         log.info(
             "gateway_started", router=cfg.router_address, model=cfg.model_id, chat_template=self.template.name
         )
@@ -188,13 +195,14 @@ class Gateway:
                 plan = parse_chat(body, self.config.model_id, self.template)
             else:
                 plan = parse_completion(body, self.config.model_id)
+            credentials = forwarded_authorization(request)
         except GatewayError as e:
             self.metrics.finished(endpoint, e.status, time.monotonic() - start)
             log.info("request_refused", endpoint=endpoint, status=e.status, error=e.message)
             return _error_response(request, e)
         out = Outcome(plan, endpoint, start)
         assert self.client is not None
-        upstream = self.client.generate(plan)
+        upstream = self.client.generate(plan, credentials)
         self.metrics.inflight.inc()
         try:
             first = await until_disconnect(request.receive, _next(upstream))
@@ -291,6 +299,17 @@ class Gateway:
         )
 
 
+def forwarded_authorization(request: Request) -> tuple[tuple[str, str], ...]:
+    """The client's Authorization header as gRPC metadata: the router checks the API key
+    (one place holds the keys; its UNAUTHENTICATED comes back as a 401)."""
+    value = request.headers.get("authorization")
+    if value is None:
+        return ()
+    if not (value.isascii() and value.isprintable()) or len(value) > 1024:
+        raise GatewayError(401, "malformed Authorization header", "authentication_error")
+    return (("authorization", value),)
+
+
 async def _next(upstream: UpstreamStream) -> Any:
     try:
         return await upstream.__anext__()
@@ -312,5 +331,7 @@ def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(err.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 
-def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> Starlette:
-    return Gateway(config, metrics).app()
+def create_app(
+    config: GatewayConfig, metrics: GatewayMetrics | None = None, tls: TlsConfig | None = None
+) -> Starlette:
+    return Gateway(config, metrics, tls=tls).app()

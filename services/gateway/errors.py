@@ -5,7 +5,8 @@ with a status code that says who should act: 400 for the request (malformed
 body, unknown model, unsupported parameter, or the router's INVALID_ARGUMENT),
 429 with `Retry-After` when the router sheds (RESOURCE_EXHAUSTED and its
 "retry-after-ms" trailer), 503 when the router is unreachable or draining
-(UNAVAILABLE), 504 on DEADLINE_EXCEEDED.
+(UNAVAILABLE), 504 on DEADLINE_EXCEEDED, 401 with `WWW-Authenticate: Bearer`
+on UNAUTHENTICATED (a missing or unknown API key).
 """
 
 from __future__ import annotations
@@ -81,4 +82,6 @@ def from_grpc(code: grpc.StatusCode, details: str, trailing: object = ()) -> Gat
             err.headers["retry-after-ms"] = str(ms)
     elif code == grpc.StatusCode.UNAVAILABLE:
         err.headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S)
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        err.headers["WWW-Authenticate"] = "Bearer"
     return err

@@ -28,6 +28,7 @@ import uvicorn
 from services.common.config import ConfigError, add_arguments, build
 from services.common.logging import configure_logging
 from services.common.server import run
+from services.common.tls import TlsConfig, https_server_context
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 
@@ -70,39 +71,53 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, tls: TlsConfig | None = None) -> None:
     log = configure_logging("gateway", config.log_level)
     sock = bind(config.host, config.port)
     port = sock.getsockname()[1]
     uv_config = uvicorn.Config(
-        create_app(config),
+        create_app(config, tls=tls),
         log_config=None,
         access_log=False,  # one structured line per request comes from the app
         lifespan="on",
         timeout_graceful_shutdown=config.drain_grace_s,
         proxy_headers=False,
     )
-    log.info("serving", service="gateway", address=f"{config.host}:{port}", router=config.router_address)
+    https = tls is not None and tls.serves_tls
+    if https:
+        assert tls is not None
+        uv_config.load()
+        uv_config.ssl = https_server_context(tls)  # follows the certificate files
+    log.info(
+        "serving",
+        service="gateway",
+        address=f"{'https' if https else 'http'}://{config.host}:{port}",
+        router=config.router_address,
+    )
     await _Server(uv_config, port, config.port_file).serve(sockets=[sock])
     log.info("stopped", service="gateway")
 
 
-def parse(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> GatewayConfig:
+def parse(
+    argv: Sequence[str] | None = None, env: dict[str, str] | None = None
+) -> tuple[GatewayConfig, TlsConfig]:
     parser = argparse.ArgumentParser(
         prog="pdmesh-gateway", description="pdmesh OpenAI-compatible HTTP gateway"
     )
     add_arguments(parser, GatewayConfig)
+    add_arguments(parser, TlsConfig, "tls_")
     args = parser.parse_args(argv)
-    return build(GatewayConfig, args, dict(os.environ) if env is None else env)
+    env = dict(os.environ) if env is None else env
+    return build(GatewayConfig, args, env), build(TlsConfig, args, env, "tls_")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = parse(argv)
+        config, tls = parse(argv)
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr)
         return 2
-    run(lambda: serve(config))
+    run(lambda: serve(config, tls))
     return 0
 
 

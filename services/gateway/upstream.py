@@ -1,6 +1,7 @@
 """The gateway's side of the router: one gRPC channel, Generate streams, readiness.
 
-`RouterClient` owns the channel (made on the serving event loop). Each request
+`RouterClient` owns the channel (made on the serving event loop; TLS/mTLS
+with the gateway's `TlsConfig`, presenting the "gateway" certificate). Each request
 gets an `UpstreamStream` over one `RouterService.Generate` call; a failed call
 raises the `GatewayError` its status maps to (errors.from_grpc), and `cancel()`
 cancels the call, which the router propagates to the decode and prefill
@@ -15,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.v1 import router_pb2_grpc
+from services.common.tls import TlsConfig, aio_channel, client_tls
 from services.gateway.errors import from_grpc
 from services.gateway.params import GenerationPlan
 
@@ -53,16 +55,19 @@ class UpstreamStream:
 
 
 class RouterClient:
-    def __init__(self, address: str, timeout_s: float, health_timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, health_timeout_s: float, tls: TlsConfig | None = None):
         self.address = address
         self._timeout_s = timeout_s
         self._health_timeout_s = health_timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = aio_channel(address, client_tls(tls))
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def generate(self, plan: GenerationPlan) -> UpstreamStream:
-        return UpstreamStream(self._stub.Generate(plan.to_proto(), timeout=self._timeout_s))
+    def generate(self, plan: GenerationPlan, metadata: tuple[tuple[str, str], ...] = ()) -> UpstreamStream:
+        """One Generate call; `metadata` carries the client's `authorization` to the router."""
+        return UpstreamStream(
+            self._stub.Generate(plan.to_proto(), timeout=self._timeout_s, metadata=metadata)
+        )
 
     async def ready(self) -> tuple[bool, str]:
         """(router reports RouterService SERVING, status text)."""

@@ -1,8 +1,10 @@
 """Admission control: who may start now, who waits, who is shed.
 
 Owns the per-tenant token buckets (requests/s and tokens/s, tokens = prompt +
-max_tokens), the in-flight count against `max_inflight`, and a bounded wait
-queue ordered by priority (higher first) then arrival. The servicer calls
+max_tokens; services/router/tenant_quota.py), each tenant's open requests
+(running + queued) against its cap, the in-flight count against
+`max_inflight`, and a bounded wait queue ordered by priority (higher first)
+then arrival. The servicer calls
 `try_admit` before routing and `release` when the request ends; it sheds with
 the typed errors below (RESOURCE_EXHAUSTED with a "retry-after-ms" hint, or
 DEADLINE_EXCEEDED).
@@ -27,21 +29,20 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.config import require, setting
-from services.router.token_bucket import TokenBucket
+from services.router.tenant_quota import TenantBuckets, TenantLimits
 
 
 class AdmissionRejected(Exception):
     """Shed: RESOURCE_EXHAUSTED at the edge, with `retry_after_s` as a hint.
 
-    `reason` is a short label for metrics: "rate_limited", "queue_full",
-    "queue_timeout", "deadline_unreachable".
+    `reason` is a short label for metrics: "rate_limited", "tenant_inflight",
+    "queue_full", "queue_timeout", "deadline_unreachable".
     """
 
     def __init__(self, reason: str, message: str, retry_after_s: float | None = None):
@@ -62,23 +63,6 @@ class InvalidAdmission(ValueError):
 
 
 @dataclass(frozen=True)
-class TenantLimits:
-    """Quota of one tenant; a rate of None means unlimited."""
-
-    requests_per_s: float | None = None
-    request_burst: float = 10.0
-    tokens_per_s: float | None = None
-    token_burst: float = 100_000.0
-
-    def __post_init__(self) -> None:
-        for name in ("requests_per_s", "tokens_per_s"):
-            rate = getattr(self, name)
-            require(rate is None or (rate > 0 and math.isfinite(rate)), f"{name} must be > 0 or None")
-        require(self.request_burst >= 1, "request_burst must be >= 1")
-        require(self.token_burst >= 1, "token_burst must be >= 1")
-
-
-@dataclass(frozen=True)
 class AdmissionConfig:
     max_inflight: int = setting(64, "requests the router runs at once; more wait in the queue")
     queue_limit_per_priority: int = setting(128, "waiting requests per priority level before shedding")
@@ -89,6 +73,9 @@ class AdmissionConfig:
     min_retry_after_s: float = setting(0.05, "floor of the retry-after hint")
     max_retry_after_s: float = setting(60.0, "cap of the retry-after hint")
     max_tenants: int = setting(10_000, "tenant buckets kept; least recently used beyond this are dropped")
+    tenant_max_inflight: int = setting(
+        0, "open requests (running + queued) per tenant; one more is shed (0 = no limit)"
+    )
     default_limits: TenantLimits = field(
         default_factory=TenantLimits, metadata={"help": "quota of a tenant without its own", "cli": False}
     )
@@ -104,6 +91,7 @@ class AdmissionConfig:
         require(self.initial_hold_s > 0, "initial_hold_s must be > 0")
         require(0 < self.min_retry_after_s <= self.max_retry_after_s, "need 0 < min_retry_after_s <= max")
         require(self.max_tenants >= 1, "max_tenants must be >= 1")
+        require(self.tenant_max_inflight >= 0, "tenant_max_inflight must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -150,43 +138,22 @@ class AdmissionStats:
     cancelled_waiting: int
 
 
-class _TenantBuckets:
-    def __init__(self, limits: TenantLimits, now: float):
-        self.requests = (
-            TokenBucket(limits.requests_per_s, limits.request_burst, now) if limits.requests_per_s else None
-        )
-        self.tokens = (
-            TokenBucket(limits.tokens_per_s, limits.token_burst, now) if limits.tokens_per_s else None
-        )
-
-    def wait_s(self, cost: int, now: float) -> float:
-        wait = self.requests.wait_s(1, now) if self.requests else 0.0
-        return max(wait, self.tokens.wait_s(cost, now)) if self.tokens else wait
-
-    def take(self, cost: int, now: float) -> None:
-        if self.requests:
-            self.requests.take(1, now)
-        if self.tokens:
-            self.tokens.take(cost, now)
-
-    def refund(self, cost: int, now: float) -> None:
-        if self.requests:
-            self.requests.refund(1, now)
-        if self.tokens:
-            self.tokens.refund(cost, now)
-
-    def idle(self, now: float) -> bool:
-        return all(b is None or b.is_full(now) for b in (self.requests, self.tokens))
-
-
 class AdmissionController:
     _EWMA_ALPHA = 0.2  # weight of the latest slot hold in the mean
 
-    def __init__(self, config: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: AdmissionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        limits_for: Callable[[str], TenantLimits | None] | None = None,
+    ):
         self.config = config or AdmissionConfig()
         self._clock = clock
+        # Quota of a tenant from elsewhere (the API-keys file) before the config's.
+        self._limits_for = limits_for
         self._ids = itertools.count(1)
-        self._tenants: OrderedDict[str, _TenantBuckets] = OrderedDict()
+        self._tenants: OrderedDict[str, TenantBuckets] = OrderedDict()
+        self._open_by_tenant: dict[str, int] = {}  # running + queued
         self._live: dict[int, Ticket] = {}
         # Heaps with lazy deletion: entries of waiters no longer WAITING are skipped.
         self._queue: list[tuple[int, int, Waiter]] = []  # (-priority, id, waiter)
@@ -220,6 +187,15 @@ class AdmissionController:
         if deadline is not None and deadline <= now:
             self._reject(DeadlineUnreachable("the deadline passed before admission"))
         buckets = self._buckets(tenant, now)
+        cap = buckets.limits.max_inflight or cfg.tenant_max_inflight
+        if cap and self._open_by_tenant.get(tenant, 0) >= cap:
+            self._reject(
+                AdmissionRejected(
+                    "tenant_inflight",
+                    f"tenant {tenant!r} has {cap} requests open (its limit); wait for one to finish",
+                    self._clamp_retry(self._mean_hold_s),
+                )
+            )
         wait = buckets.wait_s(cost_tokens, now)
         if wait > 0:
             retry = self._clamp_retry(wait)
@@ -230,6 +206,7 @@ class AdmissionController:
             self._reject(AdmissionRejected("rate_limited", f"tenant {tenant!r} is over its quota", retry))
         if self.inflight < cfg.max_inflight:
             buckets.take(cost_tokens, now)
+            self._open(tenant, +1)
             return self._grant(tenant, priority, cost_tokens, now)
         waiting_here = self._waiting_by_priority.get(priority, 0)
         if waiting_here >= cfg.queue_limit_per_priority:
@@ -244,6 +221,7 @@ class AdmissionController:
                 )
             )
         buckets.take(cost_tokens, now)
+        self._open(tenant, +1)
         expires_at = (
             now + cfg.queue_timeout_s if deadline is None else min(now + cfg.queue_timeout_s, deadline)
         )
@@ -259,6 +237,7 @@ class AdmissionController:
         (state GRANTED, `ticket` set), to be woken by the edge. Idempotent."""
         if self._live.pop(ticket.id, None) is None:
             return []
+        self._open(ticket.tenant, -1)
         now = self._clock()
         hold = max(now - ticket.granted_at, 0.0)
         self._mean_hold_s += self._EWMA_ALPHA * (hold - self._mean_hold_s)
@@ -344,8 +323,21 @@ class AdmissionController:
     def _waiting_at_or_above(self, priority: int) -> int:
         return sum(n for p, n in self._waiting_by_priority.items() if p >= priority)
 
+    def _open(self, tenant: str, delta: int) -> None:
+        n = self._open_by_tenant.get(tenant, 0) + delta
+        if n > 0:
+            self._open_by_tenant[tenant] = n
+        else:
+            self._open_by_tenant.pop(tenant, None)
+
+    def open_requests(self, tenant: str) -> int:
+        """Running + queued requests of `tenant`."""
+        return self._open_by_tenant.get(tenant, 0)
+
     def _leave_queue(self, waiter: Waiter, state: WaiterState) -> None:
         waiter.state = state
+        if state is not WaiterState.GRANTED:  # a granted waiter stays open, now running
+            self._open(waiter.tenant, -1)
         n = self._waiting_by_priority[waiter.priority] - 1
         if n:
             self._waiting_by_priority[waiter.priority] = n
@@ -385,16 +377,19 @@ class AdmissionController:
             self._expiry = [e for e in self._expiry if e[2].state is WaiterState.WAITING]
             heapq.heapify(self._expiry)
 
-    def _buckets(self, tenant: str, now: float) -> _TenantBuckets:
+    def _limits(self, tenant: str) -> TenantLimits:
+        found = self._limits_for(tenant) if self._limits_for is not None else None
+        return found or self.config.tenant_limits.get(tenant, self.config.default_limits)
+
+    def _buckets(self, tenant: str, now: float) -> TenantBuckets:
         """The tenant's buckets (LRU order). Full buckets at the cold end are
         dropped: a full bucket equals a fresh one, so nothing is lost."""
         buckets = self._tenants.get(tenant)
-        if buckets is None:
-            limits = self.config.tenant_limits.get(tenant, self.config.default_limits)
-            buckets = _TenantBuckets(limits, now)
+        limits = self._limits(tenant)
+        if buckets is None or buckets.limits != limits:  # new tenant, or its quota changed
+            buckets = TenantBuckets(limits, now)
             self._tenants[tenant] = buckets
-        else:
-            self._tenants.move_to_end(tenant)
+        self._tenants.move_to_end(tenant)
         for _ in range(4):  # amortised pruning: a few idle tenants per call
             oldest, b = next(iter(self._tenants.items()))
             if oldest == tenant or not b.idle(now):

@@ -3,7 +3,8 @@
 `RouterConfig` holds the router's own settings (workers, model, policy,
 timeouts, probe intervals); the cores keep their own configs
 (`AdmissionConfig`, `BreakerConfig`, `RetryBudgetConfig`, `JourneyConfig`,
-`PrefixIndexConfig`, `RequestLimits`) and the listener is a `ServerConfig`.
+`PrefixIndexConfig`, `RequestLimits`), the listener is a `ServerConfig`, its
+TLS (server and channels to workers) a `TlsConfig`, API keys an `AuthConfig`.
 `RouterSettings` bundles them; `parse_settings(argv, env)` builds it from flags
 (`--decode-workers`, `--admission-max-inflight`, `--breaker-cooldown-s`, ...)
 and `PDMESH_*` environment variables. The model facts the router needs
@@ -22,10 +23,12 @@ from typing import Any
 
 from services.common.config import add_arguments, build, require, setting
 from services.common.server import ServerConfig
+from services.common.tls import TlsConfig
 from services.common.validation import RequestLimits
 from services.engine.model_config import PRESETS, ModelConfig
 from services.engine.tokenizer import ByteTokenizer, HfTokenizer
 from services.router.admission import AdmissionConfig
+from services.router.auth import AuthConfig
 from services.router.circuit_breaker import BreakerConfig
 from services.router.migration import JourneyConfig
 from services.router.policy import POLICY_NAMES, PolicyConfig
@@ -155,6 +158,8 @@ class RouterSettings:
     retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
     journey: JourneyConfig = field(default_factory=JourneyConfig)
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 # (field of RouterSettings, config class, flag prefix)
@@ -167,6 +172,8 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("retry_budget", RetryBudgetConfig, "retry_budget_"),
     ("journey", JourneyConfig, ""),
     ("index", PrefixIndexConfig, "index_"),
+    ("tls", TlsConfig, "tls_"),
+    ("auth", AuthConfig, ""),
 )
 
 

@@ -39,7 +39,7 @@ async def serve(settings: RouterSettings) -> None:
     log = configure_logging("router", settings.server.log_level)
     model = ModelSpec.load(settings.router)
     router = Router(settings, model, subscriber=f"router-{socket.gethostname()}-{os.getpid()}")
-    server = MeshServer(settings.server, SERVICE_NAME, registry=router.metrics.registry)
+    server = MeshServer(settings.server, SERVICE_NAME, registry=router.metrics.registry, tls=settings.tls)
     add_to_server(router, server.server)
     await server.start()
     server.install_signal_handlers(on_drain=router.close)
@@ -51,6 +51,7 @@ async def serve(settings: RouterSettings) -> None:
         policy=settings.router.policy,
         decode_workers=list(settings.router.decode_workers),
         prefill_workers=list(settings.router.prefill_workers),
+        api_keys=router.auth is not None,
     )
     try:
         await server.wait_stopped()

@@ -1,7 +1,7 @@
 """The router: composition root of the cores, the worker pool and running requests.
 
 `Router` creates and owns every core (registry, prefix index + sequencer,
-breakers, retry budget, cost ledger, admission) and the `WorkerPool`, wires
+breakers, retry budget, cost ledger, API keys, admission) and the `WorkerPool`, wires
 them (the registry asks the breakers whether a worker is available; removing a
 worker stops its KV subscription before clearing its state), and keeps the
 running `RequestFlow`s by request id for Router.Cancel. The servicer converts
@@ -28,6 +28,7 @@ from pdmesh.v1 import decode_pb2
 from services.common.errors import ResourceExhausted, Unavailable
 from services.router.admission import AdmissionController
 from services.router.admission_gate import AdmissionGate
+from services.router.auth import ApiKeyStore
 from services.router.circuit_breaker import BreakerRegistry, BreakerState
 from services.router.config import ModelSpec, RouterSettings
 from services.router.cost import CostLedger, RequestCost, RequestOutcome
@@ -125,10 +126,21 @@ class Router:
         self.sequencer = EventSequencer()
         self.budget = RetryBudget(settings.retry_budget, clock)
         self.ledger = CostLedger()
-        self.admission = AdmissionController(settings.admission, clock)
+        self.auth = ApiKeyStore(settings.auth) if settings.auth.enabled else None
+        self.admission = AdmissionController(
+            settings.admission, clock, self.auth.limits_for if self.auth is not None else None
+        )
         self.gate = AdmissionGate(self.admission, clock)
         self.pool = WorkerPool(
-            cfg, self.registry, self.index, self.sequencer, self.breakers, self.changed, subscriber, resolver
+            cfg,
+            self.registry,
+            self.index,
+            self.sequencer,
+            self.breakers,
+            self.changed,
+            subscriber,
+            resolver,
+            tls=settings.tls,
         )
         self.pool.drain_grace_s = settings.server.drain_grace_s
         self.ctx = RoutingContext(
@@ -227,9 +239,10 @@ class Router:
             del self.flows[flow.req.request_id]
             self.changed()
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, tenant: str | None = None) -> bool:
+        """Cancel a running request; with `tenant` (authenticated callers) only one of its own."""
         flow = self.flows.get(request_id)
-        if flow is None:
+        if flow is None or (tenant is not None and flow.req.tenant != tenant):
             return False
         flow.cancel()
         return True

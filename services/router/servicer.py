@@ -5,16 +5,24 @@ touched; the first failure is an INVALID_ARGUMENT naming the field. Generate
 streams `TokenDelta`s (all tokens ready at once in one message, with the text
 they complete) and ends with a `GenerateFinal`; the request id (as sent or
 assigned) goes back in the "x-request-id" initial metadata.
+
+With API keys on (services/router/auth.py) Generate, Cancel and ListWorkers
+need `authorization: Bearer <key>` (UNAUTHENTICATED otherwise); the key's
+tenant replaces the request's `tenant`, its cap lowers `priority`, and Cancel
+reaches only the caller's own requests. Which certificates may call which
+method with mTLS is MeshServer's business (services/common/call_guards.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import grpc
 
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.errors import FailedPrecondition, InvalidArgument, grpc_errors
+from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied, grpc_errors
+from services.common.tls import peer_identity
 from services.common.validation import (
     RequestLimits,
     check_enum,
@@ -24,6 +32,7 @@ from services.common.validation import (
     sampling_from_proto,
     sampling_to_proto,
 )
+from services.router.auth import TenantGrant
 from services.router.circuit_breaker import BreakerState
 from services.router.config import ModelSpec
 from services.router.convert import info_from_proto, info_to_proto, load_from_proto, load_to_proto
@@ -34,6 +43,7 @@ from services.router.router import Router, WorkerView
 from services.router.stop_text import StopTextFilter
 
 SERVICE_NAME = "pdmesh.v1.RouterService"
+_ROLE_NAMES = {common_pb2.WORKER_ROLE_DECODE: "decode", common_pb2.WORKER_ROLE_PREFILL: "prefill"}
 
 _Delta = router_pb2.TokenDelta
 _Response = router_pb2.GenerateResponse
@@ -124,14 +134,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.router = router
         self.limits = router.settings.limits
 
+    def _grant(self, context) -> TenantGrant | None:
+        """The caller's tenant grant when API keys are on (raises Unauthenticated), else None."""
+        auth = self.router.auth
+        return auth.authenticate(context.invocation_metadata()) if auth is not None else None
+
     @grpc_errors
     async def Generate(self, request, context):
         router = self.router
+        grant = self._grant(context)
         try:
             req = parse_generate(request, router.model, self.limits, context.time_remaining())
         except InvalidArgument:
             router.metrics.invalid()
             raise
+        if grant is not None:  # the key decides the tenant, never the request's field
+            req = dataclasses.replace(req, tenant=grant.tenant, priority=grant.cap(req.priority))
         flow = router.open_flow(req)
         try:
             await context.send_initial_metadata((("x-request-id", req.request_id),))
@@ -149,11 +167,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     @grpc_errors
     async def Cancel(self, request, context):
+        grant = self._grant(context)
         check_ident(request.request_id, "request_id", self.limits.max_request_id_bytes, required=True)
-        return router_pb2.CancelResponse(cancelled=self.router.cancel(request.request_id))
+        tenant = grant.tenant if grant is not None else None
+        return router_pb2.CancelResponse(cancelled=self.router.cancel(request.request_id, tenant))
 
     @grpc_errors
     async def ListWorkers(self, request, context):
+        self._grant(context)
         return router_pb2.ListWorkersResponse(workers=[status_to_proto(v) for v in self.router.workers()])
 
     @grpc_errors
@@ -165,6 +186,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         check_enum(w.accelerator, common_pb2.AcceleratorKind, "worker.accelerator")
         if w.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
             raise InvalidArgument("worker.role: must be WORKER_ROLE_DECODE or WORKER_ROLE_PREFILL")
+        ident = peer_identity(context)  # mTLS: a worker joins only in the role its certificate names
+        if ident is not None and _ROLE_NAMES.get(w.role) != ident.role:
+            raise PermissionDenied(f"worker.role: the client certificate is for role {ident.role!r}")
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
         try:
             result = await self.router.register(info_from_proto(w), lease_s)

@@ -1,7 +1,9 @@
 """Connections to workers: one channel each, and the loops that keep the router's view fresh.
 
 `WorkerPool` owns one `WorkerConnection` per worker address. A connection owns
-its gRPC channel and stubs and three loops:
+its gRPC channel (TLS with the router's `TlsConfig`: a worker whose certificate
+the mesh CA did not sign fails every probe and never joins) and stubs and
+three loops:
 
 - health: grpc.health.v1 `Check` of the worker's ready name
   ("pdmesh.v1.DecodeService" / "pdmesh.v1.PrefillService") -> registry health;
@@ -31,6 +33,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from services.common.tls import TlsConfig, aio_channel, client_tls
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.convert import KvResync, apply_kv_message, info_from_proto, load_from_proto
@@ -79,7 +82,7 @@ class WorkerConnection:
         self.static = worker_id is None
         self.worker_id = worker_id  # None until a static worker's Stats answered
         self.refused: str | None = None  # why a static worker was refused at join
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, pool.tls, CHANNEL_OPTIONS)
         self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
         stub = self.decode if role is WorkerRole.DECODE else prefill_pb2_grpc.PrefillServiceStub(self.channel)
         self._worker_stub = stub  # SubscribeKvEvents and Stats: served by both roles
@@ -253,8 +256,11 @@ class WorkerPool:
         changed: Callable[[], None] = lambda: None,
         subscriber: str = "router",
         resolver: Callable[[str], Sequence[str]] = system_resolver,
+        tls: TlsConfig | None = None,
     ):
         self.config = config
+        # With TLS a worker must present a certificate of the mesh CA, or it never joins.
+        self.tls = client_tls(tls)
         self.registry = registry
         self.index = index
         self.sequencer = sequencer
