@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdmesh.client import health_check
+from services.common.tls import TlsConfig, client_tls
 
 
 class LaunchError(RuntimeError):
@@ -68,12 +69,14 @@ class Launcher:
         workdir: str | os.PathLike | None = None,
         python: str = sys.executable,
         base_env: Mapping[str, str] | None = None,
+        tls: TlsConfig | None = None,
     ):
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="pdmesh-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.services: list[RunningService] = []
+        self._tls = client_tls(tls)  # readiness checks of a TLS mesh (any mesh certificate)
 
     def start(self, spec: ServiceSpec) -> RunningService:
         """Start a process (does not wait; see `wait_ready`)."""
@@ -103,7 +106,8 @@ class Launcher:
             data = json.loads(svc.port_file.read_text())
             svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
         return (
-            bool(svc.port) and health_check(svc.address, svc.spec.ready_service, timeout=1.0)[0] == "SERVING"
+            bool(svc.port)
+            and health_check(svc.address, svc.spec.ready_service, timeout=1.0, tls=self._tls)[0] == "SERVING"
         )
 
     def wait_ready(
