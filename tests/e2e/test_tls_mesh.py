@@ -6,7 +6,8 @@ pdmesh://decode/decode-0) and a router, each with its own certificate from
 and the router's keys file from `pdmesh keys add`. Requests must take the remote
 prefill path (Prefill, ReadBlocks and Release between the workers over mTLS), and
 answer the same as locally; the router serves a "client" certificate with a key and
-refuses one without; outsiders are refused by the workers.
+refuses one without; outsiders are refused by the workers; with per-worker
+certificates another decode worker can neither take, read nor release a handle.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvtransfer.grpc_transport import READ_BLOCKS
 from pdmesh.cli import main as cli
 from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
+    kvtransfer_pb2,
+    prefill_pb2,
     prefill_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
@@ -55,7 +59,9 @@ def role_tls(certs, name: str) -> TlsConfig:
 def mesh(tmp_path_factory):
     root = tmp_path_factory.mktemp("tls-mesh")
     certs = root / "certs"
-    assert cli(["certs", "--out", str(certs), "--worker", "decode/decode-0"]) == 0
+    assert (
+        cli(["certs", "--out", str(certs), "--worker", "decode/decode-0", "--worker", "decode/decode-1"]) == 0
+    )
     keys = certs / "api-keys.jsonl"
     key = new_key()
     append_entry(str(keys), "acme", key, max_priority=0)
@@ -163,3 +169,33 @@ def test_workers_refuse_outsiders_and_public_certificates(mesh):
     ):
         prefill_stats(ch)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_kv_handle_is_usable_only_by_the_worker_its_certificate_names(mesh):
+    """Per-worker certificates: decode-1 can neither take, read nor release decode-0's handle."""
+    certs, _, _, prefill, *_ = mesh
+    as_0 = client_tls(role_tls(certs, "decode-decode-0"))
+    as_1 = client_tls(role_tls(certs, "decode-decode-1"))
+    req = prefill_pb2.PrefillRequest(
+        request_id="owned",
+        prompt_token_ids=list(range(50, 90)),
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+        requester_id="decode-0",
+    )
+    with sync_channel(prefill.address, as_1) as ch, pytest.raises(grpc.RpcError) as e:
+        prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(req, timeout=60)  # asking in decode-0's name
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "decode-1" in e.value.details()
+    with sync_channel(prefill.address, as_0) as ch:
+        handle = prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(req, timeout=60).handle
+    assert handle.issued_to == "decode-0"
+    read = kvtransfer_pb2.ReadBlocksRequest(handle_id=handle.handle_id, requester_id="decode-0")
+    release = prefill_pb2.ReleaseRequest(handle_id=handle.handle_id)
+    with sync_channel(prefill.address, as_1) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(ch.unary_stream(READ_BLOCKS, request_serializer=read.SerializeToString)(read, timeout=30))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as e:
+            prefill_pb2_grpc.PrefillServiceStub(ch).Release(release, timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with sync_channel(prefill.address, as_0) as ch:
+        assert prefill_pb2_grpc.PrefillServiceStub(ch).Release(release, timeout=10).released
