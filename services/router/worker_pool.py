@@ -126,8 +126,11 @@ class WorkerConnection:
         try:
             while True:
                 await self._probe_health(cfg.health_timeout_s)
+                # Not asyncio.wait_for: on 3.11 it swallows a cancel that lands in the same
+                # step as the probe request, and stop() would then wait forever.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._probe_now.wait(), cfg.health_interval_s)
+                    async with asyncio.timeout(cfg.health_interval_s):
+                        await self._probe_now.wait()
                 self._probe_now.clear()
         finally:
             stats.cancel()

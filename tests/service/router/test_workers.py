@@ -1,6 +1,8 @@
 """The worker registry over gRPC: static workers (flags, DNS), runtime join with
 leases and heartbeats, leaving, health, and join checks (model, block size)."""
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -164,3 +166,22 @@ async def test_a_worker_that_moves_address_is_followed(mesh):
     await old.stop()
     _, final, _ = await h.generate("x", max_tokens=2)
     assert final.worker_id == "d1" and len(new.calls) == 1 and old.calls == []
+
+
+async def test_a_worker_leaves_even_when_a_health_probe_was_just_asked_for(mesh):
+    # Found by the RPC fuzzers: DeregisterWorker hung until the caller's deadline. On
+    # Python 3.11, asyncio.wait_for returns (instead of raising) when it is cancelled in
+    # the same step as its awaitable completes; the connection's health loop then lost
+    # stop()'s cancel whenever its KV loop had just asked for a probe.
+    d1 = await mesh.decode("d1")
+    h = await mesh.router([], wait=False, health_interval_s=3600)
+    r = h.router
+    await h.stub.RegisterWorker(_register(d1))
+    conn = r.pool.connection("d1")
+    await r.wait_until(lambda: bool(conn._probe_now._waiters))  # the health loop waits for a probe request
+    conn._probe_now.set()  # ... which arrives in the same step as the cancel
+    leaving = asyncio.create_task(r.pool.detach("d1"))
+    # No cancel may rescue it (a cancel from outside would wake the lost one up again).
+    await r.wait_until(leaving.done, timeout=5)
+    assert conn._main is not None and conn._main.done()
+    assert "d1" not in r.registry
