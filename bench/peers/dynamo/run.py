@@ -103,6 +103,7 @@ class Setup:
     max_num_batched_tokens: int
     model_folder: Path
     dynamo_python: Path
+    pdmesh_router_flags: tuple[str, ...] = ()  # extra router flags (experiments; none by default)
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -357,7 +358,8 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
                     limits_max_prompt_tokens=no_limit,
                     metrics_port=0,
                     log_level="warning",
-                ),
+                )
+                + setup.pdmesh_router_flags,
                 ready_service="pdmesh.v1.RouterService",
             ),
             timeout_s,
@@ -488,7 +490,7 @@ def run_one(
         pr = asyncio.run(probe(dep, args.probe_requests, args.seed, args.probe_prompt_len, args.vocab_size))
         span = items[-1].arrival_s
         print(f"   load: {len(items)} requests over {span:.1f}s", flush=True)
-        cpu0, before = dep.cpu(), counters(dep)
+        cpu0, before, load0 = dep.cpu(), counters(dep), os.getloadavg()[0]
         records = asyncio.run(
             run_load(
                 items,
@@ -499,6 +501,7 @@ def run_one(
             )
         )
         cpu = {k: v - cpu0[k] for k, v in dep.cpu().items()}
+        load1 = os.getloadavg()[0]
         mets = load_metrics(before, counters(dep), dep.workers)
     finally:
         dep.stop()
@@ -506,6 +509,9 @@ def run_one(
     row.extra.update(
         **{f"cpu_{k}_s": v for k, v in cpu.items()},
         prompt_tokens_sent=float(sum(len(it.prompt_ids) for it in items)),
+        load_before=load0,
+        load_after=load1,
+        client_lag_p99_ms=float(np.percentile([r.send_s - r.scheduled_s for r in records], 99)) * 1e3,
     )
     if args.records_dir:
         out = Path(args.records_dir) / f"{system}-{policy}-{rate_label.split()[0]}.jsonl"
@@ -514,7 +520,9 @@ def run_one(
     print(
         f"   done: ok {row.ok}/{row.requests}{' errors ' + ','.join(errors) if errors else ''}; "
         f"TTFT p50 {row.ttft_p50:.1f} ms; reuse {row.prefix_reuse:.1%}; "
-        "CPU " + ", ".join(f"{k} {v:.1f}s" for k, v in cpu.items()),
+        "CPU "
+        + ", ".join(f"{k} {v:.1f}s" for k, v in cpu.items())
+        + f"; machine load {load0:.1f} -> {load1:.1f}",
         flush=True,
     )
     return RunResult(row, pr, mets)
@@ -604,6 +612,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dynamo-venv", type=Path, default=HERE / ".venv")
     p.add_argument("--model-folder", type=Path, default=HERE / "model")
+    p.add_argument(
+        "--pdmesh-router-flags",
+        default="",
+        help="extra flags for pdmesh's router, space-separated (experiments, e.g. --stats-interval-s 0.1)",
+    )
     p.add_argument("--records-dir", default="", help="write each run's records as JSONL here")
     a = p.parse_args(argv)
     defaults = (
@@ -650,6 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.max_num_batched_tokens,
         args.model_folder.resolve(),
         dyn_python,
+        tuple(args.pdmesh_router_flags.split()),
     )
     capacity = setup.num_blocks * setup.block_size
     rates = [float(x) for x in args.rates.split(",")]
@@ -680,6 +694,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"dynamo side by side: {setup.workers} workers per system, block {setup.block_size}, "
         f"{setup.num_blocks} blocks/worker ({capacity} tokens), speedup {setup.speedup:g}, "
         f"max_num_seqs {setup.max_num_seqs}, max_num_batched_tokens {setup.max_num_batched_tokens}"
+        + (
+            f"; pdmesh router extra flags: {' '.join(setup.pdmesh_router_flags)}"
+            if setup.pdmesh_router_flags
+            else ""
+        )
     )
     print(
         f"trace mooncake_conversation, length_factor {args.length_factor:g}, first {args.num_requests} "
@@ -726,8 +745,10 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
     for r in results:
         m, x = r.metrics, r.row.extra
         sent = x["prompt_tokens_sent"]
-        cpu = {k.removeprefix("cpu_").removesuffix("_s"): v for k, v in x.items() if k.startswith("cpu_")}
+        cpu = {k[4:-2]: v for k, v in x.items() if k.startswith("cpu_") and k.endswith("_s")}
         parts = [
+            f"machine load average {x['load_before']:.1f} -> {x['load_after']:.1f}",
+            f"client send lag p99 {x['client_lag_p99_ms']:.1f} ms",
             "CPU " + " ".join(f"{k} {v:.1f}s" for k, v in cpu.items()),
             f"busiest worker {m.get('busiest_over_mean', math.nan):.2f}x the mean request count",
             f"preemptions {m.get('preemptions', math.nan):.0f}",
