@@ -142,3 +142,24 @@ def test_internal_methods_are_closed_to_public_roles_by_default():
     assert allowed_roles("/pdmesh.v1.SomeFutureService/Anything") == INTERNAL_ROLES
     assert "client" in allowed_roles("/pdmesh.v1.RouterService/Generate")
     assert allowed_roles("/pdmesh.v1.PrefillService/Release") == {"decode"}
+
+
+def test_cli_tls_and_key_come_from_flags_or_the_environment(tmp_path, monkeypatch):
+    from pdmesh.client import auth_metadata, tls_of
+
+    assert main(["certs", "--out", str(tmp_path)]) == 0
+    sub = build_parser()._subparsers._group_actions[0].choices["workers"]
+    assert tls_of(sub.parse_args([])) is None  # nothing set: plaintext
+    monkeypatch.setenv("PDMESH_TLS_CA_FILE", str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("PDMESH_API_KEY", "pdm_from_env")
+    args = sub.parse_args(
+        ["--tls-cert-file", str(tmp_path / "client.pem"), "--tls-key-file", str(tmp_path / "client-key.pem")]
+    )
+    tls = tls_of(args)
+    assert (
+        tls is not None
+        and tls.config.ca_file.endswith("ca.pem")
+        and tls.config.cert_file.endswith("client.pem")
+    )
+    assert auth_metadata(args) == (("authorization", "Bearer pdm_from_env"),)
+    assert auth_metadata(sub.parse_args(["--api-key", "pdm_flag"])) == (("authorization", "Bearer pdm_flag"),)
