@@ -2,7 +2,10 @@
 
 A service creates its metric objects against its own `CollectorRegistry` (no
 global registry, so several services can live in one test process) and serves
-it with `start_metrics_server`. Names follow `pdmesh_<service>_<what>_<unit>`.
+it with `start_metrics_server`. Names follow `pdmesh_<service>_<what>_<unit>`:
+seconds and bytes in the name (`_seconds`, `_bytes`), counters end in `_total`
+(prometheus_client adds it), gauges never do. tests/unit/observability checks
+every service's registry against these rules.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
         gauges = (
-            ("pdmesh_kv_blocks_total", "KV blocks in the pool", s.total_blocks),
+            # "_capacity", not "_total": Prometheus reserves "_total" for counters.
+            ("pdmesh_kv_blocks_capacity", "KV blocks in the pool", s.total_blocks),
             ("pdmesh_kv_blocks_free", "free KV blocks (including evictable cached ones)", s.free_blocks),
             ("pdmesh_kv_blocks_used", "KV blocks in use", s.total_blocks - s.free_blocks),
             ("pdmesh_kv_blocks_cached", "KV blocks in the prefix cache", s.cached_blocks),

@@ -38,6 +38,12 @@ class DecodeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self._itl = Histogram(
+            "pdmesh_decode_itl_seconds",
+            "inter-token latency at the decode worker (tokens of one engine output share the gap)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self._transfer = Histogram(
             "pdmesh_kv_pull_seconds",
             "KV pulls from prefill workers",
@@ -52,6 +58,11 @@ class DecodeMetrics:
     def decided(self, d: Decision) -> None:
         self._decisions.labels(d.path.value, d.reason.value).inc()
         self._decision_counts[d.label] += 1
+
+    def itl(self, gap_s: float, tokens: int) -> None:
+        per_token = gap_s / tokens
+        for _ in range(tokens):
+            self._itl.observe(per_token)
 
     def fallback(self, stage: str, reason: str) -> None:
         self._fallbacks.labels(stage, reason).inc()

@@ -139,16 +139,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             outputs = result.outputs if result is not None else None
         if outputs is None:
             outputs = self.engine.generate(req)
-        first = True
+        first, last = True, started
         async with aclosing(outputs) as stream:
             async for out in stream:
                 if first and attempt.decision.path is Path.LOCAL:
                     attempt.cached_tokens = out.num_cached_tokens or attempt.cached_tokens
                 self._account(attempt, out)
                 if out.token_ids:
+                    now = time.monotonic()
                     if first:
-                        self.metrics.ttft.observe(time.monotonic() - started)
+                        self.metrics.ttft.observe(now - started)
                         first = False
+                    else:
+                        self.metrics.itl(now - last, len(out.token_ids))
+                    last = now
                     yield _tokens(out.token_ids)
                 if out.finished:
                     attempt.finish = out.finish_reason

@@ -16,7 +16,7 @@ class PrefillMetrics:
             "pdmesh_prefill_requests", "Prefill calls by outcome", ["outcome"], registry=registry
         )
         self._latency = Histogram(
-            "pdmesh_prefill_seconds",
+            "pdmesh_prefill_duration_seconds",
             "Prefill call duration (queue + compute)",
             buckets=LATENCY_BUCKETS,
             registry=registry,

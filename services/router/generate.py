@@ -143,6 +143,7 @@ class RequestFlow:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._started = loop.time()
+        self._last_sent = self._started  # when the last tokens left (inter-token latency)
         self._deadline = None if req.timeout_s is None else self._started + req.timeout_s
         self.worker_id = ""
         self._last_error: tuple[str, AttemptError] | None = None
@@ -227,10 +228,14 @@ class RequestFlow:
                             ids = ids[:remaining]
                         remaining -= len(ids)
                         journey.record_tokens(ids)
-                        if first:
-                            first = False
-                            if ctx.metrics is not None:
-                                ctx.metrics.ttft(self._loop.time() - self._started)
+                        now = self._loop.time()
+                        if ctx.metrics is not None:
+                            if first:
+                                ctx.metrics.ttft(now - self._started)
+                            else:
+                                ctx.metrics.itl(now - self._last_sent, len(ids))
+                        first = False
+                        self._last_sent = now
                         yield ids
                         continue
                     if attempt.done:

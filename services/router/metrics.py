@@ -4,7 +4,8 @@ Counters that the cores already keep (the CostLedger, the retry budget,
 admission) are not counted twice: a collector reads them at scrape time
 through `stats()` (plain integer reads, safe from the metrics thread). Events
 only the edge sees (time to first token, shed reasons, breaker transitions,
-invalid requests) are counted here. Worker gauges are refreshed by the
+invalid requests) are counted here. Worker gauges (counts by health, and per
+worker: breaker state, queue depth, running, in flight) are refreshed by the
 router's housekeeping task, on the event loop, because they walk the registry.
 
 The one name without the `pdmesh_router_` prefix is the cost metric shared
@@ -14,6 +15,7 @@ across the mesh: `pdmesh_tokens_per_successful_request`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -62,14 +64,73 @@ class _StatsCollector(Collector):
         )
 
 
+# Breaker states as gauge values: 0 = closed (traffic flows), 1 = half open (probing), 2 = open.
+BREAKER_STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+@dataclass(frozen=True)
+class WorkerGauges:
+    """One worker's row in the per-worker gauges (taken on the event loop)."""
+
+    worker_id: str
+    role: str
+    breaker: str  # BreakerState value
+    waiting: int  # requests waiting at the worker, as it last reported
+    running: int  # requests in its running batch, as it last reported
+    inflight: int  # router requests running there now
+
+
+class _WorkerCollector(Collector):
+    """Per-worker gauges from the last snapshot: a worker that left disappears
+    with the next snapshot (no stale label sets, unlike a labelled Gauge)."""
+
+    def __init__(self) -> None:
+        self.rows: tuple[WorkerGauges, ...] = ()  # replaced whole, read by the scrape thread
+
+    def collect(self) -> Iterable[Any]:
+        rows = self.rows
+        families: tuple[tuple[str, str, Callable[[WorkerGauges], float]], ...] = (
+            (
+                "breaker_state",
+                "Circuit breaker state per worker: 0 closed, 1 half open, 2 open",
+                lambda w: BREAKER_STATE_VALUES.get(w.breaker, 0),
+            ),
+            (
+                "worker_waiting",
+                "Requests waiting at the worker (its queue depth, as last reported)",
+                lambda w: w.waiting,
+            ),
+            (
+                "worker_running",
+                "Requests in the worker's running batch, as last reported",
+                lambda w: w.running,
+            ),
+            ("worker_inflight", "Router requests running on the worker now", lambda w: w.inflight),
+        )
+        for name, doc, value in families:
+            g = GaugeMetricFamily(f"pdmesh_router_{name}", doc, labels=["worker", "role"])
+            for w in rows:
+                g.add_metric([w.worker_id, w.role], value(w))
+            yield g
+
+
 class RouterMetrics:
     def __init__(self, stats: Callable[[], Any], registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
         r.register(_StatsCollector(stats))
+        self._per_worker = _WorkerCollector()
+        r.register(self._per_worker)
         self._ttft = Histogram(
             "pdmesh_router_ttft_seconds",
             "Time from a request's arrival at the router to its first token leaving it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._itl = Histogram(
+            "pdmesh_router_itl_seconds",
+            "Inter-token latency at the router: time between a request's successive tokens leaving "
+            "it (tokens sent together share the gap)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -91,6 +152,12 @@ class RouterMetrics:
     def ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)
 
+    def itl(self, gap_s: float, tokens: int) -> None:
+        """`tokens` left together `gap_s` after the previous message: one sample per token."""
+        per_token = gap_s / tokens
+        for _ in range(tokens):
+            self._itl.observe(per_token)
+
     def shed(self, reason: str) -> None:
         self._shed.labels(reason).inc()
 
@@ -103,7 +170,13 @@ class RouterMetrics:
     def breaker_transition(self, state: str) -> None:
         self._breaker.labels(state).inc()
 
-    def set_workers(self, counts: dict[tuple[str, str], int], indexed_blocks: int) -> None:
+    def set_workers(
+        self,
+        counts: dict[tuple[str, str], int],
+        indexed_blocks: int,
+        per_worker: Iterable[WorkerGauges] = (),
+    ) -> None:
         for (role, health), n in counts.items():
             self._workers.labels(role, health).set(n)
         self._indexed.set(indexed_blocks)
+        self._per_worker.rows = tuple(per_worker)

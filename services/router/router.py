@@ -40,7 +40,7 @@ from services.router.generate import (
     RoutingContext,
     check_capacity,
 )
-from services.router.metrics import RouterMetrics
+from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.policy import WorkerLoad, make_policy
 from services.router.prefix_index import EventSequencer, PrefixIndex
 from services.router.registry import (
@@ -191,9 +191,17 @@ class Router:
         for role in WorkerRole:
             for health in ("serving", "not_serving", "breaker_open"):
                 counts[(role.value, health)] = 0
+        rows = []
         for view in self.workers():
-            counts[(view.record.info.role.value, _health_label(view))] += 1  # type: ignore[union-attr]
-        self.metrics.set_workers(counts, len(self.index))
+            rec = view.record
+            role = rec.info.role.value  # type: ignore[union-attr]
+            counts[(role, _health_label(view))] += 1
+            rows.append(
+                WorkerGauges(
+                    rec.worker_id, role, view.breaker.value, rec.load.waiting, rec.load.running, rec.inflight
+                )
+            )
+        self.metrics.set_workers(counts, len(self.index), rows)
 
     # ---- change notification (readiness, tests) -----------------------------
 

@@ -43,11 +43,17 @@ def test_covers_what_operators_asked_for():
     exprs = " ".join(t["expr"] for p in load()["panels"] for t in p["targets"])
     for metric in (
         "pdmesh_router_ttft_seconds_bucket",  # TTFT
+        "pdmesh_router_itl_seconds_bucket",  # ITL
+        "pdmesh_decode_itl_seconds_bucket",
+        "pdmesh_router_queued",  # queue depth: admission, engines, each worker
+        "pdmesh_engine_waiting",
+        "pdmesh_router_worker_waiting",
         "pdmesh_kv_blocks_used",  # KV blocks used / free
         "pdmesh_kv_blocks_free",
         "pdmesh_disagg_decisions_total",  # disaggregation decisions
         "pdmesh_kv_transfers_total",  # transfers
         "pdmesh_router_workers",  # breaker state (health="breaker_open")
+        "pdmesh_router_breaker_state",  # breaker state per worker
         "pdmesh_router_shed_total",  # sheds
         "pdmesh_router_migrations_total",  # migrations
         "pdmesh_tokens_per_successful_request",  # cost per successful request
