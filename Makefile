@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 BUF    := npx --yes @bufbuild/buf@1.75.0
 ARGS   ?=
 
-.PHONY: run test proto lint bench clean venv
+.PHONY: run test proto lint bench chaos clean venv
 
 venv: $(STAMP)
 
@@ -35,6 +35,11 @@ lint: $(STAMP)
 	$(BUF) lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The long chaos run (tests/chaos: every fault against every role, both KV
+# transports, 2 rounds: ~7 minutes here); `make test` runs only the short schedule.
+chaos: $(STAMP)
+	PDMESH_CHAOS_LONG=1 $(VENV)/bin/pytest -q -s tests/chaos $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py --quick
