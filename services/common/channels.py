@@ -5,11 +5,14 @@ multiplex calls, so workers keep one per peer for their lifetime. With a
 `TlsConfig` the channels speak TLS (presenting this process's certificate for
 mTLS); when the certificate files change, the next `get` replaces the cached
 channel, and calls still running on the old one get `REPLACED_GRACE_S` to finish.
+With tracing on, every channel carries its client interceptors (trace context
+into the call's metadata, services/common/tracing.py); with it off, none.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -29,10 +32,14 @@ REPLACED_GRACE_S = 30.0
 
 class ChannelCache:
     def __init__(
-        self, options: tuple[tuple[str, object], ...] = DEFAULT_OPTIONS, tls: TlsConfig | None = None
+        self,
+        options: tuple[tuple[str, object], ...] = DEFAULT_OPTIONS,
+        tls: TlsConfig | None = None,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ):
         self._options = options
         self._tls = client_tls(tls)
+        self.interceptors = tuple(interceptors)  # tracing's context injection, when on
         self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
@@ -48,7 +55,7 @@ class ChannelCache:
 
     def new_channel(self, address: str, options: Any = ()) -> grpc.aio.Channel:
         """An uncached channel with this cache's credentials (the caller closes it)."""
-        return aio_channel(address, self._tls, options)
+        return aio_channel(address, self._tls, options, self.interceptors)
 
     async def drop(self, address: str) -> None:
         cached = self._channels.pop(address, None)

@@ -13,7 +13,9 @@
     on the port, the certificate re-read when its files change, per-method mesh
     roles (services/common/call_guards.py), and optionally a plaintext port that
     serves only grpc.health.v1 (`health_port`, for kubelet's gRPC probes);
-  - optionally a cap on concurrent calls per client connection.
+  - optionally a cap on concurrent calls per client connection;
+  - with a `Tracing` (services/common/tracing.py): a server span per traced
+    call, its parent taken from the caller's W3C trace context.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from services.common.config import require, setting
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.request_guard import MalformedRequestGuard
 from services.common.tls import TlsConfig, server_credentials
+from services.common.tracing import Tracing
 
 log = structlog.get_logger()
 
@@ -170,6 +173,7 @@ class MeshServer:
         registry: CollectorRegistry | None = None,
         reflection_names: Sequence[str] = (),
         tls: TlsConfig | None = None,
+        tracing: Tracing | None = None,
     ):
         self.config = config
         self.service_name = service_name
@@ -184,6 +188,8 @@ class MeshServer:
         if config.max_concurrent_streams:
             options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
         interceptors: list[grpc.aio.ServerInterceptor] = []
+        if tracing is not None:  # first, so a span covers refusals too; absent when tracing is off
+            interceptors.append(tracing.server_interceptor())
         self.authorizer: MeshAuthorizer | None = None
         if self.tls is not None:
             self.authorizer = MeshAuthorizer(self.tls.require_client_cert)
@@ -193,7 +199,8 @@ class MeshServer:
         # Bytes that do not parse as the request are INVALID_ARGUMENT (gRPC alone says UNKNOWN).
         interceptors.append(MalformedRequestGuard())
         self.options = tuple(options)
-        self.server = grpc.aio.server(interceptors=[*interceptors, self._gate], options=options)
+        self.interceptors = (*interceptors, self._gate)
+        self.server = grpc.aio.server(interceptors=list(self.interceptors), options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [

@@ -191,13 +191,18 @@ def client_tls(config: TlsConfig | None) -> ClientTls | None:
 
 
 def aio_channel(
-    address: str, tls: ClientTls | None, options: Sequence[tuple[str, Any]] = ()
+    address: str,
+    tls: ClientTls | None,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel: TLS when `tls` is given, plaintext otherwise."""
+    """A grpc.aio channel: TLS when `tls` is given, plaintext otherwise; `interceptors`
+    (tracing's, when on) see every call."""
+    chain = list(interceptors) or None
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=chain)
     creds, _ = tls.credentials()
-    return grpc.aio.secure_channel(address, creds, options=[*options, *tls.options()])
+    return grpc.aio.secure_channel(address, creds, options=[*options, *tls.options()], interceptors=chain)
 
 
 def sync_channel(
