@@ -514,6 +514,7 @@ def run_one(
         client_lag_p99_ms=float(np.percentile([r.send_s - r.scheduled_s for r in records], 99)) * 1e3,
     )
     if args.records_dir:
+        Path(args.records_dir).mkdir(parents=True, exist_ok=True)
         out = Path(args.records_dir) / f"{system}-{policy}-{rate_label.split()[0]}.jsonl"
         write_records(out, records, meta={"system": system, "policy": policy, "rate": rate_label})
     errors = sorted({r.error_code for r in records if not r.ok})
