@@ -1,4 +1,13 @@
-"""Routing benchmarks. Part 2: the router's own cost.
+"""Routing benchmarks. Part 1: routing quality on sim workers; part 2: the router's own cost.
+
+Part 1 lives in bench/routing_quality.py (its docstring has the method): the
+Mooncake conversation trace replayed through one router per policy
+(kv_aware, round_robin, least_loaded) over 4 `sim` decode workers, reporting
+prefix-cache hit rate, TTFT and throughput per policy at equal offered load.
+`--scale` runs it at 8, 16 and 32 workers instead and plots
+bench/results/routing_scale.png (part 2 is then skipped).
+
+Part 2:
 
 The router runs as a real process (`services.router.main`) in front of a
 zero-cost fake decode worker (another process, defined here: it answers
@@ -18,12 +27,15 @@ serves Stats/health/KV events like a worker). The client is this process
 Everything shares this machine's cores (client, fake, routers): on a 2-core
 machine the fake and the client take CPU the routers would otherwise get, so
 the scale ratio is bounded well below 2 there. Each rate is printed with the
-client's CPU share. Part 1 (policy comparison on simulated workers) is not in
-this file yet.
+client's CPU share.
 
-Run: `python bench/routing.py` or `python bench/routing.py --quick`. The last
-line is `routing router_overhead_ms_p50=.. ttft_p50_ms=.. ttft_p99_ms=..
-router_msgs_per_s=.. router_tokens_per_s=.. scale_2proc=..`.
+Run: `python bench/routing.py` (full: ~8 min) or `--quick` (< 3 min, make
+bench), `--part 1|2` for one part, `--scale` for the scale study (~20 min).
+The last line is `routing hit_kv=.. hit_rr=.. ttft_kv_vs_rr=..
+router_overhead_ms_p50=.. ttft_p50_ms=.. ttft_p99_ms=.. router_msgs_per_s=..
+router_tokens_per_s=.. scale_2proc=.. hit_ll=.. ttft_ll_vs_rr=..` (hit = cached
+/ prompt tokens; ttft_*_vs_rr = ratio of mean TTFTs, target kv <= 0.5; the
+ttft_p50/p99 fields are part 2's router-hop TTFTs).
 """
 
 from __future__ import annotations
@@ -41,6 +53,18 @@ if __package__ in (None, ""):  # `python bench/routing.py`: make the repo root i
 
 import grpc
 
+from bench.routing_quality import (
+    FULL,
+    QUICK,
+    SCALE_WORKERS,
+    PolicyResult,
+    Study,
+    by_policy,
+    print_study,
+    proc_cpu_s,
+    run_study,
+    scale_study,
+)
 from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import (
     common_pb2,
@@ -141,12 +165,6 @@ async def ttft(address: str, direct: bool, n: int) -> list[float]:
     return out
 
 
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def stream_rate(addresses: list[str], direct: bool, streams: int, duration: float) -> dict[str, float]:
     """Rates of `streams` concurrent endless streams stopped after `duration` s: tokens/s,
     client messages/s, and the client's CPU share."""
@@ -235,18 +253,66 @@ async def measure(fake: str, router: str, router_pid: int, quick: bool) -> dict[
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer samples, shorter runs (< 1 min)")
-    p.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--port-file", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+def plot_scale(runs: list[tuple[Study, list[PolicyResult], float]], folder: Path) -> Path:
+    """One PNG: hit rate, TTFT p50, TTFT p99 and goodput against the worker count, per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("prefix-cache hit rate", lambda r: r.hit),
+        ("TTFT p50 (model ms)", lambda r: r.ttft_ms["p50"]),
+        ("TTFT p99 (model ms)", lambda r: r.ttft_ms["p99"]),
+        ("goodput (req/s, model)", lambda r: r.goodput_rps),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    workers = [study.workers for study, _, _ in runs]
+    for ax, (title, metric) in zip(axes, panels, strict=True):
+        for policy in runs[0][0].policies:
+            ys = [metric(by_policy(results)[policy]) for _, results, _ in runs]
+            ax.plot(workers, ys, marker="o", label=policy)
+        if title.startswith("prefix"):
+            ax.plot(workers, [ideal for _, _, ideal in runs], "k--", label="one unbounded cache")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("sim decode workers")
+        ax.set_xticks(workers)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    s0 = runs[0][0]
+    fig.suptitle(
+        f"Mooncake conversation, {s0.requests} requests, load x workers; {s0.profile}, "
+        f"{s0.num_blocks * s0.block_size:,} KV tokens/worker, speedup {s0.speedup:g}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "routing_scale.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def part1(study: Study) -> dict[str, str]:
+    print(f"part 1: routing quality, {study.name} study")
+    results, ideal = run_study(study)
+    print_study(study, results, ideal)
+    p = by_policy(results)
+    kv, rr, ll = p["kv_aware"], p["round_robin"], p["least_loaded"]
+    return {
+        "hit_kv": f"{kv.hit:.3f}",
+        "hit_rr": f"{rr.hit:.3f}",
+        "ttft_kv_vs_rr": f"{kv.ttft_ms['mean'] / rr.ttft_ms['mean']:.2f}",
+        "hit_ll": f"{ll.hit:.3f}",
+        "ttft_ll_vs_rr": f"{ll.ttft_ms['mean'] / rr.ttft_ms['mean']:.2f}",
+    }
+
+
+def part2(quick: bool) -> dict[str, str]:
     import uvloop
 
-    if args.serve_fake:
-        uvloop.run(serve_fake(args.port_file))
-        return 0
-    dur = 1.5 if args.quick else 4.0
+    print("part 2: the router's own cost")
+    dur = 1.5 if quick else 4.0
     with Launcher(tempfile.mkdtemp(prefix="bench-routing-")) as launcher:
         fake = launcher.start_ready(
             ServiceSpec(
@@ -254,16 +320,61 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         router = start_router(launcher, "router-1", fake.address)
-        r = uvloop.run(measure(fake.address, router.address, router.proc.pid, args.quick))
+        r = uvloop.run(measure(fake.address, router.address, router.proc.pid, quick))
         second = start_router(launcher, "router-2", fake.address, port=router.port)
         pids = [router.proc.pid, second.proc.pid]
         r["two_proc_16"] = uvloop.run(routed_rate(pids, [router.address], 16, dur))
         launcher.stop(second)
-    report(r)
+    return report(r)
+
+
+def run_scale() -> int:
+    runs = []
+    for n in SCALE_WORKERS:
+        study = scale_study(n)
+        print(f"scale study: {n} workers")
+        results, ideal = run_study(study)
+        print_study(study, results, ideal)
+        runs.append((study, results, ideal))
+    print(f"plot: {plot_scale(runs, Path(__file__).resolve().parent / 'results')}")
+    kv = {}
+    for study, results, _ in runs:
+        p = by_policy(results)
+        ratio = p["kv_aware"].ttft_ms["mean"] / p["round_robin"].ttft_ms["mean"]
+        kv |= {
+            f"hit_kv_{study.workers}": f"{p['kv_aware'].hit:.3f}",
+            f"hit_rr_{study.workers}": f"{p['round_robin'].hit:.3f}",
+            f"ttft_kv_vs_rr_{study.workers}": f"{ratio:.2f}",
+        }
+    print("routing_scale " + " ".join(f"{k}={v}" for k, v in kv.items()))
     return 0
 
 
-def report(r: dict[str, dict[str, float]]) -> None:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="shorter runs (< 3 min in all)")
+    p.add_argument("--part", choices=("1", "2", "all"), default="all")
+    p.add_argument("--scale", action="store_true", help="part 1 at 8, 16 and 32 workers, with plots")
+    p.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_fake:
+        import uvloop
+
+        uvloop.run(serve_fake(args.port_file))
+        return 0
+    if args.scale:
+        return run_scale()
+    quality = part1(QUICK if args.quick else FULL) if args.part in ("1", "all") else {}
+    cost = part2(args.quick) if args.part in ("2", "all") else {}
+    order = ("hit_kv", "hit_rr", "ttft_kv_vs_rr", "router_overhead_ms_p50", "ttft_p50_ms", "ttft_p99_ms")
+    order += ("router_msgs_per_s", "router_tokens_per_s", "scale_2proc", "hit_ll", "ttft_ll_vs_rr")
+    kv = {k: (quality | cost)[k] for k in order if k in quality | cost}
+    print("routing " + " ".join(f"{k}={v}" for k, v in kv.items()))
+    return 0
+
+
+def report(r: dict[str, dict[str, float]]) -> dict[str, str]:
     t, d1, r1, d8, r8 = r["ttft"], r["direct_1"], r["router_1"], r["direct_8"], r["router_8"]
     one, two = r["one_proc_16"], r["two_proc_16"]
     scale = two["tok"] / one["tok"]
@@ -289,11 +400,14 @@ def report(r: dict[str, dict[str, float]]) -> None:
         f"16 streams on 16 connections: 1 router {one['tok']:,.0f} tokens/s, 2 routers on one port "
         f"{two['tok']:,.0f} tokens/s: x{scale:.2f} (target >= 1.7)"
     )
-    print(
-        f"routing router_overhead_ms_p50={t['overhead_p50']:.3f} ttft_p50_ms={t['p50']:.3f} "
-        f"ttft_p99_ms={t['p99']:.3f} router_msgs_per_s={r1['tok']:.0f} "
-        f"router_tokens_per_s={r8['tok']:.0f} scale_2proc={scale:.2f}"
-    )
+    return {
+        "router_overhead_ms_p50": f"{t['overhead_p50']:.3f}",
+        "ttft_p50_ms": f"{t['p50']:.3f}",
+        "ttft_p99_ms": f"{t['p99']:.3f}",
+        "router_msgs_per_s": f"{r1['tok']:.0f}",
+        "router_tokens_per_s": f"{r8['tok']:.0f}",
+        "scale_2proc": f"{scale:.2f}",
+    }
 
 
 if __name__ == "__main__":
