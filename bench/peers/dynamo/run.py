@@ -1,15 +1,16 @@
 """pdmesh side by side with NVIDIA Dynamo: same trace, same rates, same client.
 
     .venv/bin/python bench/peers/dynamo/run.py            (default: ~8 minutes)
-    .venv/bin/python bench/peers/dynamo/run.py --quick    (~2 minutes)
+    .venv/bin/python bench/peers/dynamo/run.py --quick    (~1-2 minutes: x4, KV only, 120 requests)
 
 Needs bench/peers/dynamo/setup.sh once (Dynamo 1.6.1 in its own venv, and the
 model folder). Runs with the project's .venv; Dynamo's processes run with the
 Dynamo venv's python. For each (policy, rate) and each system, in turn:
 
-- Dynamo: `dynamo.frontend --router-mode kv|round-robin` plus one
-  `dynamo.mocker --num-workers N` process (N simulated vLLM-style engines with
-  Dynamo's own perf model), no etcd/NATS (file discovery, TCP request plane,
+- Dynamo: `dynamo.frontend --router-mode kv|round-robin` plus N
+  `dynamo.mocker --num-workers 1` processes (simulated vLLM-style engines with
+  Dynamo's own perf model; one process each, like pdmesh's workers, so each
+  has its own metrics page), no etcd/NATS (file discovery, TCP request plane,
   ZMQ events; ../shared/peers/dynamo.md);
 - pdmesh: router (`kv_aware` | `round_robin`) + N decode workers on the `sim`
   backend with the `dynamo-mocker` timing profile (the mocker's formulas,
@@ -26,16 +27,21 @@ bench.loadgen's streaming /v1/completions client to each system's HTTP front.
 Measured per run: TTFT and ITL p50/p99, TPOT, output tokens/s, prefix reuse
 (cached prompt tokens / prompt tokens from each response's final usage,
 `prompt_tokens_details.cached_tokens`: both systems report the engine's own
-prefix-cache hit there), and CPU seconds of each system's processes (front:
-Dynamo's frontend vs pdmesh's gateway + router; workers: the mocker process vs
-the N sim workers). Before each load, a near-zero-load probe (sequential
-requests with fresh 64-token prompts, 2 output tokens) gives the TTFT beyond
-the modeled prefill time: each system's own overhead (HTTP front, router,
-transport, worker loop). For pdmesh the same probe also goes straight to a
-decode worker and to the router over gRPC, splitting that overhead by hop;
-Dynamo's workers have no client API, so its router's own share is read from
-its /metrics (`dynamo_router_overhead_total_ms`).
+prefix-cache hit there; each system's own counters are printed next to it),
+CPU seconds of each system's processes (Dynamo: frontend, mockers; pdmesh:
+router, gateway, workers), the request balance over workers, and the mean
+TTFT at each hop from the systems' own metrics (Dynamo: engines, frontend;
+pdmesh: router, gateway) next to the client's. Counters are read before and
+after the load, so probes do not count. Before each load, a near-zero-load
+probe (sequential requests with fresh 64-token prompts, 2 output tokens)
+gives the TTFT beyond the modeled prefill time: each system's own overhead
+(HTTP front, router, transport, worker loop). For pdmesh the same probe also
+goes straight to a decode worker and to the router over gRPC, splitting that
+overhead by hop; Dynamo's workers have no client API, so its router's own
+share is read from its /metrics (`dynamo_router_overhead_total_ms`).
 
+The machine's load average and the client's send lag are printed per run: on
+a small shared machine they move the figures as much as the systems do.
 Ends with the comparison table and one line `dynamo_vs_pdmesh key=value ...`
 (Dynamo / pdmesh ratios: below 1 means Dynamo is lower).
 """
