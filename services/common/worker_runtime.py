@@ -7,7 +7,8 @@ router membership. Role-specific mains add their servicers between `setup()`
 and `serve()`. Shutdown runs in reverse: drain the server (NOT_SERVING,
 in-flight calls finish), leave the router, close the transport, close the
 engine. With a `TlsConfig` the server and every client channel (router,
-KV-transfer service, peers' KvSource) speak TLS/mTLS.
+KV-transfer service, peers' KvSource) speak TLS/mTLS; with a `Tracing` the
+server traces calls and the channels carry the trace context.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from services.common.metrics import EngineCollector
 from services.common.router_registration import RouterMembership
 from services.common.server import MeshServer, ServerConfig
 from services.common.tls import TlsConfig
+from services.common.tracing import Tracing, client_interceptors
+from services.common.tracing import shutdown as shutdown_tracing
 from services.common.worker import default_worker_id
 from services.engine.api import Engine
 from services.engine.config import EngineConfig
@@ -66,14 +69,17 @@ class WorkerRuntime:
         config: WorkerConfig,
         engine_config: EngineConfig,
         tls: TlsConfig | None = None,
+        tracing: Tracing | None = None,
     ):
         self.role = role
         self.config = config
         self.engine_config = engine_config
         self.tls = tls
+        self.tracing = tracing
         self.registry = CollectorRegistry()
-        self.server = MeshServer(server_config, service_name, self.registry, tls=tls)
-        self.channels = ChannelCache(tls=tls)  # every client channel of this worker
+        self.server = MeshServer(server_config, service_name, self.registry, tls=tls, tracing=tracing)
+        # every client channel of this worker (with tracing on, they carry the trace context)
+        self.channels = ChannelCache(tls=tls, interceptors=client_interceptors(tracing))
         self.engine: Engine = create_engine(engine_config)
         self.transport: KvTransport | None = None
         self.directory: AgentDirectory | None = None
@@ -163,6 +169,7 @@ class WorkerRuntime:
             await self.directory.deregister()
         await self.channels.close()
         await self.engine.close()
+        shutdown_tracing(self.tracing)  # export the spans still buffered
         log.info("worker_stopped", role=self.role, worker_id=self.worker_id)
 
 

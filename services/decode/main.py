@@ -2,8 +2,8 @@
 
 Flags (and PDMESH_* environment variables) come from the config dataclasses:
 ServerConfig, WorkerConfig, DecodeConfig, DisaggConfig, RequestLimits,
-EngineConfig (with the `--engine-` prefix, e.g. `--engine-preset small`) and
-TlsConfig (`--tls-cert-file`, ...).
+EngineConfig (with the `--engine-` prefix, e.g. `--engine-preset small`),
+TlsConfig (`--tls-cert-file`, ...) and TracingConfig (`--otlp-endpoint`, ...).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from services.common.config import add_arguments, build
 from services.common.logging import configure_logging
 from services.common.server import ServerConfig, run
 from services.common.tls import TlsConfig
+from services.common.tracing import Tracing, TracingConfig
 from services.common.validation import RequestLimits
 from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.decode.config import DecodeConfig
@@ -37,14 +38,20 @@ CONFIGS = (
     (RequestLimits, "limits_"),
     (EngineConfig, "engine_"),
     (TlsConfig, "tls_"),
+    (TracingConfig, ""),
 )
 
 
-def parse(argv: Sequence[str] | None, env: dict[str, str]) -> dict[type, object]:
+def make_parser() -> argparse.ArgumentParser:
+    """The flags of this service, one per field of CONFIGS (docs/CONFIG.md is made from them)."""
     parser = argparse.ArgumentParser(prog="pdmesh-decode", description="pdmesh decode worker")
     for cls, prefix in CONFIGS:
         add_arguments(parser, cls, prefix)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse(argv: Sequence[str] | None, env: dict[str, str]) -> dict[type, object]:
+    args = make_parser().parse_args(argv)
     return {cls: build(cls, args, env, prefix) for cls, prefix in CONFIGS}
 
 
@@ -59,6 +66,7 @@ async def serve(cfg: dict[type, object]) -> None:
         cfg[WorkerConfig],  # type: ignore[arg-type]
         cfg[EngineConfig],  # type: ignore[arg-type]
         tls=cfg[TlsConfig],  # type: ignore[arg-type]
+        tracing=Tracing.start(cfg[TracingConfig], "decode"),  # type: ignore[arg-type]
     )
     await rt.setup()
     metrics = DecodeMetrics(rt.registry)

@@ -32,6 +32,7 @@ import structlog
 from kvtransfer.errors import KvTransferFailed
 from kvtransfer.transport import BlockHandle, KvTransport
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common import tracing
 from services.common.channels import ChannelCache
 from services.common.validation import sampling_to_proto
 from services.decode.disagg_policy import Candidate
@@ -116,13 +117,16 @@ class RemotePrefill:
             first = reservation.first_transfer_block
             nbytes, seconds = 0, 0.0
             if first < n_blocks:
-                stats = await self.transport.pull(
-                    handle,
-                    handle.block_ids[first:n_blocks],
-                    reservation.block_ids[first:n_blocks],
-                    deadline_s=deadline - time.monotonic(),
-                    on_failure=lambda: self.engine.cancel_external(req.request_id),
-                )
+                with tracing.span("kv.pull", transport=self.transport.kind, blocks=n_blocks - first) as span:
+                    stats = await self.transport.pull(
+                        handle,
+                        handle.block_ids[first:n_blocks],
+                        reservation.block_ids[first:n_blocks],
+                        deadline_s=deadline - time.monotonic(),
+                        on_failure=lambda: self.engine.cancel_external(req.request_id),
+                    )
+                    if span is not None:
+                        span.set_attribute("pdmesh.kv_bytes", stats.bytes)
                 nbytes, seconds = stats.bytes, stats.seconds
             else:
                 self._release(stub, handle_id)  # everything was cached here already
@@ -201,7 +205,8 @@ class RemotePrefill:
             outputs = self.engine.generate_from_state(req, state)  # type: ignore[attr-defined]
         except InvalidHandoffError as e:
             raise RemotePrefillFailed("handle", "invalid", str(e)) from e
-        first = await _first_output(outputs, deadline)
+        with tracing.span("kv.pull", transport="engine"):  # the engine fetches the KV itself
+            first = await _first_output(outputs, deadline)
         log.info(
             "remote_prefill_done",
             request_id=req.request_id,

@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, worker_pb2
+from services.common import tracing
 from services.common.errors import DeadlineExceeded, grpc_errors
 from services.common.validation import (
     FINISH_TO_PROTO,
@@ -115,6 +116,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             cached_tokens=cached,
             prefill_worker=decision.candidate.worker_id if decision.candidate else None,
         )
+        tracing.annotate(
+            request_id=request.request_id,
+            path=decision.path.value,
+            reason=decision.reason.value,
+            prefill_worker=decision.candidate.worker_id if decision.candidate else None,
+        )
         outcome = "cancelled"
         try:
             async for chunk in self._run(req, attempt, deadline, started):
@@ -182,6 +189,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 raise DeadlineExceeded("deadline passed during a failed remote prefill") from e
             attempt.decision = Decision(Path.LOCAL, Reason.FALLBACK)
             self.metrics.decided(attempt.decision)
+            tracing.annotate(path="local", reason=Reason.FALLBACK.value, fallback=f"{e.stage}: {e.reason}")
             return None
         attempt.prefill_worker_id = result.prefill_worker_id
         attempt.kv_bytes = result.bytes_transferred
@@ -189,6 +197,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         attempt.computed_tokens += result.prefill_computed_tokens
         if result.bytes_transferred:
             self.metrics.transferred(result.bytes_transferred, result.transfer_seconds)
+        tracing.annotate(kv_bytes=result.bytes_transferred)
         return result
 
     def _account(self, attempt: _Attempt, out: RequestOutput) -> None:

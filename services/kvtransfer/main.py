@@ -20,6 +20,8 @@ from services.common.config import ConfigError, add_arguments, build
 from services.common.logging import configure_logging
 from services.common.server import MeshServer, ServerConfig, run
 from services.common.tls import TlsConfig
+from services.common.tracing import Tracing, TracingConfig
+from services.common.tracing import shutdown as shutdown_tracing
 from services.kvtransfer.config import KvTransferConfig
 from services.kvtransfer.metrics import KvServiceMetrics
 from services.kvtransfer.registry import AgentRegistry
@@ -44,11 +46,17 @@ async def _expire_forever(servicer: KvTransferServicer, interval_s: float) -> No
         await asyncio.sleep(interval_s)  # a periodic sweep, not synchronisation
 
 
-async def serve(server_config: ServerConfig, config: KvTransferConfig, tls: TlsConfig | None = None) -> None:
+async def serve(
+    server_config: ServerConfig,
+    config: KvTransferConfig,
+    tls: TlsConfig | None = None,
+    tracing: TracingConfig | None = None,
+) -> None:
     configure_logging("kvtransfer", server_config.log_level)
     metrics_registry = CollectorRegistry()
     servicer = build_servicer(config, metrics_registry)
-    server = MeshServer(server_config, SERVICE_NAME, registry=metrics_registry, tls=tls)
+    tracer = Tracing.start(tracing, "kvtransfer") if tracing is not None else None
+    server = MeshServer(server_config, SERVICE_NAME, registry=metrics_registry, tls=tls, tracing=tracer)
     kvtransfer_pb2_grpc.add_KvTransferServiceServicer_to_server(servicer, server.server)
     await server.start()
     server.install_signal_handlers()
@@ -60,22 +68,36 @@ async def serve(server_config: ServerConfig, config: KvTransferConfig, tls: TlsC
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        shutdown_tracing(tracer)
+
+
+CONFIGS: tuple[tuple[type, str], ...] = (
+    (ServerConfig, ""),
+    (KvTransferConfig, ""),
+    (TlsConfig, "tls_"),
+    (TracingConfig, ""),
+)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The flags of this service, one per field of CONFIGS (docs/CONFIG.md is made from them)."""
+    parser = argparse.ArgumentParser(
+        prog="pdmesh-kvtransfer",
+        description="pdmesh KV-transfer service (agent registry, transfer statistics)",
+    )
+    for cls, prefix in CONFIGS:
+        add_arguments(parser, cls, prefix)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdmesh-kvtransfer", description=__doc__.splitlines()[0])
-    add_arguments(parser, ServerConfig)
-    add_arguments(parser, KvTransferConfig)
-    add_arguments(parser, TlsConfig, "tls_")
-    args = parser.parse_args(argv)
+    args = make_parser().parse_args(argv)
     try:
-        server_config = build(ServerConfig, args, os.environ)
-        config = build(KvTransferConfig, args, os.environ)
-        tls = build(TlsConfig, args, os.environ, "tls_")
+        cfg = {cls: build(cls, args, os.environ, prefix) for cls, prefix in CONFIGS}
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr)
         return 2
-    run(lambda: serve(server_config, config, tls))
+    run(lambda: serve(cfg[ServerConfig], cfg[KvTransferConfig], cfg[TlsConfig], cfg[TracingConfig]))  # type: ignore[arg-type]
     return 0
 
 

@@ -2,8 +2,9 @@
 
 Flags (and PDMESH_* environment variables) come from ServerConfig,
 WorkerConfig, PrefillConfig, RequestLimits, EngineConfig (`--engine-`
-prefix) and TlsConfig (`--tls-` prefix). The worker serves PrefillService
-and KvSourceService (the gRPC transport's byte stream) on one port.
+prefix), TlsConfig (`--tls-` prefix) and TracingConfig (`--otlp-endpoint`).
+The worker serves PrefillService and KvSourceService (the gRPC transport's
+byte stream) on one port.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.common.config import add_arguments, build
 from services.common.logging import configure_logging
 from services.common.server import ServerConfig, run
 from services.common.tls import TlsConfig, certified_worker
+from services.common.tracing import Tracing, TracingConfig
 from services.common.validation import RequestLimits
 from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.engine.config import EngineConfig
@@ -37,14 +39,20 @@ CONFIGS = (
     (RequestLimits, "limits_"),
     (EngineConfig, "engine_"),
     (TlsConfig, "tls_"),
+    (TracingConfig, ""),
 )
 
 
-def parse(argv: Sequence[str] | None, env: dict[str, str]) -> dict[type, object]:
+def make_parser() -> argparse.ArgumentParser:
+    """The flags of this service, one per field of CONFIGS (docs/CONFIG.md is made from them)."""
     parser = argparse.ArgumentParser(prog="pdmesh-prefill", description="pdmesh prefill worker")
     for cls, prefix in CONFIGS:
         add_arguments(parser, cls, prefix)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse(argv: Sequence[str] | None, env: dict[str, str]) -> dict[type, object]:
+    args = make_parser().parse_args(argv)
     return {cls: build(cls, args, env, prefix) for cls, prefix in CONFIGS}
 
 
@@ -59,6 +67,7 @@ async def serve(cfg: dict[type, object]) -> None:
         cfg[WorkerConfig],  # type: ignore[arg-type]
         cfg[EngineConfig],  # type: ignore[arg-type]
         tls=cfg[TlsConfig],  # type: ignore[arg-type]
+        tracing=Tracing.start(cfg[TracingConfig], "prefill"),  # type: ignore[arg-type]
     )
     await rt.setup()
     leases = LeaseManager(default_ttl_s=prefill_cfg.lease_ttl_s)

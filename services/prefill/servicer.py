@@ -24,6 +24,7 @@ from kvtransfer.errors import StaleHandle
 from kvtransfer.leases import LeaseManager
 from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2
+from services.common import tracing
 from services.common.errors import InvalidArgument, PermissionDenied, grpc_errors
 from services.common.tls import certified_worker
 from services.common.validation import (
@@ -77,6 +78,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         self.metrics.prefilled(
             time.monotonic() - started, result.computed_tokens, result.cached_prefix_tokens
+        )
+        tracing.annotate(
+            request_id=request.request_id,
+            requester=request.requester_id,
+            cached=result.cached_prefix_tokens,
+            computed=result.computed_tokens,
         )
         resp = prefill_pb2.PrefillResponse(
             first_token_id=result.first_token_id,

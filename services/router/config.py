@@ -4,7 +4,8 @@
 timeouts, probe intervals); the cores keep their own configs
 (`AdmissionConfig`, `BreakerConfig`, `RetryBudgetConfig`, `JourneyConfig`,
 `PrefixIndexConfig`, `RequestLimits`), the listener is a `ServerConfig`, its
-TLS (server and channels to workers) a `TlsConfig`, API keys an `AuthConfig`.
+TLS (server and channels to workers) a `TlsConfig`, API keys an `AuthConfig`,
+tracing a `TracingConfig`.
 `RouterSettings` bundles them; `parse_settings(argv, env)` builds it from flags
 (`--decode-workers`, `--admission-max-inflight`, `--breaker-cooldown-s`, ...)
 and `PDMESH_*` environment variables. The model facts the router needs
@@ -24,6 +25,7 @@ from typing import Any
 from services.common.config import add_arguments, build, require, setting
 from services.common.server import ServerConfig
 from services.common.tls import TlsConfig
+from services.common.tracing import TracingConfig
 from services.common.validation import RequestLimits
 from services.engine.model_config import PRESETS, ModelConfig
 from services.engine.tokenizer import ByteTokenizer, HfTokenizer
@@ -160,6 +162,7 @@ class RouterSettings:
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 # (field of RouterSettings, config class, flag prefix)
@@ -174,7 +177,13 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("index", PrefixIndexConfig, "index_"),
     ("tls", TlsConfig, "tls_"),
     ("auth", AuthConfig, ""),
+    ("tracing", TracingConfig, ""),
 )
+
+
+def sections() -> tuple[tuple[type, str], ...]:
+    """(config class, flag prefix) of every flag the router takes, in `--help` order."""
+    return tuple((cls, prefix) for _, cls, prefix in _SECTIONS)
 
 
 def make_parser() -> argparse.ArgumentParser:

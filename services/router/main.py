@@ -20,9 +20,15 @@ from collections.abc import Sequence
 
 from services.common.logging import configure_logging
 from services.common.server import MeshServer, run
-from services.router.config import ModelSpec, RouterSettings, parse_settings
+from services.common.tracing import Tracing, client_interceptors
+from services.common.tracing import shutdown as shutdown_tracing
+from services.router.config import ModelSpec, RouterSettings, make_parser, parse_settings, sections
 from services.router.router import Router
 from services.router.servicer import SERVICE_NAME, add_to_server
+
+# What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
+CONFIGS = sections()
+__all__ = ["CONFIGS", "main", "make_parser", "serve"]
 
 
 async def _follow_readiness(router: Router, server: MeshServer) -> None:
@@ -38,8 +44,16 @@ async def _follow_readiness(router: Router, server: MeshServer) -> None:
 async def serve(settings: RouterSettings) -> None:
     log = configure_logging("router", settings.server.log_level)
     model = ModelSpec.load(settings.router)
-    router = Router(settings, model, subscriber=f"router-{socket.gethostname()}-{os.getpid()}")
-    server = MeshServer(settings.server, SERVICE_NAME, registry=router.metrics.registry, tls=settings.tls)
+    tracing = Tracing.start(settings.tracing, "router")
+    router = Router(
+        settings,
+        model,
+        subscriber=f"router-{socket.gethostname()}-{os.getpid()}",
+        interceptors=client_interceptors(tracing),
+    )
+    server = MeshServer(
+        settings.server, SERVICE_NAME, registry=router.metrics.registry, tls=settings.tls, tracing=tracing
+    )
     add_to_server(router, server.server)
     await server.start()
     server.install_signal_handlers(on_drain=router.close)
@@ -60,6 +74,7 @@ async def serve(settings: RouterSettings) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await follower
         await router.close()
+        shutdown_tracing(tracing)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

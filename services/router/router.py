@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ import grpc
 import structlog
 
 from pdmesh.v1 import decode_pb2
+from services.common import tracing
 from services.common.errors import ResourceExhausted, Unavailable
 from services.router.admission import AdmissionController
 from services.router.admission_gate import AdmissionGate
@@ -112,6 +113,7 @@ class Router:
         call_decode: CallDecode | None = None,
         resolver: Resolver = system_resolver,
         subscriber: str = "router",
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ):
         cfg = settings.router
         self.settings = settings
@@ -141,6 +143,7 @@ class Router:
             subscriber,
             resolver,
             tls=settings.tls,
+            interceptors=interceptors,  # tracing: the trace context goes to the workers
         )
         self.pool.drain_grace_s = settings.server.drain_grace_s
         self.ctx = RoutingContext(
@@ -261,6 +264,8 @@ class Router:
         conn = self.pool.connection(worker_id)
         if conn is None:
             return _FailedCall(f"worker {worker_id} left the router's registry")
+        if tracing.recording():  # one event per attempt, in order, on the router's Generate span
+            tracing.event("attempt", worker=worker_id, resume_tokens=len(request.resume_token_ids))
         return conn.decode.Generate(request, timeout=timeout)
 
     # ---- workers ------------------------------------------------------------

@@ -21,6 +21,7 @@ import uuid
 import grpc
 
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common import tracing
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied, grpc_errors
 from services.common.tls import peer_identity
 from services.common.validation import (
@@ -150,6 +151,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise
         if grant is not None:  # the key decides the tenant, never the request's field
             req = dataclasses.replace(req, tenant=grant.tenant, priority=grant.cap(req.priority))
+        tracing.annotate(request_id=req.request_id, tenant=req.tenant)
         flow = router.open_flow(req)
         try:
             await context.send_initial_metadata((("x-request-id", req.request_id),))
@@ -164,6 +166,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     yield final_to_proto(item, req.request_id)  # type: ignore[arg-type]
         finally:
             router.close_flow(flow)
+            if tracing.recording():
+                journey = flow.journey
+                tracing.annotate(
+                    worker=flow.worker_id, attempts=len(journey.attempts), migrations=journey.migrations
+                )
 
     @grpc_errors
     async def Cancel(self, request, context):

@@ -82,7 +82,7 @@ class WorkerConnection:
         self.static = worker_id is None
         self.worker_id = worker_id  # None until a static worker's Stats answered
         self.refused: str | None = None  # why a static worker was refused at join
-        self.channel = aio_channel(address, pool.tls, CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, pool.tls, CHANNEL_OPTIONS, pool.interceptors)
         self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
         stub = self.decode if role is WorkerRole.DECODE else prefill_pb2_grpc.PrefillServiceStub(self.channel)
         self._worker_stub = stub  # SubscribeKvEvents and Stats: served by both roles
@@ -260,10 +260,12 @@ class WorkerPool:
         subscriber: str = "router",
         resolver: Callable[[str], Sequence[str]] = system_resolver,
         tls: TlsConfig | None = None,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ):
         self.config = config
         # With TLS a worker must present a certificate of the mesh CA, or it never joins.
         self.tls = client_tls(tls)
+        self.interceptors = tuple(interceptors)  # tracing's context injection, when on
         self.registry = registry
         self.index = index
         self.sequencer = sequencer
