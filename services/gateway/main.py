@@ -98,15 +98,23 @@ async def serve(config: GatewayConfig, tls: TlsConfig | None = None) -> None:
     log.info("stopped", service="gateway")
 
 
-def parse(
-    argv: Sequence[str] | None = None, env: dict[str, str] | None = None
-) -> tuple[GatewayConfig, TlsConfig]:
+CONFIGS: tuple[tuple[type, str], ...] = ((GatewayConfig, ""), (TlsConfig, "tls_"))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The flags of this service, one per field of CONFIGS (docs/CONFIG.md is made from them)."""
     parser = argparse.ArgumentParser(
         prog="pdmesh-gateway", description="pdmesh OpenAI-compatible HTTP gateway"
     )
-    add_arguments(parser, GatewayConfig)
-    add_arguments(parser, TlsConfig, "tls_")
-    args = parser.parse_args(argv)
+    for cls, prefix in CONFIGS:
+        add_arguments(parser, cls, prefix)
+    return parser
+
+
+def parse(
+    argv: Sequence[str] | None = None, env: dict[str, str] | None = None
+) -> tuple[GatewayConfig, TlsConfig]:
+    args = make_parser().parse_args(argv)
     env = dict(os.environ) if env is None else env
     return build(GatewayConfig, args, env), build(TlsConfig, args, env, "tls_")
 
