@@ -304,10 +304,17 @@ class OpenAIHttpClient:
         usage = data.get("usage") or {}
         total = usage.get("completion_tokens")
         if choices := data.get("choices"):
-            n = total - rec.streamed_tokens if total is not None else 1
-            if n >= 1:  # with continuous usage, a chunk adding no token (finish only) is no token message
+            c = choices[0]
+            if total is not None:
+                n = total - rec.streamed_tokens
+            else:  # no running usage: a chunk is one token, unless it only closes the stream
+                closing = c.get("finish_reason") and not (
+                    c.get("text") or (c.get("delta") or {}).get("content")
+                )
+                n = 0 if closing else 1
+            if n >= 1:  # a chunk adding no token (role or finish only) is no token message
                 rec.add_message(t, n)
-            rec.finish_reason = choices[0].get("finish_reason") or rec.finish_reason
+            rec.finish_reason = c.get("finish_reason") or rec.finish_reason
         if usage:
             rec.prompt_tokens = usage.get("prompt_tokens") or rec.prompt_tokens
             details = usage.get("prompt_tokens_details") or {}

@@ -120,6 +120,7 @@ class RequestRecord:
 
 def write_records(path: str | Path, records: Iterable[RequestRecord], meta: dict | None = None) -> None:
     """JSONL: an optional ``{"meta": {...}}`` first line, then one record a line."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with Path(path).open("w", encoding="utf-8") as f:
         if meta is not None:
             f.write(json.dumps({"meta": meta}) + "\n")

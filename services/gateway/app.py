@@ -260,14 +260,18 @@ class Gateway:
         if plan.kind == "chat":
             yield R.sse(R.chunk(plan, created, "", first=True))
         msg = first
+        done = 0  # tokens streamed so far
         try:
             while not msg.HasField("final"):
+                done += len(msg.delta.token_ids)
                 if msg.delta.text:
-                    yield R.sse(R.chunk(plan, created, msg.delta.text))
+                    yield R.sse(R.chunk(plan, created, msg.delta.text, completion_tokens=done))
+                elif plan.continuous_usage and msg.delta.token_ids:  # tokens without text yet still count
+                    yield R.sse(R.chunk(plan, created, "", completion_tokens=done))
                 msg = await _next(upstream)
                 self._first_token(out, msg)
             self._final(out, msg.final)
-            yield R.sse(R.chunk(plan, created, None, out.finish_reason))
+            yield R.sse(R.chunk(plan, created, None, out.finish_reason, completion_tokens=done))
             if plan.include_usage:
                 yield R.sse(R.usage_chunk(plan, created, msg.final.usage))
         except GatewayError as e:  # after the first token the status line is sent: report in-band

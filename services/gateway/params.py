@@ -3,7 +3,7 @@
 What is supported, and how it maps onto `pdmesh.v1.SamplingParams`:
   max_tokens (chat: max_completion_tokens first), temperature (default 1.0, as
   OpenAI), top_p, seed, stop (string or list), stream,
-  stream_options.include_usage, n (1 only), and the vLLM extensions
+  stream_options.include_usage (and vLLM's continuous_usage_stats), n (1 only), and the vLLM extensions
   ignore_eos, top_k and stop_token_ids.
 Parameters that would change the output in ways pdmesh cannot honour (n > 1,
 best_of > 1, echo, logprobs, suffix, tools, logit_bias, penalties, a JSON
@@ -47,6 +47,8 @@ class GenerationPlan:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the running usage.
+    continuous_usage: bool = False
 
     def to_proto(self) -> router_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(
@@ -171,6 +173,7 @@ def _common(body: dict, served: str, kind: str) -> dict[str, Any]:
     if options and not stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     include_usage = bool(options and _bool(options, "include_usage"))
+    continuous_usage = bool(options and _bool(options, "continuous_usage_stats"))
     top_k = _int(body, "top_k", -1)
     stop_ids = body.get("stop_token_ids")
     return {
@@ -186,6 +189,7 @@ def _common(body: dict, served: str, kind: str) -> dict[str, Any]:
         "ignore_eos": _bool(body, "ignore_eos"),
         "stream": stream,
         "include_usage": include_usage,
+        "continuous_usage": continuous_usage,
     }
 
 

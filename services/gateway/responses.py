@@ -61,7 +61,12 @@ def full_body(plan: GenerationPlan, created: int, text: str, final: Any) -> dict
 
 
 def chunk(
-    plan: GenerationPlan, created: int, text: str | None, reason: str | None = None, first: bool = False
+    plan: GenerationPlan,
+    created: int,
+    text: str | None,
+    reason: str | None = None,
+    first: bool = False,
+    completion_tokens: int | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk with new text (None = no content, e.g. the closing chunk)."""
     if plan.kind == "chat":
@@ -76,7 +81,14 @@ def chunk(
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         body = _head(plan, created, "text_completion")
     body["choices"] = [choice]
-    if plan.include_usage:
+    if plan.continuous_usage and completion_tokens is not None:
+        # Running count (prompt tokens come with the final usage; the router tokenizes).
+        body["usage"] = {
+            "prompt_tokens": 0,
+            "completion_tokens": completion_tokens,
+            "total_tokens": completion_tokens,
+        }
+    elif plan.include_usage or plan.continuous_usage:
         body["usage"] = None
     return body
 

@@ -158,3 +158,19 @@ async def test_metrics_count_requests_by_status(gw):
     for status in ("200", "429", "400"):
         assert f'pdmesh_gateway_requests_total{{endpoint="/v1/completions",status="{status}"}} 1.0' in text
     assert 'pdmesh_gateway_tokens_total{kind="completion"} 2.0' in text
+
+
+async def test_continuous_usage_gives_the_running_token_count_in_every_chunk(gw):
+    body = {
+        "prompt": "ok",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    status, _, raw = await post(gw, "/v1/completions", body)
+    assert status == 200
+    chunks = httpio.sse_events(raw)[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    # The fake router streams "Hel" then "lo" (one token per byte): 3, then 5, then the closing chunk.
+    assert texts[:2] == ["Hel", "lo"] and counts == [3, 5, 5]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2  # the router's final

@@ -45,7 +45,8 @@ class FakeOpenAI:
             # No length and no chunking: the body ends when the connection closes.
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
             writer.write(sse(chunk("a")) + sse(chunk("b")) + b": keep-alive\n\n")
-            writer.write(sse(chunk("c", finish="length")) + sse(b"[DONE]"))
+            # The last text chunk, then a closing chunk with only a finish reason: no token.
+            writer.write(sse(chunk("c")) + sse(chunk("", finish="length")) + sse(b"[DONE]"))
         else:
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -98,6 +99,7 @@ async def test_sse_client_without_usage_counts_one_token_per_chunk(http_server):
     (rec,) = await run_load([WorkItem(0.0, (NO_USAGE,), 3)], target, max_requests=1, max_duration_s=5)
     assert rec.ok, rec.error_detail
     assert rec.token_counts == [1, 1, 1] and rec.output_tokens == 3
+    assert rec.finish_reason == "length"
 
 
 async def test_sse_client_records_failures(http_server):
