@@ -31,10 +31,11 @@ import torch
 
 from services.engine.api import EngineError
 from services.engine.engine_spec import EngineSpec
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, SequenceStatus
 from services.engine.sim.timing import TimingProfile
 
 _MASK64 = (1 << 64) - 1
+_RUNNING = (SequenceStatus.PREFILLING, SequenceStatus.DECODING)
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,11 @@ class SimRunner:
         # Totals since start, read by tests and benchmarks (step thread only).
         self.passes = 0
         self.modeled_s = 0.0
-        self.late_s = 0.0  # wall time passes ran beyond their modeled time (Python overhead)
+        self.late_s = 0.0  # wall time passes ran beyond their modeled time (Python work)
         self.last_pass: PassCost | None = None
+        # The last pass: its sequences and when its modeled time ends (wall clock).
+        self._previous: list[Sequence] = []
+        self._deadline = 0.0
 
     def pass_cost(self, scheduled: list[tuple[Sequence, int]]) -> PassCost:
         """Price one pass (see `pass_shape` for what is counted)."""
@@ -92,8 +96,15 @@ class SimRunner:
         )
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
-        """Wait the pass's modeled time / speedup; the sampled token per entry (None mid-prompt)."""
-        start = self._clock()
+        """Wait the pass's modeled time / speedup; the sampled token per entry (None mid-prompt).
+
+        While the engine steps on without a pause (a sequence of the last pass is
+        still running), the Python work between passes (scheduler, outputs,
+        queues; this process's cost, not the modeled engine's) counts against
+        this pass's wait: a pass lasts max(modeled, Python) in wall time, not
+        their sum. After a pause the pass starts now.
+        """
+        now = self._clock()
         cost = self.pass_cost(scheduled)
         out = [
             self.token_for(seq, seq.num_output_tokens)
@@ -105,11 +116,18 @@ class SimRunner:
         self.modeled_s += cost.ms / 1000.0
         self.last_pass = cost
         wall = cost.ms / 1000.0 / self.speedup
-        remaining = start + wall - self._clock()
+        start = now
+        if any(seq.status in _RUNNING for seq in self._previous):
+            start = max(self._deadline, now - wall)
+            self.late_s += max(0.0, now - wall - self._deadline)
+        self._deadline = start + wall
+        remaining = self._deadline - self._clock()
         if remaining > 0:
             self._sleep(remaining)
         else:
             self.late_s -= remaining
+            self._deadline -= remaining  # the next pass cannot start before this one ended
+        self._previous = [seq for seq, _ in scheduled]
         return out
 
     def token_for(self, seq: Sequence, position: int) -> int:

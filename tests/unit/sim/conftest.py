@@ -20,16 +20,34 @@ def sim_config(**overrides) -> EngineConfig:
     return EngineConfig(**values)
 
 
-def sim_core(waits: list[float] | None = None, profile: str = "dynamo-mocker", **overrides) -> LLMEngine:
-    """A synchronous sim LLMEngine; its runner appends each wall wait to `waits` (no sleeping)."""
+class FakeClock:
+    """A wall clock that moves only when the runner sleeps (recorded in `waits`) or a test advances it."""
+
+    def __init__(self, waits: list[float]):
+        self.now = 0.0
+        self.waits = waits
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.now += seconds
+
+
+def sim_core(
+    waits: list[float] | None = None,
+    profile: str = "dynamo-mocker",
+    clock: FakeClock | None = None,
+    **overrides,
+) -> LLMEngine:
+    """A synchronous sim LLMEngine on a fake clock; its runner appends each wall wait to `waits`."""
     config = sim_config(sim_profile=profile, **overrides)
     prof = load_profile(profile)
     spec = sim_spec(config, prof)
     prof = prof.scaled_to(spec.num_blocks, config.block_size)
-    sink = waits if waits is not None else []
-    factory = partial(
-        SimRunner, profile=prof, speedup=config.sim_speedup, sleep=sink.append, clock=lambda: 0.0
-    )
+    clock = clock or FakeClock(waits if waits is not None else [])
+    factory = partial(SimRunner, profile=prof, speedup=config.sim_speedup, sleep=clock.sleep, clock=clock)
     return LLMEngine(config, spec, factory)
 
 

@@ -8,7 +8,7 @@ from services.engine.api import EngineRequest, SamplingParams
 from services.engine.llm_engine import LLMEngine
 from services.engine.sim.timing import load_profile
 from tests.unit.engine.conftest import prompt_of, request, tiny_config
-from tests.unit.sim.conftest import sim_core
+from tests.unit.sim.conftest import FakeClock, sim_core
 
 
 def first_pass(core: LLMEngine, req):
@@ -121,3 +121,23 @@ def test_sim_pool_is_tiny_but_sized_like_the_modeled_one():
     assert core.info.max_model_len == prof.num_blocks * 16
     assert sim_core(num_blocks=64).info.num_blocks == 64  # EngineConfig wins when set
     assert tiny_config().backend == "torch"
+
+
+def test_python_work_between_passes_overlaps_the_modeled_time(make_core):
+    waits: list[float] = []
+    clock = FakeClock(waits)
+    core = make_core(clock=clock, sim_speedup=1.0)
+    core.add_request(request("a", prompt_of(40, 11), max_tokens=3))
+    core.step()  # prefill
+    clock.now += 0.002  # 2 ms of scheduler / queue work before the next pass
+    core.step()  # a decode pass, the sequence went on running: the 2 ms count against it
+    decode_wall = core.runner.last_pass.ms / 1000
+    assert waits[-1] == pytest.approx(decode_wall - 0.002)
+    clock.now += 1.0  # more work than a whole pass: no wait at all, counted as late
+    core.step()
+    assert len(waits) == 2 and core.runner.late_s == pytest.approx(1.0 - core.runner.last_pass.ms / 1000)
+    assert not core.has_unfinished_requests()
+    # After a pause (nothing was running), a new pass waits its full modeled time.
+    clock.now += 0.002
+    first_pass(core, request("b", prompt_of(40, 12), max_tokens=1))
+    assert waits[-1] == pytest.approx(core.runner.last_pass.ms / 1000)
