@@ -283,8 +283,9 @@ def plot_scale(runs: list[tuple[Study, list[PolicyResult], float]], folder: Path
     axes[0].legend(fontsize=8)
     s0 = runs[0][0]
     fig.suptitle(
-        f"Mooncake conversation, {s0.requests} requests, load x workers; {s0.profile}, "
-        f"{s0.num_blocks * s0.block_size:,} KV tokens/worker, speedup {s0.speedup:g}",
+        f"Mooncake conversation, first {s0.requests} requests, offered load per worker fixed "
+        f"(model time_factor {s0.time_factor * s0.workers:g}/workers); {s0.profile}, "
+        f"{s0.num_blocks * s0.block_size:,} KV tokens per worker; model time",
         fontsize=10,
     )
     fig.tight_layout()
