@@ -83,3 +83,29 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_services_stop_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL the launching process (no chance to clean up): its services drain and exit anyway."""
+    script = (
+        "import sys, time\n"
+        "from pdmesh.launcher import Launcher, ServiceSpec\n"
+        f"l = Launcher({str(tmp_path)!r})\n"
+        "svc = l.start_ready(ServiceSpec('kvtransfer', 'services.kvtransfer.main',"
+        " ready_service='pdmesh.v1.KvTransferService'))\n"
+        "print(svc.proc.pid, flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert _alive(child)
+    parent.kill()
+    parent.wait()
+    wait_until(lambda: not _alive(child) or _zombie(child), timeout=30, what="the orphaned service to exit")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (FileNotFoundError, IndexError):
+        return False
