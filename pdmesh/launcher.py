@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdmesh.client import health_check
+from services.common.server import PARENT_PID_ENV
 from services.common.tls import TlsConfig, client_tls
 
 
@@ -83,7 +84,7 @@ class Launcher:
         port_file = self.workdir / f"{spec.name}.port.json"
         port_file.unlink(missing_ok=True)
         log_path = self.workdir / f"{spec.name}.log"
-        env = {**self.base_env, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env = {**self.base_env, **spec.env, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
         argv = [self.python, "-m", spec.module, *spec.args, "--port-file", str(port_file)]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -93,7 +94,6 @@ class Launcher:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         svc = RunningService(spec, proc, port_file, log_path)
         self.services.append(svc)
@@ -163,17 +163,6 @@ class Launcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM (a drain) when the launcher dies, so a
-    killed `pdmesh up` or test run leaves no orphan services (Linux; elsewhere a no-op)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def flags(**values: object) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ import inspect
 import json
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -333,8 +334,28 @@ class MeshServer:
             loop.add_signal_handler(sig, handler, sig.name)
 
 
+PARENT_PID_ENV = "PDMESH_PARENT_PID"
+
+
 def run(main: Callable[[], Awaitable[Any]]) -> Any:
-    """Run a service's async main on uvloop."""
+    """Run a service's async main on uvloop (tied to its launcher's life, see `die_with_parent`)."""
     import uvloop
 
+    die_with_parent()
     return uvloop.run(main())
+
+
+def die_with_parent() -> None:
+    """SIGTERM (a drain) when the launcher that set `PDMESH_PARENT_PID` dies, so a killed `pdmesh up`
+    or test run leaves no orphan services. Done here in the service, not in a `preexec_fn`: Python
+    code between fork and exec in a threaded launcher (gRPC, engine threads) can crash the child."""
+    expected = os.environ.get(PARENT_PID_ENV)
+    if not expected or sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(expected):  # the launcher died before the prctl: nobody will signal us
+        log.warning("launcher gone before start", parent_pid=int(expected))
+        sys.exit(0)

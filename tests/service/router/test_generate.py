@@ -61,12 +61,24 @@ async def test_multibyte_characters_split_across_tokens_come_out_whole(mesh):
     d.script = list(text.encode())
     h = await mesh.router([d])
     deltas, _, _ = await h.generate("abc", max_tokens=len(d.script))
-    assert len(deltas) == len(d.script)  # one token per message
-    assert "".join(x.text for x in deltas) == text
-    assert all("\ufffd" not in x.text for x in deltas)
-    # The first byte of "é" completes nothing; the second completes the character.
-    i = text.encode().index("é".encode())
-    assert deltas[i].text == "" and deltas[i + 1].text == "é"
+    # The router may coalesce tokens that arrive while the client is slow, so the split into
+    # messages varies; what must hold is that every message ends on whole characters: the text so
+    # far is exactly the bytes so far up to their last complete character.
+    seen, out = b"", ""
+    for x in deltas:
+        seen += bytes(x.token_ids)
+        out += x.text
+        assert out == _complete_prefix(seen), (seen, out)
+    assert seen == text.encode() and out == text
+
+
+def _complete_prefix(data: bytes) -> str:
+    for cut in range(4):
+        try:
+            return data[: len(data) - cut].decode()
+        except UnicodeDecodeError:
+            continue
+    raise AssertionError(f"not UTF-8: {data!r}")
 
 
 def test_byte_detokenizer_skips_specials_and_keeps_partial_bytes():

@@ -105,7 +105,9 @@ async def test_closing_during_the_transfer_frees_the_reservation():
 
 
 async def test_abort_mid_stream_and_prefill_only_finishing_early():
-    engine = await started()
+    # Real-time steps (speedup 1): at FAST speed the engine thread can run this request to the
+    # pool's length limit between the first token and the abort, and the test would race.
+    engine = await started(sim_speedup=1.0)
     stream = engine.generate(request("a", prompt_of(50, 7), max_tokens=10_000))
     first = await anext(stream)
     assert first.token_ids
