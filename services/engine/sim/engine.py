@@ -69,12 +69,16 @@ class SimEngine(TorchEngine):
         self._transfer_tokens.pop(request_id, None)
         return super().abort(request_id)
 
+    async def _model_transfer(self, delay_s: float) -> None:
+        """Wait out the modeled KV transfer (wall time, not synchronisation; tests replace it)."""
+        await asyncio.sleep(delay_s)
+
     async def _after_transfer(
         self, request_id: str, first_token_id: int, delay_s: float
     ) -> AsyncIterator[RequestOutput]:
         outputs = None
         try:
-            await asyncio.sleep(delay_s)  # the modeled KV transfer, not synchronisation
+            await self._model_transfer(delay_s)
             outputs = TorchEngine.generate_external(self, request_id, first_token_id)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:

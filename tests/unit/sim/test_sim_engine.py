@@ -9,7 +9,6 @@ import pytest
 from services.engine.api import Engine, EngineRequest, FinishReason, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.factory import create_engine
-from services.engine.sim import engine as sim_engine_module
 from services.engine.sim.engine import SimEngine
 from tests.unit.engine.conftest import prompt_of, request
 from tests.unit.sim.conftest import sim_config
@@ -72,13 +71,11 @@ async def test_prefill_handover_matches_local_generate_and_frees_both_pools():
 
 async def test_handover_waits_the_modeled_transfer_time(monkeypatch):
     waits: list[float] = []
-    real_sleep = asyncio.sleep
 
-    async def record(delay: float) -> None:
+    async def record(self, delay: float) -> None:
         waits.append(delay)
-        await real_sleep(0)
 
-    monkeypatch.setattr(sim_engine_module.asyncio, "sleep", record)
+    monkeypatch.setattr(SimEngine, "_model_transfer", record)
     decode = await started(sim_speedup=2.0, sim_profile="dynamo-mocker")
     req = request("t", prompt_of(200, 5), max_tokens=3)
     await decode.reserve_external(req)
