@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.api import EngineRequest
-from services.engine.attention import AttentionMetadata, PrefillSegment
+from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from services.engine.engine_spec import EngineSpec
 from services.engine.loader import load_model
 from services.engine.packing import can_pack, pack_linears
@@ -106,9 +106,9 @@ class ModelRunner:
                 rows.append(SampleRow(seq.sampling, seq.seed, seq.num_output_tokens))
                 items.append(j)
         num_prefill = start - len(decodes)
-        decode_ids, decode_mask = None, None
+        groups: list[DecodeGroup] = []
         if decodes:
-            pos, blocks, offsets, decode_ids, decode_mask = self._decode_inputs(decodes)
+            pos, blocks, offsets, groups = self._decode_inputs(decodes)
             positions.append(pos)
             slot_blocks.append(blocks)
             slot_offsets.append(offsets)
@@ -119,8 +119,10 @@ class ModelRunner:
             prefills=segments,
             num_prefill_tokens=num_prefill,
             num_decodes=len(decodes),
-            decode_block_ids=None if decode_ids is None else decode_ids.to(dev),
-            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            decode_groups=[
+                DecodeGroup(None if g.rows is None else g.rows.to(dev), g.block_ids.to(dev), g.mask.to(dev))
+                for g in groups
+            ],
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -132,22 +134,48 @@ class ModelRunner:
         )
 
     def _decode_inputs(self, seqs: list[Sequence]):
-        """One new token per sequence: positions, slots, padded block tables, mask."""
+        """One new token per sequence: positions, slots, and per length group padded block tables + mask."""
         bs = self.block_size
         pos = [s.num_computed_tokens for s in seqs]
         blocks = [s.block_table[p // bs] for s, p in zip(seqs, pos, strict=True)]
-        width = max(p // bs for p in pos) + 1  # blocks in the longest context
-        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
-        ctx = torch.tensor(pos) + 1
-        mask = torch.arange(width * bs)[None, :] < ctx[:, None]  # [B, S]
+        widths = [p // bs + 1 for p in pos]  # blocks in each context
+        groups = []
+        parts = group_by_length(widths)
+        for rows in parts:
+            width = max(widths[i] for i in rows)
+            tables = [seqs[i].block_table[:width] + [0] * (width - widths[i]) for i in rows]
+            ctx = torch.tensor([pos[i] + 1 for i in rows])
+            mask = torch.arange(width * bs)[None, :] < ctx[:, None]  # [b, S]
+            groups.append(
+                DecodeGroup(
+                    None if len(parts) == 1 else torch.tensor(rows, dtype=torch.long),
+                    torch.tensor(tables, dtype=torch.long).flatten(),
+                    mask[:, None, None, :],
+                )
+            )
         pos_t = torch.tensor(pos)
-        return (
-            pos_t,
-            torch.tensor(blocks, dtype=torch.long),
-            pos_t % bs,
-            torch.tensor(tables, dtype=torch.long).flatten(),
-            mask[:, None, None, :],
-        )
+        return pos_t, torch.tensor(blocks, dtype=torch.long), pos_t % bs, groups
+
+
+def group_by_length(widths: list[int], slack: float = 1.5, free_padding: int = 32) -> list[list[int]]:
+    """Rows (indices into `widths`, each a context length in blocks) in groups whose padded size
+    (rows x longest) stays within `slack` x their real size, or within `free_padding` blocks of it:
+    a group is one gather + matmul per layer, so small batches stay one group. One group keeps
+    the rows in order; several are longest first."""
+    if len(widths) <= 1:
+        return [list(range(len(widths)))]
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    groups, current, total = [], [order[0]], widths[order[0]]
+    for i in order[1:]:
+        padded, real = widths[current[0]] * (len(current) + 1), total + widths[i]
+        if padded <= slack * real or padded - real <= free_padding:
+            current.append(i)
+            total += widths[i]
+        else:
+            groups.append(current)
+            current, total = [i], widths[i]
+    groups.append(current)
+    return [list(range(len(widths)))] if len(groups) == 1 else groups
 
 
 def scratch_sequence(token_ids: list[int], block_size: int) -> Sequence:

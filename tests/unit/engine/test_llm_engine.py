@@ -47,6 +47,40 @@ def test_batched_equals_each_request_alone(make_engine):
     assert stats.decode_tokens_computed == sum(r.sampling.max_tokens - 1 for r in reqs)
 
 
+def test_decodes_of_very_different_lengths_run_in_groups_and_match_alone(make_engine, monkeypatch):
+    """One long context among short ones: the decode batch splits by length (so the short rows
+    are not padded to the long one) and every request still gets exactly its tokens alone."""
+    from services.engine import model_runner
+
+    seen: list[list[list[int]]] = []
+    real = model_runner.group_by_length
+    monkeypatch.setattr(model_runner, "group_by_length", lambda w: seen.append(real(w)) or seen[-1])
+    reqs = [request("long", prompt_of(1100, seed=1), max_tokens=6)]
+    reqs += [
+        request(f"s{i}", prompt_of(20 + i, seed=10 + i), max_tokens=6, **SEEDED, seed=i) for i in range(4)
+    ]
+    engine = make_engine(num_blocks=160, max_num_batched_tokens=2048)
+    batched = engine.generate(reqs)
+    assert any(len(groups) > 1 for groups in seen)
+    assert batched == run_alone(
+        lambda **kw: make_engine(num_blocks=160, max_num_batched_tokens=2048, **kw), reqs
+    )
+
+
+def test_group_by_length_bounds_padding():
+    from services.engine.model_runner import group_by_length
+
+    assert group_by_length([]) == [[]]
+    assert group_by_length([3, 1, 2]) == [[0, 1, 2]]  # small: one group, rows in order
+    groups = group_by_length([2, 140, 3, 130, 2, 70])
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert groups == [[1, 3, 5], [2, 0, 4]]  # longest first; the short rows apart from the long
+    widths = [2, 140, 3, 130, 2, 70]
+    for g in groups:  # each group's padding is within the bounds
+        padded, real = max(widths[i] for i in g) * len(g), sum(widths[i] for i in g)
+        assert padded <= 1.5 * real or padded - real <= 32
+
+
 def test_outputs_stream_one_token_per_step_and_report_usage(make_engine):
     engine = make_engine(max_num_batched_tokens=32)
     engine.add_request(request("a", prompt_of(70, seed=1), max_tokens=4))
