@@ -218,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--azure-length-factor", type=float, default=4.0)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cond-max-local",
+        type=int,
+        default=None,
+        help="cond mode's --max-local-prefill-tokens (default: the decode service's default)",
+    )
     args = ap.parse_args(argv)
     n = args.requests or (16 if args.quick else 60)
     rates = (
@@ -231,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"disagg bench: preset={args.preset} requests/point={n} rates={rates} workloads={workloads} "
         f"mix=90%x[64,256]+10%x[2048,2304] out={args.output_tokens}; azure length_factor="
-        f"{args.azure_length_factor} time: Poisson at each rate",
+        f"{args.azure_length_factor} time: Poisson at each rate; cond max_local_prefill_tokens="
+        f"{args.cond_max_local if args.cond_max_local is not None else 'service default'}",
         flush=True,
     )
 
@@ -244,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     base: Baseline | None = None
     for mode, topo in MODES.items():
         topo = topology.Topology(**{**topo.__dict__, "preset": args.preset})
+        if mode == "cond" and args.cond_max_local is not None:
+            flags = (*topo.decode_flags, "--max-local-prefill-tokens", str(args.cond_max_local))
+            topo = topology.Topology(**{**topo.__dict__, "decode_flags": flags})
         dep = topology.start(topo)
         try:
             wait_workers(dep.address, topo.prefill + topo.decode)

@@ -3,7 +3,12 @@ worker knows when a request arrives.
 
 Local prefill when the *uncached* prompt is short (at most
 `max_local_prefill_tokens`), when no prefill candidate is healthy, or when the
-best candidate's estimated wait exceeds the local estimate; otherwise remote.
+best candidate's estimated wait exceeds the local estimate and this worker
+would prefill the prompt quickly (in at most `max_busy_local_prefill_s` at its
+measured prefill rate: a long local prefill stalls every running decode for its
+whole length, which is what disaggregation exists to avoid; seconds, not
+tokens, so one setting fits a CPU at 700 tokens/s and a GPU at 20,000);
+otherwise remote.
 Forced modes (tests, benchmarks, operators) override the length and wait tests
 but never send a request to a candidate that does not exist. Every decision
 carries a reason that the decode service counts
@@ -18,6 +23,7 @@ is lower because a CPU prefill of 512 tokens already stalls decode steps.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +56,11 @@ class DisaggConfig:
     max_local_prefill_tokens: int = setting(
         512, "prefill locally when the uncached prompt has at most this many tokens"
     )
+    max_busy_local_prefill_s: float = setting(
+        0.5,
+        "when the prefill workers are busy, prefill locally only prompts this worker computes within this "
+        "many seconds (at its measured prefill rate); longer ones wait for a prefill worker",
+    )
     busy_margin_s: float = setting(
         0.0, "go local when a prefill worker's wait exceeds the local estimate by more than this"
     )
@@ -64,6 +75,7 @@ class DisaggConfig:
         )
         require(self.max_local_prefill_tokens >= 0, "max_local_prefill_tokens must be >= 0")
         require(self.busy_margin_s >= 0, "busy_margin_s must be >= 0")
+        require(self.max_busy_local_prefill_s >= 0, "max_busy_local_prefill_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -98,10 +110,11 @@ class DisaggregationPolicy:
         candidates: Sequence[Candidate],
         local_wait_s: float,
         mode: Mode = Mode.AUTO,
+        local_tokens_per_s: float = math.inf,
     ) -> Decision:
         """Where to prefill. `cached_tokens`: prompt tokens already in this
         worker's prefix cache; `local_wait_s`: estimated wait before a local
-        prefill would start."""
+        prefill would start; `local_tokens_per_s`: this worker's prefill rate."""
         if mode is Mode.LOCAL:
             return Decision(Path.LOCAL, Reason.FORCED_LOCAL)
         uncached = max(prompt_tokens - cached_tokens, 0)
@@ -112,6 +125,7 @@ class DisaggregationPolicy:
             return Decision(Path.LOCAL, Reason.NO_CANDIDATE)
         if mode is Mode.REMOTE:
             return Decision(Path.REMOTE, Reason.FORCED_REMOTE, best)
-        if best.estimated_wait_s > local_wait_s + self.config.busy_margin_s:
+        busy = best.estimated_wait_s > local_wait_s + self.config.busy_margin_s
+        if busy and uncached / local_tokens_per_s <= self.config.max_busy_local_prefill_s:
             return Decision(Path.LOCAL, Reason.PREFILL_BUSY)
         return Decision(Path.REMOTE, Reason.LONG_PROMPT, best)

@@ -104,7 +104,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         candidates = self._candidates(request)
         if candidates and self.probe is not None and self._may_go_remote(len(context_ids) - cached, mode):
             candidates = await self.probe.refresh(candidates)
-        decision = self.policy.decide(len(context_ids), cached, candidates, self._local_wait_s(), mode)
+        decision = self.policy.decide(
+            len(context_ids), cached, candidates, self._local_wait_s(), mode, self.waits.tokens_per_s
+        )
         attempt = _Attempt(decision, prompt_tokens=len(req.prompt_token_ids), cached_tokens=cached)
         self.metrics.decided(decision)
         log.info(

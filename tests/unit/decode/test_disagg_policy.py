@@ -45,6 +45,18 @@ def test_busy_prefill_worker_means_local():
     assert margin.decide(1000, 0, [Candidate("p", "a", estimated_wait_s=2.0)], 0.5).path is Path.REMOTE
 
 
+def test_a_busy_prefill_worker_still_gets_prompts_too_long_to_prefill_here():
+    policy = DisaggregationPolicy(DisaggConfig(max_local_prefill_tokens=100, max_busy_local_prefill_s=0.5))
+    busy = [Candidate("p", "a", estimated_wait_s=2.0)]
+    # At 1,000 tokens/s this worker prefills 500 tokens in the allowed 0.5 s, not 501.
+    assert policy.decide(500, 0, busy, 0, Mode.AUTO, local_tokens_per_s=1000).reason is Reason.PREFILL_BUSY
+    d = policy.decide(501, 0, busy, 0, Mode.AUTO, local_tokens_per_s=1000)
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.LONG_PROMPT)
+    assert policy.decide(900, 400, busy, 0, Mode.AUTO, 1000).reason is Reason.PREFILL_BUSY  # uncached 500
+    # A 20x faster worker takes the same prompt and more within the same time.
+    assert policy.decide(10_000, 0, busy, 0, Mode.AUTO, local_tokens_per_s=20_000).path is Path.LOCAL
+
+
 def test_forced_modes():
     assert P.decide(10, 0, C, 0, Mode.LOCAL).reason is Reason.FORCED_LOCAL
     d = P.decide(10, 0, C, 0, Mode.REMOTE)
@@ -57,6 +69,8 @@ def test_forced_modes():
 def test_config_validation():
     with pytest.raises(ConfigError):
         DisaggConfig(max_local_prefill_tokens=-1)
+    with pytest.raises(ConfigError, match="max_busy_local"):
+        DisaggConfig(max_busy_local_prefill_s=-1)
 
 
 def test_default_mode_must_be_known():
