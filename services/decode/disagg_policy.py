@@ -16,8 +16,13 @@ carries a reason that the decode service counts
 
 Dynamo's equivalent (`lib/kv-router/src/conditional_disagg.rs`) keeps a
 request local when its effective (uncached) prompt is under 2,048 tokens;
-TensorRT-LLM's disaggregated server has a similar threshold. The default here
-is lower because a CPU prefill of 512 tokens already stalls decode steps.
+TensorRT-LLM's disaggregated server has a similar threshold. That suits a GPU,
+where 2,048 tokens prefill in tens of milliseconds. The default here is 128,
+for the embedded CPU engine: a local prefill stalls every running decode for
+its whole length (~1.5 ms a token for the `small` preset in fp32), and
+bench/disagg.py measured conditional goodput on the long-prompt mix at 1.5
+req/s with 128 against 0.5 req/s with 512 (BENCHMARKS.md). GPU deployments
+(compose's `gpu` profile, the k8s `gpu` overlay) set 2,048.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class Reason(enum.Enum):
 @dataclass(frozen=True)
 class DisaggConfig:
     max_local_prefill_tokens: int = setting(
-        512, "prefill locally when the uncached prompt has at most this many tokens"
+        128, "prefill locally when the uncached prompt has at most this many tokens"
     )
     max_busy_local_prefill_s: float = setting(
         0.5,
