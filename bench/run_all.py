@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+        proc = subprocess.run(
+            [sys.executable, *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         wall = time.monotonic() - t0
         lines = [line for line in proc.stdout.splitlines() if line.strip()]
         print("\n".join(line for line in lines if not line.startswith("{")), flush=True)
