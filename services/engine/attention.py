@@ -9,7 +9,8 @@ K/V into the pool at (block, offset) slots, then attends:
   group, K/V gathered through the padded block tables once per layer, one
   batched matmul-softmax-matmul with a padding mask. Grouping bounds the
   padding: one 2,000-token context among short ones would otherwise pad every
-  row of the batch to 2,000 (the step cost grew ~6x in a mixed batch). Query
+  row of the batch to 2,000 (a step of 15 rows, one of them 2,200 tokens: 706 ms
+  padded, 62 ms grouped; small preset, fp32, one thread). Query
   heads that share a KV head are folded into the query axis ([B, Hkv, G, D]),
   so GQA needs no copy of K/V per query head.
 ModelRunner builds the AttentionMetadata; the model passes it to every layer.
