@@ -8,6 +8,14 @@ candidates' Stats directly (one unary call, ~1 ms on loopback), caching
 answers for `max_age_s`. A candidate that does not answer within
 `timeout_s` keeps the router's estimate; one that refuses the connection is
 marked unhealthy for this decision.
+
+A busy prefill worker is also the one slowest to answer that probe, and then
+the router's estimate (up to a second old) is all there is. So the decode
+worker also counts the prompt tokens it has itself sent to each prefill worker
+and not yet got back (`OwnDispatches`): a candidate's wait is at least those
+tokens at this worker's own prefill rate (prefill and decode workers run the
+same engine). Dynamo's router counts active prefill tokens per worker at
+dispatch for the same reason.
 """
 
 from __future__ import annotations
@@ -21,6 +29,31 @@ import grpc
 from pdmesh.v1 import prefill_pb2_grpc, worker_pb2
 from services.common.channels import ChannelCache
 from services.decode.disagg_policy import Candidate
+
+
+class OwnDispatches:
+    """Prompt tokens this decode worker has in flight at each prefill worker."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+
+    def begin(self, address: str, tokens: int) -> None:
+        self.tokens[address] = self.tokens.get(address, 0) + tokens
+
+    def end(self, address: str, tokens: int) -> None:
+        left = self.tokens.get(address, 0) - tokens
+        if left > 0:
+            self.tokens[address] = left
+        else:
+            self.tokens.pop(address, None)
+
+    def apply(self, candidates: list[Candidate], tokens_per_s: float) -> list[Candidate]:
+        """Each candidate's wait raised to at least its in-flight tokens at `tokens_per_s`."""
+        out = []
+        for c in candidates:
+            own = self.tokens.get(c.address, 0) / tokens_per_s
+            out.append(replace(c, estimated_wait_s=own) if own > c.estimated_wait_s else c)
+        return out
 
 
 class PrefillLoadProbe:

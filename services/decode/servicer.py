@@ -36,7 +36,7 @@ from services.common.wait_estimator import WaitEstimator
 from services.common.worker import counters_from_stats, kv_event_stream, load_from_stats
 from services.decode.disagg_policy import Candidate, Decision, DisaggregationPolicy, Mode, Path, Reason
 from services.decode.metrics import DecodeMetrics
-from services.decode.prefill_load import PrefillLoadProbe
+from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
 from services.engine.api import Engine, EngineRequest, FinishReason, RequestOutput
 
@@ -87,6 +87,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.static_candidates = static_candidates
         self.prefill_timeout_s = prefill_timeout_s
         self.probe = probe
+        self.own_dispatches = OwnDispatches()
         self.waits = WaitEstimator()
         self._ids = itertools.count()
 
@@ -104,6 +105,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         candidates = self._candidates(request)
         if candidates and self.probe is not None and self._may_go_remote(len(context_ids) - cached, mode):
             candidates = await self.probe.refresh(candidates)
+        candidates = self.own_dispatches.apply(candidates, self.waits.tokens_per_s)
         decision = self.policy.decide(
             len(context_ids), cached, candidates, self._local_wait_s(), mode, self.waits.tokens_per_s
         )
@@ -173,6 +175,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """The remote path; None after a failure (counted) means: prefill locally."""
         candidate = attempt.decision.candidate
         assert candidate is not None and self.remote is not None
+        sent = max(len(req.prompt_token_ids) + len(req.resume_token_ids) - attempt.cached_tokens, 0)
+        self.own_dispatches.begin(candidate.address, sent)
         try:
             result = await self.remote.run(
                 req, candidate, min(deadline, time.monotonic() + self.prefill_timeout_s)
@@ -193,6 +197,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.metrics.decided(attempt.decision)
             tracing.annotate(path="local", reason=Reason.FALLBACK.value, fallback=f"{e.stage}: {e.reason}")
             return None
+        finally:
+            self.own_dispatches.end(candidate.address, sent)
         attempt.prefill_worker_id = result.prefill_worker_id
         attempt.kv_bytes = result.bytes_transferred
         attempt.cached_tokens = max(result.cached_prefix_tokens, result.local_cached_tokens)

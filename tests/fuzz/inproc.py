@@ -79,6 +79,7 @@ class Snapshot:
     lease_blocks: int
     router_inflight: int
     router_queued: int
+    decode_dispatched_tokens: int  # prompt tokens the decode worker counts as at a prefill worker
 
 
 class InProcessMesh:
@@ -189,6 +190,7 @@ class InProcessMesh:
         await rt.server.start()
         await rt.server.set_ready(True)
         self.decode = rt
+        self.decode_servicer = servicer
         self.addresses["decode"] = rt.address
 
         async def close() -> None:
@@ -248,7 +250,11 @@ class InProcessMesh:
             lease_blocks=p.leases.held_blocks,
             router_inflight=r.inflight,
             router_queued=r.queued,
+            decode_dispatched_tokens=self.call(self._dispatched_tokens()),
         )
+
+    async def _dispatched_tokens(self) -> int:
+        return sum(self.decode_servicer.own_dispatches.tokens.values())
 
     def healthy(self) -> dict[str, str]:
         """Ready status of every server ("SERVING" when all is well)."""

@@ -63,3 +63,18 @@ async def test_unreachable_candidate_is_unhealthy_and_only_the_top_are_probed(bu
     assert out[0].healthy is False
     assert out[1] == alive and servicer.calls == 0  # beyond probe_top: left as the router said
     await channels.close()
+
+
+def test_own_dispatches_raise_a_stale_estimate_until_they_come_back():
+    from services.decode.prefill_load import OwnDispatches
+
+    own = OwnDispatches()
+    stale = [Candidate("p0", "a:0", estimated_wait_s=0.0), Candidate("p1", "a:1", estimated_wait_s=5.0)]
+    assert own.apply(stale, tokens_per_s=1000) == stale
+    own.begin("a:0", 2000)
+    own.begin("a:1", 1000)
+    got = own.apply(stale, tokens_per_s=1000)
+    assert [c.estimated_wait_s for c in got] == [2.0, 5.0]  # a fresher, higher estimate stays
+    own.end("a:0", 2000)
+    own.end("a:1", 1000)
+    assert own.apply(stale, tokens_per_s=1000) == stale and own.tokens == {}
