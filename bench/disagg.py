@@ -186,8 +186,15 @@ def describe(records: list[RequestRecord]) -> dict[str, float]:
 
 
 def best_rate(curve: list[tuple[float, float]], target: float = 0.9) -> float:
-    """Highest swept rate whose attainment is >= target (0 when none)."""
-    return max((rate for rate, att in curve if att >= target), default=0.0)
+    """Highest swept rate up to which every rate attains >= target (0 when the lowest does not).
+    Not merely the highest rate that does: with 40-60 requests a point the curves are not
+    monotonic, and a lucky point past a failing one is not a rate the deployment sustains."""
+    best = 0.0
+    for rate, att in sorted(curve):
+        if att < target:
+            break
+        best = rate
+    return best
 
 
 def plot(workload: str, curves: dict[str, list[tuple[float, float]]], scaling: str) -> Path | None:
