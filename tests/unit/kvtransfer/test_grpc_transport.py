@@ -73,7 +73,9 @@ async def pair():
     await holder.server.stop()
     assert receiver.blocks.num_free == N  # every test frees what it kept
     holder.leases.close()
-    await eventually(lambda: holder.blocks.num_free == N, "the holder's blocks (a cancelled read unpins late)")
+    await eventually(
+        lambda: holder.blocks.num_free == N, "the holder's blocks (a cancelled read unpins late)"
+    )
 
 
 async def eventually(pred, what: str, timeout_s: float = 10.0) -> None:
