@@ -98,11 +98,11 @@ def test_ports_only_on_router_and_gateway_and_one_network(raw):
 
 
 def test_local_env_rewrites_listen_address_ports_and_peer_addresses(services):
-    addresses = {"kvtransfer": ["127.0.0.1:7001"], "router": ["127.0.0.1:7002"]}
+    addresses = {"kvtransfer": ["kvtransfer-0.mesh.test:7001"], "router": ["router-0.mesh.test:7002"]}
     env = local_env(services["decode"], services, addresses)
     assert (env["PDMESH_HOST"], env["PDMESH_PORT"], env["PDMESH_METRICS_PORT"]) == ("127.0.0.1", "0", "0")
-    assert env["PDMESH_KVTRANSFER_ADDRESS"] == "127.0.0.1:7001"
-    assert env["PDMESH_ROUTER_ADDRESS"] == "127.0.0.1:7002"
+    assert env["PDMESH_KVTRANSFER_ADDRESS"] == "kvtransfer-0.mesh.test:7001"
+    assert env["PDMESH_ROUTER_ADDRESS"] == "router-0.mesh.test:7002"
     untouched = {k: v for k, v in services["decode"].env.items() if k not in env or env[k] == v}
     assert set(services["decode"].env) - set(untouched) == {
         "PDMESH_HOST",
@@ -148,8 +148,8 @@ def test_an_address_of_a_scaled_service_becomes_every_replica(services):
         {"decode": "service_healthy"},
         router.port,
     )
-    env = local_env(listing, services, {"decode": ["127.0.0.1:7001", "127.0.0.1:7002"]})
-    assert env["PDMESH_DECODE_WORKERS"] == "127.0.0.1:7001,127.0.0.1:7002"
+    env = local_env(listing, services, {"decode": ["kvtransfer-0.mesh.test:7001", "router-0.mesh.test:7002"]})
+    assert env["PDMESH_DECODE_WORKERS"] == "kvtransfer-0.mesh.test:7001,router-0.mesh.test:7002"
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
