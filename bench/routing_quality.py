@@ -56,7 +56,7 @@ from bench.stats import RequestRecord, Summary, summarize, write_records
 from bench.traces import VocabRange
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
 from pdmesh.v1 import decode_pb2_grpc, worker_pb2
-from services.common.hashing import block_hashes
+from services.model.hashing import block_hashes
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 HUGE = 1_000_000  # router limits lifted: admission and queues must not shed or reorder

@@ -18,9 +18,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-from services.common.hashing import block_hashes
 from services.engine.kv_events import KvEventLog
 from services.engine.sequence import Sequence
+from services.model.hashing import block_hashes
 
 
 class Block:

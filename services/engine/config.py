@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.config import setting
-from services.engine.model_config import PRESETS
+from services.model.model_config import PRESETS
 
 BACKENDS = ("torch", "sim", "trtllm")
 DTYPES = ("float32", "bfloat16", "float16")

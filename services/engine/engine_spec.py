@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from kvtransfer.layout import KvLayout
 from services.engine.api import EngineCapabilities, EngineInfo, Tokenizer
 from services.engine.config import EngineConfig
-from services.engine.model_config import ModelConfig
-from services.engine.tokenizer import ByteTokenizer, HfTokenizer
+from services.model.model_config import ModelConfig
+from services.model.tokenizer import ByteTokenizer, HfTokenizer
 
 
 @dataclass(frozen=True)

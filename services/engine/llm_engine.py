@@ -42,8 +42,8 @@ from services.engine.engine_spec import EngineSpec
 from services.engine.model_runner import ModelRunner, scratch_sequence
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.tokenizer import IncrementalDetokenizer
 from services.engine.validation import check_token_ids, validate_request
+from services.model.tokenizer import IncrementalDetokenizer
 
 # Builds what runs a step from the spec: ModelRunner (the default), or the sim
 # engine's SimRunner (same run / kv_pool / import_blocks / export_blocks surface).

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionMetadata, paged_attention
-from services.engine.model_config import ModelConfig
 from services.engine.rope import RotaryEmbedding, apply_rope
+from services.model.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from services.engine.model_config import RopeScaling
+from services.model.model_config import RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling, max_len: int) -> torch.Tensor:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import enum
 
-from services.common.hashing import ROOT_HASH, hash_block
 from services.engine.api import EngineRequest, FinishReason, SamplingParams
-from services.engine.tokenizer import IncrementalDetokenizer
+from services.model.hashing import ROOT_HASH, hash_block
+from services.model.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.IntEnum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import require, setting
-from services.engine.model_config import PRESETS
+from services.model.model_config import PRESETS
 
 
 @dataclass(frozen=True)

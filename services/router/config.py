@@ -27,8 +27,8 @@ from services.common.server import ServerConfig
 from services.common.tls import TlsConfig
 from services.common.tracing import TracingConfig
 from services.common.validation import RequestLimits
-from services.engine.model_config import PRESETS, ModelConfig
-from services.engine.tokenizer import ByteTokenizer, HfTokenizer
+from services.model.model_config import PRESETS, ModelConfig
+from services.model.tokenizer import ByteTokenizer, HfTokenizer
 from services.router.admission import AdmissionConfig
 from services.router.auth import AuthConfig
 from services.router.circuit_breaker import BreakerConfig

@@ -16,7 +16,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from services.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from services.model.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 
 class Detokenizer(Protocol):

@@ -37,7 +37,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.common.hashing import block_hashes
+from services.model.hashing import block_hashes
 from services.router.admission import AdmissionRejected, DeadlineUnreachable, InvalidAdmission, Ticket, Waiter
 from services.router.admission_gate import AdmissionGate
 from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall

@@ -3,7 +3,7 @@
 Owns two things, both fed by the edge from the workers' `SubscribeKvEvents`
 streams and read by the routing policy through `PrefixIndex.match`:
 
-- `PrefixIndex`: a trie of chained block hashes (services/common/hashing.py).
+- `PrefixIndex`: a trie of chained block hashes (services/model/hashing.py).
   Because h(i) = H(h(i-1), tokens of block i), one hash names a whole prefix,
   so the trie is flattened into a dict keyed by hash; a node keeps its parent's
   hash only to find its children again after a mid-chain removal is undone.

@@ -22,9 +22,9 @@ from kvtransfer.layout import KvLayout
 from services.engine.api import EngineCapabilities, EngineInfo, Tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
-from services.engine.model_config import ModelConfig
 from services.engine.sim.timing import TimingProfile
-from services.engine.tokenizer import ByteTokenizer, HfTokenizer
+from services.model.model_config import ModelConfig
+from services.model.tokenizer import ByteTokenizer, HfTokenizer
 
 # One float16 per K and per V per token: 2 * 2 bytes.
 SIM_LAYOUT_FIELDS = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "float16"}

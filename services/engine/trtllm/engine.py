@@ -43,12 +43,12 @@ from services.engine.api import (
     RequestOutput,
 )
 from services.engine.config import EngineConfig
-from services.engine.model_config import ModelConfig
-from services.engine.tokenizer import HfTokenizer
 from services.engine.trtllm.config import TrtllmConfig
 from services.engine.trtllm.handoff import params_fields, sampling_kwargs, state_from_params
 from services.engine.trtllm.kv_events import KvEventMapper
 from services.engine.validation import validate_request
+from services.model.model_config import ModelConfig
+from services.model.tokenizer import HfTokenizer
 
 log = structlog.get_logger()
 

@@ -10,7 +10,7 @@ TensorRT-LLM reports its cache as dicts from `LLM.get_kv_cache_events`
                                       | {"type": "updated", ...}}
 
 Its block hashes are its own, so the router cannot use them. The mapper rebuilds
-pdmesh's chained hashes (services/common/hashing.py) from the tokens of each
+pdmesh's chained hashes (services/model/hashing.py) from the tokens of each
 stored block, remembers TensorRT-LLM hash -> pdmesh hash so `removed` events can
 be translated, and appends the result to a KvEventLog the worker streams. A
 stored chain whose parent it never saw (events lost before subscription) and
@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.hashing import ROOT_HASH, block_hashes, hash_block
 from services.engine.kv_events import KvEventLog
+from services.model.hashing import ROOT_HASH, block_hashes, hash_block
 
 
 class KvEventMapper:

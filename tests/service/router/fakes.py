@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
-from services.common.hashing import block_hashes
 from services.common.server import MeshServer, ServerConfig
+from services.model.hashing import block_hashes
 
 BLOCK = 16
 MODEL = "builtin-tiny"

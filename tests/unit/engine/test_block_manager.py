@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from services.common.hashing import block_hashes
 from services.engine.api import EngineRequest, KvEventKind
 from services.engine.block_manager import BlockManager
 from services.engine.kv_events import KvEventLog
 from services.engine.sequence import Sequence
+from services.model.hashing import block_hashes
 
 BS = 4
 

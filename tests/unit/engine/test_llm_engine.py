@@ -12,7 +12,7 @@ from services.engine.api import (
     KvEventKind,
     SamplingParams,
 )
-from services.engine.tokenizer import IncrementalDetokenizer
+from services.model.tokenizer import IncrementalDetokenizer
 from tests.unit.engine.conftest import assert_pool_restored, prompt_of, request
 
 SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}

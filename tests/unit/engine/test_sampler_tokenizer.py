@@ -8,7 +8,7 @@ import torch
 from services.engine.api import EngineRequest, FinishReason, SamplingParams
 from services.engine.sampler import Sampler, SampleRow, mix_seed
 from services.engine.sequence import Sequence
-from services.engine.tokenizer import ByteTokenizer, HfTokenizer, IncrementalDetokenizer
+from services.model.tokenizer import ByteTokenizer, HfTokenizer, IncrementalDetokenizer
 
 
 def logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -100,7 +100,7 @@ def test_summary_line_skips_a_pair_with_one_system():
 def test_model_folder_is_shared_by_both_tokenizer_paths(tmp_path):
     from tokenizers import Tokenizer
 
-    from services.engine.model_config import ModelConfig
+    from services.model.model_config import ModelConfig
 
     out = tmp_path / "model"
     assert write_folder(out) is True

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from services.common.hashing import block_hashes
+from services.model.hashing import block_hashes
 from services.router.prefix_index import (
     EventSequencer,
     IndexOverflow,

@@ -117,7 +117,7 @@ async def test_first_token_that_finishes_skips_decode_and_frees_the_context_kv(p
 
 
 async def test_kv_events_carry_pdmesh_hashes_rebuilt_from_tokens(pair):
-    from services.common.hashing import block_hashes
+    from services.model.hashing import block_hashes
 
     _, decode = pair
     await collect(decode.generate(EngineRequest("e", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True))))

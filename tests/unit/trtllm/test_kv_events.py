@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.common.hashing import block_hashes
 from services.engine.api import KvEventKind
 from services.engine.trtllm.kv_events import KvEventMapper
+from services.model.hashing import block_hashes
 
 BS = 4
 

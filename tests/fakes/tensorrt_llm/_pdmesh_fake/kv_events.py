@@ -23,8 +23,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from services.common.hashing import block_hashes
 from services.engine.api import KvEvent, KvEventKind
+from services.model.hashing import block_hashes
 
 PRIORITY_DEFAULT = 35  # the real default retention priority
 _GIVE_UP_AFTER = 50  # drains a stored event may wait for its tokens
