@@ -20,7 +20,7 @@ residuals (each point weighted by 1/measured; `fit`)
 (the K^2 term because decode steps here grow faster than linearly once the
 batch's KV outgrows the CPU caches; measured, not assumed: see the residuals),
 prints every point with its fit and residual and R^2, and writes (or
-replaces) the profile `cpu-small-<dtype>` in services/engine/sim/profiles.json
+replaces) the profile `cpu-small-<dtype>` in services/model/profiles.json
 with a `source` naming the command, machine and date. The KV bandwidth is not
 measured here: it is taken from bench/results/kv_transfer.txt (NIXL, DRAM,
 two processes; `--kv-bandwidth-gbps`).
@@ -58,7 +58,7 @@ from services.engine.engine_spec import EngineSpec
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_runner import ModelRunner
 from services.engine.sim.runner import pass_shape
-from services.engine.sim.timing import PROFILES_PATH, load_profiles
+from services.model.timing import PROFILES_PATH, load_profiles
 
 # NIXL between two processes on this machine, 64 MiB scattered blocks: 5.8-7.1 GB/s.
 KV_BANDWIDTH_SOURCE = "bench/results/kv_transfer.txt (NIXL, DRAM, 2 processes)"

@@ -46,7 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "reuse KV of cached prompt prefixes")
     kv_event_buffer: int = setting(4096, "KV events kept for subscribers that fall behind")
     sim_profile: str = setting(
-        "dynamo-mocker", "sim backend: timing profile in services/engine/sim/profiles.json"
+        "dynamo-mocker", "sim backend: timing profile in services/model/profiles.json"
     )
     sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
 
@@ -78,7 +78,7 @@ class EngineConfig:
         if not (self.sim_speedup > 0 and math.isfinite(self.sim_speedup)):
             raise ValueError(f"EngineConfig.sim_speedup must be a finite number > 0, got {self.sim_speedup}")
         if self.backend == "sim":  # only sim workers read the profile table
-            from services.engine.sim.timing import load_profiles
+            from services.model.timing import load_profiles
 
             if self.sim_profile not in load_profiles():
                 raise ValueError(

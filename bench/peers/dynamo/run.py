@@ -14,7 +14,7 @@ Dynamo venv's python. For each (policy, rate) and each system, in turn:
   ZMQ events; ../shared/peers/dynamo.md);
 - pdmesh: router (`kv_aware` | `round_robin`) + N decode workers on the `sim`
   backend with the `dynamo-mocker` timing profile (the mocker's formulas,
-  services/engine/sim/profiles.json) + the OpenAI gateway.
+  services/model/profiles.json) + the OpenAI gateway.
 
 Both get the same block size, KV blocks per worker, speedup, max_num_seqs and
 token budget per pass, and load the same tokenizer folder. Every run starts
@@ -87,7 +87,7 @@ from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, FIRST_WORD_ID, w
 from bench.stats import RequestRecord, write_records
 from bench.traces import VocabRange
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
-from services.engine.sim.timing import load_profile
+from services.model.timing import load_profile
 from services.gateway.launch import gateway_spec
 from services.gateway.launch import start_ready as gateway_start_ready
 

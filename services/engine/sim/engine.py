@@ -30,7 +30,7 @@ from services.engine.async_engine import TorchEngine
 from services.engine.config import EngineConfig
 from services.engine.sim.runner import SimRunner
 from services.engine.sim.spec import sim_spec
-from services.engine.sim.timing import TimingProfile, load_profile
+from services.model.timing import TimingProfile, load_profile
 
 
 class SimEngine(TorchEngine):

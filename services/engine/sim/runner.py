@@ -32,7 +32,7 @@ import torch
 from services.engine.api import EngineError
 from services.engine.engine_spec import EngineSpec
 from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.sim.timing import TimingProfile
+from services.model.timing import TimingProfile
 
 _MASK64 = (1 << 64) - 1
 _RUNNING = (SequenceStatus.PREFILLING, SequenceStatus.DECODING)

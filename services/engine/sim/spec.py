@@ -22,7 +22,7 @@ from kvtransfer.layout import KvLayout
 from services.engine.api import EngineCapabilities, EngineInfo, Tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
-from services.engine.sim.timing import TimingProfile
+from services.model.timing import TimingProfile
 from services.model.model_config import ModelConfig
 from services.model.tokenizer import ByteTokenizer, HfTokenizer
 

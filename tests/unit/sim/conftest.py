@@ -10,7 +10,7 @@ from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.sim.runner import SimRunner
 from services.engine.sim.spec import sim_spec
-from services.engine.sim.timing import load_profile
+from services.model.timing import load_profile
 from tests.unit.engine.conftest import assert_pool_restored, make_engine  # noqa: F401 (fixture)
 
 

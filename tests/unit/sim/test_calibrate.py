@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench.calibrate import fit_decode, fit_prefill, write_profile
-from services.engine.sim.timing import PROFILES_PATH, load_profiles
+from services.model.timing import PROFILES_PATH, load_profiles
 
 
 def test_fit_recovers_the_coefficients_of_exact_data():

@@ -6,7 +6,7 @@ import pytest
 
 from services.engine.api import EngineRequest, SamplingParams
 from services.engine.llm_engine import LLMEngine
-from services.engine.sim.timing import load_profile
+from services.model.timing import load_profile
 from tests.unit.engine.conftest import prompt_of, request, tiny_config
 from tests.unit.sim.conftest import FakeClock, sim_core
 

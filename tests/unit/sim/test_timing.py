@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from services.engine.sim.timing import PROFILES_PATH, load_profile, load_profiles
+from services.model.timing import PROFILES_PATH, load_profile, load_profiles
 
 
 def test_mocker_profile_reproduces_dynamo_worked_values():

@@ -1,4 +1,7 @@
-"""Timing models of the `sim` engine: how long one scheduler pass takes.
+"""Timing models: how long one scheduler pass takes on a given model and hardware.
+
+Used by the `sim` engine (its pass times) and by the planner (what one worker can
+do), so it lives in the model layer, below both.
 
 A profile is data (profiles.json, one table per profile; `bench/calibrate.py`
 adds one measured from the torch engine here). The sim engine runs the real
