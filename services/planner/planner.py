@@ -1,0 +1,132 @@
+"""The planner's core: one `tick` per interval turns observed load into pool sizes.
+
+Owns the forecasters (one per signal), the sizing rule, the hysteresis and the
+log of decisions. It is plain Python with the clock passed in; the service
+around it collects `Observation`s from the router's and workers' Stats and hands
+`Decision`s to an actuator.
+
+Each tick:
+1. feed the interval's observed arrival rate, mean ISL/OSL and prefix hit rate
+   to their forecasters and read them `lead` intervals ahead, where `lead`
+   covers a new worker's measured start-up time (so capacity is ready first);
+   the forecast rate is never below what was just observed;
+2. size both pools jointly from that forecast (`sizing.size_pools`);
+3. correct with what was measured: a role whose measured latency quantile
+   broke its SLO last interval gets at least one more worker than it has,
+   whatever the model says (the model may be wrong; the SLO is not);
+4. apply the hysteresis per role, and record the decision with its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.common.config import require, setting
+from services.planner.capacity import WorkerModel
+from services.planner.forecast import FORECASTERS, Forecaster, make_forecaster
+from services.planner.hysteresis import Hysteresis, HysteresisConfig
+from services.planner.sizing import Budget, Load, Sizing, Slo, size_pools
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    interval_s: float = setting(10.0, "planner: seconds between two decisions")
+    forecaster: str = setting("holt", f"planner: load forecaster, one of {FORECASTERS}")
+    ttft_slo_s: float = setting(2.0, "planner: TTFT SLO (seconds) at the SLO quantile")
+    itl_slo_s: float = setting(0.05, "planner: ITL SLO (seconds)")
+    slo_quantile: float = setting(0.9, "planner: the share of requests the SLOs are for")
+    min_prefill: int = setting(1, "planner: fewest prefill workers (0 = decode workers may prefill alone)")
+    min_decode: int = setting(1, "planner: fewest decode workers")
+    max_workers: int = setting(8, "planner: most workers of both roles together (the budget)")
+    startup_s: float = setting(30.0, "planner: a new worker's start-up time until it first measures one")
+    hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig)
+
+    def __post_init__(self) -> None:
+        require(self.interval_s > 0, "interval_s must be > 0")
+        require(self.forecaster in FORECASTERS, f"forecaster must be one of {FORECASTERS}")
+        require(self.startup_s >= 0, "startup_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one interval looked like (from Stats), and the pools as they are now."""
+
+    requests: int
+    mean_isl: float
+    mean_osl: float
+    hit_rate: float
+    prefill_workers: int
+    decode_workers: int
+    ttft_q_s: float | None = None  # measured TTFT at the SLO quantile (None = no data)
+    itl_q_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    at_s: float
+    prefill: int
+    decode: int
+    changed: bool
+    reason: str
+    sizing: Sizing
+    forecast: Load
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, model: WorkerModel, *, history: int = 256):
+        self.config = config
+        self.model = model
+        self.slo = Slo(config.ttft_slo_s, config.itl_slo_s, config.slo_quantile)
+        self.budget = Budget(config.max_workers, config.min_prefill, config.min_decode)
+        self.hysteresis = Hysteresis(config.hysteresis)
+        self._signals: dict[str, Forecaster] = {
+            k: make_forecaster(config.forecaster) for k in ("rate", "isl", "osl", "hit")
+        }
+        self.startup_s = config.startup_s
+        self.decisions: deque[Decision] = deque(maxlen=history)
+
+    def observe_startup(self, seconds: float) -> None:
+        """A worker took `seconds` from start to ready: the forecast horizon follows the slowest seen lately."""
+        self.startup_s = max(seconds, 0.5 * self.startup_s)
+
+    @property
+    def lead(self) -> int:
+        """Intervals ahead to forecast: the next decision point plus a worker's start-up time."""
+        return 1 + math.ceil(self.startup_s / self.config.interval_s)
+
+    def tick(self, obs: Observation, now: float) -> Decision:
+        rate_now = obs.requests / self.config.interval_s
+        sig = self._signals
+        sig["rate"].observe(rate_now)
+        if obs.requests:
+            sig["isl"].observe(obs.mean_isl)
+            sig["osl"].observe(obs.mean_osl)
+            sig["hit"].observe(obs.hit_rate)
+        lead = self.lead
+        forecast = Load(
+            rate=max(sig["rate"].predict(lead), rate_now),
+            isl=sig["isl"].predict(lead),
+            osl=sig["osl"].predict(lead),
+            hit_rate=min(max(sig["hit"].predict(1), 0.0), 1.0),
+        )
+        sizing = size_pools(forecast, self.model, self.slo, self.budget)
+        want_p, want_d = sizing.prefill, sizing.decode
+        reasons = [sizing.reason]
+        if obs.ttft_q_s is not None and obs.ttft_q_s > self.slo.ttft_s and want_p <= obs.prefill_workers:
+            want_p = obs.prefill_workers + 1
+            reasons.append("ttft_measured_over_slo")
+        if obs.itl_q_s is not None and obs.itl_q_s > self.slo.itl_s and want_d <= obs.decode_workers:
+            want_d = obs.decode_workers + 1
+            reasons.append("itl_measured_over_slo")
+        room = self.budget.max_workers
+        want_p = min(want_p, room - self.budget.min_decode)
+        want_d = min(want_d, room - want_p)
+        p = self.hysteresis.apply("prefill", obs.prefill_workers, want_p, now)
+        d = self.hysteresis.apply("decode", obs.decode_workers, want_d, now)
+        d = min(d, room - p)  # the budget holds after hysteresis too
+        changed = (p, d) != (obs.prefill_workers, obs.decode_workers)
+        decision = Decision(now, p, d, changed, " ".join(reasons), sizing, forecast)
+        self.decisions.append(decision)
+        return decision

@@ -1,0 +1,163 @@
+"""How many prefill and decode workers a forecast load needs, jointly, within a budget.
+
+`size_pools` is the planner's sizing rule; `dynamo_throughput_sizing` is NVIDIA
+Dynamo's throughput-mode formula (docs: design-docs/planner-design.md, "Scaling
+Algorithm"), reimplemented as the baseline the study compares against:
+
+    prefill = ceil(rate * ISL / prefill_throughput_per_worker(ISL))
+    decode  = ceil(rate * OSL / decode_throughput_per_worker(ITL target, context))
+
+i.e. every worker at full utilisation. pdmesh's rule keeps the TTFT SLO with
+queueing in mind. A prefill worker serving prompts of service time s at
+utilisation rho answers (M/M/1) within s / (1 - rho) on average and within
+-ln(1 - q) * s / (1 - rho) at quantile q; the KV handoff adds transfer_s. So the
+highest utilisation that meets the TTFT SLO at quantile q is
+
+    rho_max = 1 - (-ln(1 - q)) * s / (TTFT_slo - transfer_s)
+
+and prefill = ceil(rate / (prefill_rate(ISL) * rho_max)). Decode is sized by
+Little's law: a worker can decode B sequences with steps <= the ITL target
+(`capacity.decode_batch`), the load keeps rate * OSL * step(B) sequences
+decoding, so decode = ceil(rate * OSL * step(B) / B).
+
+When prefix caching serves a share h of the prompt, only ISL * (1 - h) tokens
+are prefilled. When the two pools do not fit the budget, both are cut in
+proportion (each keeps at least its minimum) and the reason says "budget".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.planner.capacity import WorkerModel, decode_batch, prefill_rate
+
+
+@dataclass(frozen=True)
+class Load:
+    """The forecast load of one interval."""
+
+    rate: float  # requests per second
+    isl: float  # mean prompt tokens
+    osl: float  # mean output tokens
+    hit_rate: float = 0.0  # share of prompt tokens served from prefix caches
+
+    def __post_init__(self) -> None:
+        if self.rate < 0 or self.isl < 0 or self.osl < 0 or not 0 <= self.hit_rate <= 1:
+            raise ValueError(f"bad load {self}")
+
+    @property
+    def uncached_isl(self) -> float:
+        return self.isl * (1 - self.hit_rate)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    itl_s: float
+    quantile: float = 0.9  # the share of requests the SLO is for
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.itl_s <= 0 or not 0 < self.quantile < 1:
+            raise ValueError(f"bad SLO {self}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_workers: int
+    min_prefill: int = 1
+    min_decode: int = 1
+
+    def __post_init__(self) -> None:
+        if (
+            self.min_prefill < 0
+            or self.min_decode < 1
+            or self.max_workers < self.min_prefill + self.min_decode
+        ):
+            raise ValueError(f"bad budget {self}")
+
+
+@dataclass(frozen=True)
+class Sizing:
+    prefill: int
+    decode: int
+    reason: str
+    inputs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode
+
+
+def prefill_workers(load: Load, model: WorkerModel, slo: Slo, cap: int) -> tuple[int, str, dict[str, float]]:
+    isl = load.uncached_isl
+    if load.rate <= 0:
+        return 0, "idle", {"rho_max": 1.0}
+    s = model.prefill_s(max(math.ceil(isl), 1))
+    budget_s = slo.ttft_s - model.transfer_s(int(isl))
+    rho_max = 1 - (-math.log(1 - slo.quantile)) * s / budget_s if budget_s > 0 else 0.0
+    info = {"prefill_s": s, "rho_max": rho_max, "prefill_rate": prefill_rate(model, isl)}
+    if rho_max <= 0:
+        return cap, "ttft_infeasible", info
+    n = math.ceil(load.rate / (info["prefill_rate"] * rho_max) - 1e-9)
+    return min(n, cap), "ttft", info
+
+
+def decode_workers(load: Load, model: WorkerModel, slo: Slo, cap: int) -> tuple[int, str, dict[str, float]]:
+    ctx = load.isl + load.osl / 2
+    batch = decode_batch(model, ctx, slo.itl_s)
+    info = {"decode_batch": float(batch)}
+    if batch == 0:
+        return cap, "itl_infeasible", info
+    if load.rate <= 0:
+        return 0, "idle", info
+    step = model.decode_step_s(batch, int(batch * ctx))
+    running = load.rate * load.osl * step
+    info.update(decode_step_s=step, running=running)
+    return min(math.ceil(running / batch - 1e-9), cap), "itl", info
+
+
+def size_pools(load: Load, model: WorkerModel, slo: Slo, budget: Budget) -> Sizing:
+    cap = budget.max_workers
+    p, p_why, p_info = prefill_workers(load, model, slo, cap)
+    d, d_why, d_info = decode_workers(load, model, slo, cap)
+    p, d = max(p, budget.min_prefill), max(d, budget.min_decode)
+    inputs = {"rate": load.rate, "isl": load.isl, "osl": load.osl, "hit_rate": load.hit_rate}
+    inputs.update({f"p_{k}": v for k, v in p_info.items()})
+    inputs.update({f"d_{k}": v for k, v in d_info.items()})
+    inputs.update(want_prefill=float(p), want_decode=float(d))
+    reason = f"prefill:{p_why} decode:{d_why}"
+    if p + d > cap:
+        p, d = _fit(p, d, budget)
+        reason += " budget"
+    return Sizing(p, d, reason, inputs)
+
+
+def _fit(p: int, d: int, budget: Budget) -> tuple[int, int]:
+    """Cut (p, d) in proportion to fit max_workers, each at least its minimum."""
+    spare = budget.max_workers - budget.min_prefill - budget.min_decode
+    extra_p, extra_d = p - budget.min_prefill, d - budget.min_decode
+    give_p = round(spare * extra_p / (extra_p + extra_d)) if extra_p + extra_d else 0
+    give_p = min(give_p, extra_p)
+    give_d = min(spare - give_p, extra_d)
+    return budget.min_prefill + give_p, budget.min_decode + give_d
+
+
+def dynamo_throughput_sizing(load: Load, model: WorkerModel, slo: Slo, budget: Budget) -> Sizing:
+    """Dynamo's throughput-mode formula (every worker at full utilisation), within the same budget."""
+    if load.rate <= 0:
+        return Sizing(budget.min_prefill, budget.min_decode, "idle")
+    isl = max(load.uncached_isl, 1.0)
+    prefill_tps = prefill_rate(model, isl) * isl
+    ctx = load.isl + load.osl / 2
+    batch = decode_batch(model, ctx, slo.itl_s)
+    if batch == 0:
+        return Sizing(budget.min_prefill, budget.max_workers - budget.min_prefill, "itl_infeasible")
+    decode_tps = batch / model.decode_step_s(batch, int(batch * ctx))
+    p = max(math.ceil(load.rate * isl / prefill_tps - 1e-9), budget.min_prefill)
+    d = max(math.ceil(load.rate * load.osl / decode_tps - 1e-9), budget.min_decode)
+    reason = "dynamo_throughput"
+    if p + d > budget.max_workers:
+        p, d = _fit(p, d, budget)
+        reason += " budget"
+    return Sizing(p, d, reason, {"prefill_tps": prefill_tps, "decode_tps": decode_tps})
