@@ -22,7 +22,7 @@ class HysteresisConfig:
     down_cooldown_s: float = setting(120.0, "planner: seconds after any change before a scale-down")
     down_after: int = setting(3, "planner: consecutive intervals wanting fewer workers before a scale-down")
     max_step_up: int = setting(4, "planner: most workers added to a role at once")
-    max_step_down: int = setting(1, "planner: most workers removed from a role at once")
+    max_step_down: int = setting(2, "planner: most workers removed from a role at once")
 
     def __post_init__(self) -> None:
         require(self.up_cooldown_s >= 0 and self.down_cooldown_s >= 0, "cooldowns must be >= 0")

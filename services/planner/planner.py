@@ -9,9 +9,14 @@ Each tick:
 1. feed the interval's observed arrival rate, mean ISL/OSL and prefix hit rate
    to their forecasters and read them `lead` intervals ahead, where `lead`
    covers a new worker's measured start-up time (so capacity is ready first);
-   the forecast rate is never below what was just observed;
-2. size both pools jointly from that forecast (`sizing.size_pools`);
-3. correct with what was measured: a role whose measured latency quantile
+   the forecast rate is never below what was just observed, and in a bursty
+   window (its busiest interval > `burst_ratio` x its median) never below the
+   busiest interval (a burst shorter than a worker's start-up cannot be caught
+   by scaling up when it comes, only by keeping its capacity);
+2. size both pools jointly from that forecast (`sizing.size_pools`), for
+   `headroom` x the SLOs (the model is a model);
+3. refit the sizing's queueing coefficient from the TTFT measured at the
+   utilisation the pool had, then correct with what was measured: a role whose measured latency quantile
    broke its SLO last interval gets at least one more worker than it has,
    whatever the model says (the model may be wrong; the SLO is not);
 4. apply the hysteresis per role, and record the decision with its inputs.
@@ -27,7 +32,7 @@ from services.common.config import require, setting
 from services.planner.capacity import WorkerModel
 from services.planner.forecast import FORECASTERS, Forecaster, make_forecaster
 from services.planner.hysteresis import Hysteresis, HysteresisConfig
-from services.planner.sizing import Budget, Load, Sizing, Slo, size_pools
+from services.planner.sizing import Budget, Load, Sizing, Slo, default_wait_coeff, prefill_shape, size_pools
 
 
 @dataclass(frozen=True)
@@ -37,16 +42,22 @@ class PlannerConfig:
     ttft_slo_s: float = setting(2.0, "planner: TTFT SLO (seconds) at the SLO quantile")
     itl_slo_s: float = setting(0.05, "planner: ITL SLO (seconds)")
     slo_quantile: float = setting(0.9, "planner: the share of requests the SLOs are for")
+    headroom: float = setting(0.85, "planner: size for this share of the SLOs (model error and noise)")
     min_prefill: int = setting(1, "planner: fewest prefill workers (0 = decode workers may prefill alone)")
     min_decode: int = setting(1, "planner: fewest decode workers")
     max_workers: int = setting(8, "planner: most workers of both roles together (the budget)")
     startup_s: float = setting(30.0, "planner: a new worker's start-up time until it first measures one")
+    peak_window_s: float = setting(300.0, "planner: window in which bursts are recognised")
+    burst_ratio: float = setting(
+        2.5, "planner: a window whose busiest interval exceeds this x its median is bursty: keep its peak"
+    )
     hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig)
 
     def __post_init__(self) -> None:
         require(self.interval_s > 0, "interval_s must be > 0")
         require(self.forecaster in FORECASTERS, f"forecaster must be one of {FORECASTERS}")
         require(self.startup_s >= 0, "startup_s must be >= 0")
+        require(0 < self.headroom <= 1, "headroom must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class Observation:
     decode_workers: int
     ttft_q_s: float | None = None  # measured TTFT at the SLO quantile (None = no data)
     itl_q_s: float | None = None
+    ready_prefill_workers: int | None = None  # serving through the interval (None = prefill_workers)
 
 
 @dataclass(frozen=True)
@@ -79,13 +91,19 @@ class Planner:
         self.config = config
         self.model = model
         self.slo = Slo(config.ttft_slo_s, config.itl_slo_s, config.slo_quantile)
+        h = config.headroom
+        self._target = Slo(config.ttft_slo_s * h, config.itl_slo_s * h, config.slo_quantile)
         self.budget = Budget(config.max_workers, config.min_prefill, config.min_decode)
         self.hysteresis = Hysteresis(config.hysteresis)
-        self._signals: dict[str, Forecaster] = {
-            k: make_forecaster(config.forecaster) for k in ("rate", "isl", "osl", "hit")
-        }
+        # the arrival rate trends (the configured forecaster); lengths and hit rate only drift (averaged)
+        self._signals: dict[str, Forecaster] = {"rate": make_forecaster(config.forecaster)}
+        self._signals.update({k: make_forecaster("moving_average") for k in ("isl", "osl", "hit")})
+        self.wait_coeff: float | None = None  # refit from measured TTFT (sizing's A); None = its prior
         self.startup_s = config.startup_s
         self.decisions: deque[Decision] = deque(maxlen=history)
+        self._recent_rates: deque[float] = deque(
+            maxlen=max(1, math.ceil(config.peak_window_s / config.interval_s))
+        )
 
     def observe_startup(self, seconds: float) -> None:
         """A worker took `seconds` from start to ready: the forecast horizon follows the slowest seen lately."""
@@ -98,6 +116,7 @@ class Planner:
 
     def tick(self, obs: Observation, now: float) -> Decision:
         rate_now = obs.requests / self.config.interval_s
+        self._recent_rates.append(rate_now)
         sig = self._signals
         sig["rate"].observe(rate_now)
         if obs.requests:
@@ -106,12 +125,13 @@ class Planner:
             sig["hit"].observe(obs.hit_rate)
         lead = self.lead
         forecast = Load(
-            rate=max(sig["rate"].predict(lead), rate_now),
+            rate=max(sig["rate"].predict(lead), rate_now, self._burst_rate()),
             isl=sig["isl"].predict(lead),
             osl=sig["osl"].predict(lead),
             hit_rate=min(max(sig["hit"].predict(1), 0.0), 1.0),
         )
-        sizing = size_pools(forecast, self.model, self.slo, self.budget)
+        self._refit_wait(obs, rate_now)
+        sizing = size_pools(forecast, self.model, self._target, self.budget, self.wait_coeff)
         want_p, want_d = sizing.prefill, sizing.decode
         reasons = [sizing.reason]
         if obs.ttft_q_s is not None and obs.ttft_q_s > self.slo.ttft_s and want_p <= obs.prefill_workers:
@@ -130,3 +150,26 @@ class Planner:
         decision = Decision(now, p, d, changed, " ".join(reasons), sizing, forecast)
         self.decisions.append(decision)
         return decision
+
+    def _burst_rate(self) -> float:
+        """The busiest recent interval's rate when the window is bursty (its peak > `burst_ratio` x its median)."""
+        rates = sorted(self._recent_rates)
+        median = rates[len(rates) // 2]
+        return rates[-1] if rates[-1] > self.config.burst_ratio * max(median, 1e-9) else 0.0
+
+    def _refit_wait(self, obs: Observation, rate: float) -> None:
+        """Refit sizing's queueing coefficient A from the TTFT quantile measured at a known utilisation."""
+        ready = obs.ready_prefill_workers if obs.ready_prefill_workers is not None else obs.prefill_workers
+        if obs.ttft_q_s is None or not obs.requests or ready < 1:
+            return
+        isl = obs.mean_isl * (1 - obs.hit_rate)
+        s1, _, tps = prefill_shape(self.model, isl)
+        rho = rate * max(isl, 1.0) / (ready * tps)
+        if not 0.05 <= rho <= 0.95:
+            return  # too idle to see queueing, or too saturated to be steady
+        waited = max(obs.ttft_q_s - s1 - self.model.transfer_s(int(isl)), 0.0)
+        prior = default_wait_coeff(self.model, isl, self.slo.quantile)
+        old = self.wait_coeff if self.wait_coeff is not None else prior
+        # one interval moves the fit at most 3x either way (a transient is not the steady state)
+        a_obs = min(max(waited * (1 - rho) / rho, 0.05 * prior, old / 3), 20 * prior, 3 * old)
+        self.wait_coeff = math.exp(0.7 * math.log(old) + 0.3 * math.log(a_obs))

@@ -8,14 +8,16 @@ Algorithm"), reimplemented as the baseline the study compares against:
     decode  = ceil(rate * OSL / decode_throughput_per_worker(ITL target, context))
 
 i.e. every worker at full utilisation. pdmesh's rule keeps the TTFT SLO with
-queueing in mind. A prefill worker serving prompts of service time s at
-utilisation rho answers (M/M/1) within s / (1 - rho) on average and within
--ln(1 - q) * s / (1 - rho) at quantile q; the KV handoff adds transfer_s. So the
-highest utilisation that meets the TTFT SLO at quantile q is
+queueing in mind. A prefill worker runs passes of up to the batch token budget
+(`s_pass` seconds when full); at utilisation rho a new prompt waits behind
+about rho / (1 - rho) half-passes (M/D/1), so at quantile q
 
-    rho_max = 1 - (-ln(1 - q)) * s / (TTFT_slo - transfer_s)
+    TTFT_q ~= s_1 + transfer_s + A * rho / (1 - rho),   A = -ln(1 - q) * s_pass / 2
 
-and prefill = ceil(rate / (prefill_rate(ISL) * rho_max)). Decode is sized by
+with s_1 the prompt's own prefill time. The highest utilisation that meets the
+SLO is rho_max = slack / (slack + A), slack = TTFT_slo - s_1 - transfer_s, and
+prefill = ceil(rate * ISL / (tokens_per_s * rho_max)). `A` is a prior; the
+planner refits it from the TTFT it measures (`wait_coeff`). Decode is sized by
 Little's law: a worker can decode B sequences with steps <= the ITL target
 (`capacity.decode_batch`), the load keeps rate * OSL * step(B) sequences
 decoding, so decode = ceil(rate * OSL * step(B) / B).
@@ -89,17 +91,32 @@ class Sizing:
         return self.prefill + self.decode
 
 
-def prefill_workers(load: Load, model: WorkerModel, slo: Slo, cap: int) -> tuple[int, str, dict[str, float]]:
+def prefill_shape(model: WorkerModel, isl: float) -> tuple[float, float, float]:
+    """(s_1, s_pass, tokens_per_s) of one prefill worker at `isl` uncached tokens a prompt."""
+    tokens = max(math.ceil(isl), 1)
+    batch = max(model.max_num_batched_tokens, tokens)
+    s_pass = model.prefill_s(batch)
+    return model.prefill_s(tokens), s_pass, batch / max(s_pass, 1e-9)
+
+
+def default_wait_coeff(model: WorkerModel, isl: float, quantile: float) -> float:
+    return -math.log(1 - quantile) * prefill_shape(model, isl)[1] / 2
+
+
+def prefill_workers(
+    load: Load, model: WorkerModel, slo: Slo, cap: int, wait_coeff: float | None = None
+) -> tuple[int, str, dict[str, float]]:
     isl = load.uncached_isl
     if load.rate <= 0:
         return 0, "idle", {"rho_max": 1.0}
-    s = model.prefill_s(max(math.ceil(isl), 1))
-    budget_s = slo.ttft_s - model.transfer_s(int(isl))
-    rho_max = 1 - (-math.log(1 - slo.quantile)) * s / budget_s if budget_s > 0 else 0.0
-    info = {"prefill_s": s, "rho_max": rho_max, "prefill_rate": prefill_rate(model, isl)}
+    s1, _, tps = prefill_shape(model, isl)
+    a = wait_coeff if wait_coeff is not None else default_wait_coeff(model, isl, slo.quantile)
+    slack = slo.ttft_s - s1 - model.transfer_s(int(isl))
+    rho_max = slack / (slack + a) if slack > 0 else 0.0
+    info = {"prefill_s": s1, "rho_max": rho_max, "tokens_per_s": tps, "wait_coeff": a}
     if rho_max <= 0:
         return cap, "ttft_infeasible", info
-    n = math.ceil(load.rate / (info["prefill_rate"] * rho_max) - 1e-9)
+    n = math.ceil(load.rate * max(isl, 1.0) / (tps * rho_max) - 1e-9)
     return min(n, cap), "ttft", info
 
 
@@ -117,9 +134,11 @@ def decode_workers(load: Load, model: WorkerModel, slo: Slo, cap: int) -> tuple[
     return min(math.ceil(running / batch - 1e-9), cap), "itl", info
 
 
-def size_pools(load: Load, model: WorkerModel, slo: Slo, budget: Budget) -> Sizing:
+def size_pools(
+    load: Load, model: WorkerModel, slo: Slo, budget: Budget, wait_coeff: float | None = None
+) -> Sizing:
     cap = budget.max_workers
-    p, p_why, p_info = prefill_workers(load, model, slo, cap)
+    p, p_why, p_info = prefill_workers(load, model, slo, cap, wait_coeff)
     d, d_why, d_info = decode_workers(load, model, slo, cap)
     p, d = max(p, budget.min_prefill), max(d, budget.min_decode)
     inputs = {"rate": load.rate, "isl": load.isl, "osl": load.osl, "hit_rate": load.hit_rate}

@@ -187,9 +187,9 @@ def test_a_ramp_scales_up_ahead_and_a_quiet_spell_scales_back_down():
         p, d, now = dec.prefill, dec.decode, now + 10
         peak = max(peak, (p, d))
         assert dec.forecast.rate >= rps  # never below what was just seen
-    at_peak = size_pools(Load(8, 2000, 200), H100, planner.slo, planner.budget)
+    at_peak = size_pools(Load(8, 2000, 200), H100, planner._target, planner.budget)
     assert p >= at_peak.prefill  # the forecast led the ramp
-    for _ in range(30):
+    for _ in range(40):
         dec = planner.tick(_obs(5, p, d), now)
         p, d, now = dec.prefill, dec.decode, now + 10
     assert (p, d) == (1, 1)
@@ -208,3 +208,17 @@ def test_decisions_stay_within_the_budget():
     planner = Planner(cfg, H100)
     dec = planner.tick(_obs(1000, 1, 1, ttft_q_s=9.0, itl_q_s=9.0), now=0)
     assert dec.prefill + dec.decode <= 4
+
+
+def test_a_bursty_window_keeps_capacity_for_the_burst():
+    cfg = PlannerConfig(interval_s=30, peak_window_s=300, hysteresis=HysteresisConfig(up_cooldown_s=0))
+    planner = Planner(cfg, H100)
+    dec = None
+    for i in range(10):
+        rps = 25 if i == 4 else 5  # one 5x interval in ten
+        dec = planner.tick(_obs(int(rps * 30), 4, 4), now=30.0 * i)
+    assert dec.forecast.rate == pytest.approx(25)  # five intervals after the burst, still sized for it
+    smooth = Planner(cfg, H100)
+    for i in range(10):
+        dec = smooth.tick(_obs(int((5 + 0.5 * i) * 30), 4, 4), now=30.0 * i)
+    assert dec.forecast.rate < 12  # a smooth ramp is tracked, not held at its top

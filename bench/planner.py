@@ -1,0 +1,295 @@
+"""The planner study: SLO attainment and worker-seconds of four ways to size a P/D fleet.
+
+Fleet: simulated GPU workers of the `splitwise-h100-llama70b` profile
+(Llama-2-70B on H100 TP4, Splitwise ISCA'24; services/model/profiles.json), in
+bench/fleet_sim.py's event-driven model (its docstring has the method), with
+a worker start-up time of `--startup-s` (default 60 s) and the planner's
+interval of 30 s. Request lengths are the Azure conversation trace's
+(bench/traces/azure_conv_2023.csv, in order, cycled); arrivals are a Poisson
+process whose rate follows one of two shapes:
+
+- `diurnal`: a day compressed into `--day-s` seconds (default 3,600; 1,200 with
+  --quick): rate = peak x (trough share + (1 - trough share) x (1 - cos(2 pi t / day)) / 2),
+  a 5x swing between night and the afternoon peak. (The Azure trace itself
+  covers one hour, not a day: its lengths are real, the day's shape is
+  synthesised and said so.)
+- `bursty`: a base rate with bursts of 5x for 30 s every 300 s.
+
+Policies, each on the same arrivals:
+- `planner`: services/planner (Holt forecast over the start-up horizon, joint
+  M/M/1-headroom sizing, measured-SLO correction, hysteresis);
+- `dynamo_formula`: NVIDIA Dynamo's throughput-mode formula (docs,
+  design-docs/planner-design.md: prefill = ceil(requests x ISL / interval /
+  prefill throughput per GPU), decode = ceil(requests x OSL / interval /
+  decode throughput per GPU at the ITL target)), with its constant predictor
+  (next interval = this one), applied every interval with no hysteresis;
+- `static_peak`: the smallest fixed (prefill, decode) pools that attain 0.95 on
+  the same arrivals, found with hindsight by searching (what an operator who
+  provisions for the peak, and knew it exactly, would run);
+  `static_mean`: pdmesh's sizing at the run's mean rate, fixed.
+
+Reported per policy: worker-seconds, SLO attainment (TTFT <= --ttft-slo and
+mean ITL <= --itl-slo), worker-seconds per successful request (the cost per
+successful request, in GPU-worker-seconds), requests failed by scaling (0 in
+this model by construction: draining workers finish their work; the real drain
+is tested end to end), and a plot of replicas per role against load
+(bench/results/planner_<workload>.png).
+
+Run: `python bench/planner.py [--quick]`. Last line:
+`planner attainment=.. worker_s_vs_peak=.. worker_s_vs_dynamo_formula=.. attainment_dynamo_formula=.. failed_scaling=..`
+(diurnal workload), then the bursty workload's figures with a `_bursty` suffix.
+Targets: attainment >= 0.95 with <= 0.7x static peak's worker-seconds; <= the
+Dynamo formula's worker-seconds at equal or better attainment; 0 failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from bench.fleet_sim import FleetSim, SimRequest, SimResult
+from bench.traces import default_trace_path, load_azure
+from services.model.timing import load_profile
+from services.planner.capacity import ProfileModel
+from services.planner.hysteresis import HysteresisConfig
+from services.planner.planner import Observation, Planner, PlannerConfig
+from services.planner.sizing import Budget, Load, Slo, dynamo_throughput_sizing, size_pools
+
+PROFILE = "splitwise-h100-llama70b"
+INTERVAL_S = 30.0
+RESULTS = Path(__file__).parent / "results"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+# ---- workloads -----------------------------------------------------------------
+
+
+def poisson(rate_at, duration_s: float, peak: float, rng: np.random.Generator) -> list[float]:
+    """Arrival times of a Poisson process with rate rate_at(t) <= peak (thinning)."""
+    out, t = [], 0.0
+    while True:
+        t += rng.exponential(1.0 / peak)
+        if t >= duration_s:
+            return out
+        if rng.random() * peak <= rate_at(t):
+            out.append(t)
+
+
+def workload(kind: str, duration_s: float, peak: float, seed: int) -> list[SimRequest]:
+    rng = np.random.default_rng(seed)
+    lengths = [(r.input_len, r.output_len) for r in load_azure(default_trace_path("azure"))]
+    if kind == "diurnal":
+        trough = 0.2
+
+        def rate_at(t: float) -> float:
+            return peak * (trough + (1 - trough) * (1 - math.cos(2 * math.pi * t / duration_s)) / 2)
+
+    elif kind == "bursty":
+        base = peak / 5
+
+        def rate_at(t: float) -> float:
+            return peak if (t % 300.0) >= 270.0 else base
+
+    else:
+        raise ValueError(kind)
+    times = poisson(rate_at, duration_s, peak, rng)
+    return [SimRequest(t, *lengths[i % len(lengths)]) for i, t in enumerate(times)]
+
+
+def peak_rate(reqs: list[SimRequest], window_s: float = 60.0) -> float:
+    times = [r.arrival_s for r in reqs]
+    best, j = 0, 0
+    for i, t in enumerate(times):
+        while times[j] < t - window_s:
+            j += 1
+        best = max(best, i - j + 1)
+    return best / window_s
+
+
+# ---- policies -------------------------------------------------------------------
+
+
+def run_policy(name: str, reqs: list[SimRequest], a: argparse.Namespace, learned: dict) -> SimResult:
+    model = ProfileModel(load_profile(PROFILE))
+    slo = Slo(a.ttft_slo, a.itl_slo)
+    budget = Budget(a.max_workers)
+    isl = float(np.mean([r.isl for r in reqs]))
+    osl = float(np.mean([r.osl for r in reqs]))
+    mean_rate = len(reqs) / reqs[-1].arrival_s
+    cfg = PlannerConfig(
+        interval_s=INTERVAL_S,
+        ttft_slo_s=a.ttft_slo,
+        itl_slo_s=a.itl_slo,
+        max_workers=a.max_workers,
+        startup_s=a.startup_s,
+        hysteresis=HysteresisConfig(up_cooldown_s=INTERVAL_S, down_cooldown_s=2 * INTERVAL_S, down_after=3),
+    )
+    target = Slo(a.ttft_slo * cfg.headroom, a.itl_slo * cfg.headroom)
+
+    def static(rate: float) -> tuple[int, int]:
+        s = size_pools(Load(rate, isl, osl), model, target, budget)
+        return s.prefill, s.decode
+
+    if name == "planner":
+        planner = Planner(cfg, model)
+        learned["planner"] = planner
+
+        def policy(obs: Observation, now: float) -> tuple[int, int]:
+            d = planner.tick(obs, now)
+            return d.prefill, d.decode
+
+        initial = static(len([r for r in reqs if r.arrival_s < INTERVAL_S]) / INTERVAL_S)
+    elif name == "dynamo_formula":
+
+        def policy(obs: Observation, now: float) -> tuple[int, int]:
+            load = Load(obs.requests / INTERVAL_S, obs.mean_isl, obs.mean_osl)
+            s = dynamo_throughput_sizing(load, model, slo, budget)
+            return s.prefill, s.decode
+
+        initial = static(len([r for r in reqs if r.arrival_s < INTERVAL_S]) / INTERVAL_S)
+    elif name in ("static_peak", "static_mean"):
+        fixed = learned["static_peak"] if name == "static_peak" else static(mean_rate)
+
+        def policy(obs: Observation, now: float) -> tuple[int, int]:
+            return fixed
+
+        initial = fixed
+    else:
+        raise ValueError(name)
+    sim = FleetSim(model.profile, initial=initial, startup_s=a.startup_s, interval_s=INTERVAL_S)
+    return sim.run(reqs, policy)
+
+
+def smallest_static(reqs: list[SimRequest], a: argparse.Namespace, goal: float = 0.95) -> tuple[int, int]:
+    """The fewest fixed (prefill, decode) workers that attain `goal` on this run, found with hindsight:
+    binary search of the prefill count at a generous decode count, then of the decode count."""
+    model = ProfileModel(load_profile(PROFILE))
+
+    def attains(p: int, d: int) -> float:
+        sim = FleetSim(model.profile, initial=(p, d), startup_s=a.startup_s, interval_s=INTERVAL_S)
+        return sim.run(reqs, lambda obs, now: (p, d)).attainment(a.ttft_slo, a.itl_slo)
+
+    def search(lo: int, hi: int, ok) -> int:
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        return lo
+
+    cap = a.max_workers
+    d_hi = min(cap // 2, cap - 1)
+    p = search(1, cap - d_hi, lambda n: attains(n, d_hi) >= goal)
+    d = search(1, cap - p, lambda n: attains(p, n) >= goal)
+    return p, d
+
+
+POLICIES = ("planner", "dynamo_formula", "static_peak", "static_mean")
+
+
+def plot(kind: str, results: dict[str, SimResult]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for ax, role_i, role in ((axes[0], 1, "prefill"), (axes[1], 2, "decode")):
+        for name in ("planner", "dynamo_formula", "static_peak"):
+            tl = results[name].timeline
+            ax.step([x[0] for x in tl], [x[role_i] for x in tl], where="post", label=name)
+        ax.set_ylabel(f"{role} workers")
+        load_ax = ax.twinx()
+        tl = results["planner"].timeline
+        load_ax.plot([x[0] for x in tl], [x[3] for x in tl], color="grey", alpha=0.4, label="arrivals/s")
+        load_ax.set_ylabel("arrivals/s")
+    axes[0].legend(loc="upper left", fontsize=8)
+    axes[1].set_xlabel("simulated seconds")
+    fig.suptitle(f"planner study, {kind}: replicas per role against load ({PROFILE})")
+    fig.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"planner_{kind}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
+    reqs = workload(kind, a.day_s, a.peak_rate, a.seed)
+    print(
+        f"\n== {kind}: {len(reqs)} requests over {a.day_s:.0f} s, peak 60-s rate {peak_rate(reqs):.1f}/s, "
+        f"mean {len(reqs) / a.day_s:.1f}/s"
+    )
+    print(
+        f"{'policy':>15} {'worker_s':>9} {'attain':>7} {'ws/ok_req':>9} {'max P':>5} {'max D':>5} {'failed':>6}"
+    )
+    results: dict[str, SimResult] = {}
+    t0 = time.perf_counter()
+    learned = {"static_peak": smallest_static(reqs, a)}
+    print(
+        f"static_peak = the smallest fixed pools attaining 0.95 here, found with hindsight: "
+        f"{learned['static_peak']} ({time.perf_counter() - t0:.0f} s to search)"
+    )
+    for name in POLICIES:
+        t0 = time.perf_counter()
+        r = results[name] = run_policy(name, reqs, a, learned)
+        att = r.attainment(a.ttft_slo, a.itl_slo)
+        ok = att * len(r.outcomes)
+        maxp = max((x[1] for x in r.timeline), default=0)
+        maxd = max((x[2] for x in r.timeline), default=0)
+        print(
+            f"{name:>15} {r.worker_s:9.0f} {att:7.3f} {r.worker_s / max(ok, 1):9.2f} {maxp:5d} {maxd:5d} "
+            f"{r.failed_scaling:6d}   ({time.perf_counter() - t0:.1f} s)"
+        )
+    print(f"plot: {plot(kind, results)}")
+    p, dyn, peak = results["planner"], results["dynamo_formula"], results["static_peak"]
+    return {
+        "attainment": f"{p.attainment(a.ttft_slo, a.itl_slo):.3f}",
+        "worker_s_vs_peak": f"{p.worker_s / peak.worker_s:.2f}",
+        "worker_s_vs_dynamo_formula": f"{p.worker_s / dyn.worker_s:.2f}",
+        "attainment_dynamo_formula": f"{dyn.attainment(a.ttft_slo, a.itl_slo):.3f}",
+        "failed_scaling": str(p.failed_scaling),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a 1,200-s day (make bench)")
+    ap.add_argument("--day-s", type=float, default=None)
+    ap.add_argument("--peak-rate", type=float, default=40.0, help="requests/s at the peak")
+    ap.add_argument("--ttft-slo", type=float, default=1.0)
+    ap.add_argument("--itl-slo", type=float, default=0.05)
+    ap.add_argument("--startup-s", type=float, default=60.0)
+    ap.add_argument("--max-workers", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    a.day_s = a.day_s or (1200.0 if a.quick else 3600.0)
+    print(f"cpu: {cpu_model()} x{os.cpu_count()} (a simulation: the CPU sets only how long it takes)")
+    print(
+        f"profile {PROFILE}; SLO TTFT <= {a.ttft_slo} s and mean ITL <= {a.itl_slo * 1000:.0f} ms; "
+        f"start-up {a.startup_s:.0f} s; interval {INTERVAL_S:.0f} s; budget {a.max_workers} workers"
+    )
+    head = study("diurnal", a)
+    bursty = study("bursty", a)
+    line = " ".join(f"{k}={v}" for k, v in head.items())
+    line += " " + " ".join(f"{k}_bursty={v}" for k, v in bursty.items())
+    print(f"planner {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
