@@ -20,7 +20,6 @@ from services.common.server import ServerConfig, run
 from services.common.tls import TlsConfig
 from services.common.tracing import Tracing, TracingConfig
 from services.common.validation import RequestLimits
-from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.decode.config import DecodeConfig
 from services.decode.disagg_policy import Candidate, DisaggConfig, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
@@ -28,6 +27,7 @@ from services.decode.prefill_load import PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.servicer import DecodeServicer
 from services.engine.config import EngineConfig
+from services.worker.runtime import WorkerConfig, WorkerRuntime
 
 SERVICE_NAME = "pdmesh.v1.DecodeService"
 CONFIGS = (

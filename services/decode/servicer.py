@@ -33,12 +33,12 @@ from services.common.validation import (
     sampling_from_proto,
 )
 from services.common.wait_estimator import WaitEstimator
-from services.common.worker import counters_from_stats, kv_event_stream, load_from_stats
 from services.decode.disagg_policy import Candidate, Decision, DisaggregationPolicy, Mode, Path, Reason
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
 from services.engine.api import Engine, EngineRequest, FinishReason, RequestOutput
+from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 log = structlog.get_logger()
 

@@ -25,11 +25,11 @@ from services.common.server import ServerConfig, run
 from services.common.tls import TlsConfig, certified_worker
 from services.common.tracing import Tracing, TracingConfig
 from services.common.validation import RequestLimits
-from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.engine.config import EngineConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.servicer import PrefillServicer
+from services.worker.runtime import WorkerConfig, WorkerRuntime
 
 SERVICE_NAME = "pdmesh.v1.PrefillService"
 CONFIGS = (

@@ -36,9 +36,9 @@ from services.common.validation import (
     sampling_from_proto,
 )
 from services.common.wait_estimator import WaitEstimator
-from services.common.worker import counters_from_stats, kv_event_stream, load_from_stats
 from services.engine.api import Engine, EngineRequest, PrefillResult
 from services.prefill.metrics import PrefillMetrics
+from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 log = structlog.get_logger()
 

@@ -46,7 +46,6 @@ from pdmesh.v1 import (
 from services.common.server import MeshServer, ServerConfig
 from services.common.tracing import Tracing, client_interceptors
 from services.common.validation import RequestLimits
-from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.decode.disagg_policy import DisaggConfig, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
 from services.decode.remote_prefill import RemotePrefill
@@ -63,6 +62,7 @@ from services.router.config import ModelSpec, RouterConfig, RouterSettings
 from services.router.router import Router
 from services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
 from services.router.servicer import add_to_server
+from services.worker.runtime import WorkerConfig, WorkerRuntime
 from tests.unit.observability.otel_globals import global_tracer_provider
 
 ENGINE = EngineConfig(preset="tiny", num_threads=1, num_blocks=128)
