@@ -19,8 +19,6 @@ with an SDK provider installed globally and a caller that sends a trace context.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -63,6 +61,7 @@ from services.router.router import Router
 from services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
 from services.router.servicer import add_to_server
 from services.worker.runtime import WorkerConfig, WorkerRuntime
+from tests.support.poll import eventually
 from tests.unit.observability.otel_globals import global_tracer_provider
 
 ENGINE = EngineConfig(preset="tiny", num_threads=1, num_blocks=128)
@@ -178,10 +177,7 @@ class InProcessMesh:
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     """Poll `predicate` (a server's span ends just after its last message is sent)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for spans"
-        await asyncio.sleep(0.01)
+    await eventually(predicate, timeout=timeout, what="spans")
 
 
 @pytest.fixture
