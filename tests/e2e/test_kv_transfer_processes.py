@@ -35,7 +35,7 @@ from kvtransfer.testing import BlockPool, checksum, expected_checksum
 from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, kvtransfer_pb2_grpc
 from tests.e2e.kv_peer import REPO, Peer, parse_layout
-from tests.support.poll import eventually
+from tests.support.poll import eventually, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -60,11 +60,10 @@ def kv_service(tmp):
         ],
         cwd=REPO,
     )
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        assert proc.poll() is None, "kvtransfer service exited"
-        assert time.monotonic() < deadline, "kvtransfer service did not start"
-        time.sleep(0.02)  # polling a file with a deadline
+    wait_until(
+        lambda: port_file.exists() or proc.poll() is not None, timeout=60, what="kvtransfer's port file"
+    )
+    assert proc.poll() is None, "kvtransfer service exited"
     address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
