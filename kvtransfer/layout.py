@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import grpc
+
 if TYPE_CHECKING:  # torch is imported lazily so the router never loads it
     from collections.abc import Iterable
 
@@ -25,6 +27,9 @@ _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 class LayoutMismatch(ValueError):
     """Two KV layouts differ; moving bytes between them would give garbage."""
+
+    # the gRPC status at a service's edge (services.common.errors.status_of reads it)
+    status_code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 @dataclass(frozen=True)

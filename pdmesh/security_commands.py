@@ -82,7 +82,7 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
 @command("keys", _keys_args)
 def keys(args: argparse.Namespace) -> int:
     """Manage tenant API keys: `keys add TENANT --file F`, `keys hash KEY`."""
-    from services.router.auth import append_entry, hash_key, new_key
+    from services.common.api_keys import append_entry, hash_key, new_key
 
     if args.keys_command == "hash":
         print(hash_key(args.key))

@@ -1,7 +1,8 @@
 """Typed errors inside, gRPC status codes at the edge.
 
 Cores and engines raise domain errors; `status_of` maps any of them to a gRPC
-status once, and `grpc_errors` wraps a servicer method so that a domain error
+status once (this module imports neither the engine nor the kvtransfer library:
+their errors name their own status, see `status_of`), and `grpc_errors` wraps a servicer method so that a domain error
 becomes `context.abort(code, message)` and an unexpected exception becomes
 INTERNAL with a generic message (the traceback goes to the log, never to the
 client).
@@ -16,10 +17,6 @@ from typing import Any
 
 import grpc
 import structlog
-
-from kvtransfer.errors import KvTransferFailed
-from kvtransfer.layout import LayoutMismatch
-from services.engine.api import EngineCapacityError, InvalidRequestError, UnknownRequestError
 
 log = structlog.get_logger()
 
@@ -71,27 +68,31 @@ class Unauthenticated(MeshError):
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The gRPC status for a known domain error, None for anything else."""
+    """The gRPC status for a known domain error, None for anything else.
+
+    Errors of the layers below the services that common cannot import (the
+    engine's, the kvtransfer library's) carry their status themselves: a
+    `status_code` (class attribute or property) that is a `grpc.StatusCode`,
+    and optionally `status_message()` for the details (default `str(exc)`).
+    """
     if isinstance(exc, MeshError):
         return exc.code, str(exc)
-    if isinstance(exc, KvTransferFailed):
-        return exc.status_code, str(exc)
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, LayoutMismatch):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, EngineCapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, UnknownRequestError):
-        return grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc)
-    return None
+    code = getattr(exc, "status_code", None)
+    if not isinstance(code, grpc.StatusCode):
+        return None
+    message = getattr(exc, "status_message", None)
+    return code, message() if callable(message) else str(exc)
 
 
-async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Abort the call with the status of `exc` (INTERNAL for unknown errors)."""
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException, method: str = "?") -> None:
+    """Abort the call with the status of `exc` (INTERNAL for unknown errors).
+
+    `method` names the servicer method in the log of an unknown error (grpc.aio
+    offers no public way to read it from the context, and the private one it once
+    had is gone in grpcio 1.85: `grpc_errors` passes the wrapped method's name)."""
     mapped = status_of(exc)
     if mapped is None:
-        log.error("internal_error", method=_method(context), exc_info=exc)
+        log.error("internal_error", method=method, exc_info=exc)
         mapped = (grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
     code, message = mapped
     if len(message) > MAX_DETAILS_CHARS:  # messages echo client input, and headers have a size limit
@@ -102,15 +103,9 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
     await context.abort(code, message)
 
 
-def _method(context: grpc.aio.ServicerContext) -> str:
-    try:
-        return context._rpc_event.call_details.method.decode()  # type: ignore[attr-defined]
-    except AttributeError:
-        return "?"
-
-
 def grpc_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a servicer method (unary or server-streaming) with `abort_for`."""
+    method = fn.__qualname__  # e.g. "DecodeServicer.Generate", for the log of an internal error
 
     if inspect.isasyncgenfunction(fn):
 
@@ -122,7 +117,7 @@ def grpc_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             except (grpc.aio.AbortError, GeneratorExit):
                 raise
             except Exception as e:  # the edge: every error becomes a status
-                await abort_for(context, e)
+                await abort_for(context, e, method)
 
         return stream_wrapper
 
@@ -133,6 +128,6 @@ def grpc_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # the edge: every error becomes a status
-            await abort_for(context, e)
+            await abort_for(context, e, method)
 
     return unary_wrapper

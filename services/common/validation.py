@@ -1,4 +1,7 @@
-"""Request validation and proto <-> domain conversion shared by every service.
+"""Request validation shared by every service, on the wire messages.
+
+(The conversion to the engine's types, `sampling_from_proto` and friends, is in
+services/worker/sampling.py: common sits below the engine and cannot import it.)
 
 Each check names the offending field in an `InvalidArgument` so the client
 sees, e.g., `INVALID_ARGUMENT: sampling.max_tokens: must be >= 1, got 0`.
@@ -15,7 +18,6 @@ from dataclasses import dataclass
 from pdmesh.v1 import common_pb2
 from services.common.config import require, setting
 from services.common.errors import InvalidArgument
-from services.engine.api import FinishReason, InvalidRequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -43,15 +45,17 @@ def _check(cond: bool, field: str, message: str) -> None:
         raise InvalidArgument(f"{field}: {message}")
 
 
-def sampling_from_proto(
+def check_sampling(
     msg: common_pb2.SamplingParams | None,
     limits: RequestLimits,
     vocab_size: int,
     *,
     assign_seed: bool = True,
-) -> SamplingParams:
-    """Validate and convert; an unseeded sampled request gets a fresh seed so
-    every worker that samples for it agrees (position-deterministic sampling)."""
+) -> common_pb2.SamplingParams:
+    """Validate and normalize: defaults filled in (max_tokens, top_p), and an
+    unseeded sampled request gets a fresh seed so every worker that samples for
+    it agrees (position-deterministic sampling). Returns a new message holding
+    only the fields the mesh uses."""
     if msg is None:
         msg = common_pb2.SamplingParams()
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
@@ -94,36 +98,18 @@ def sampling_from_proto(
     seed = msg.seed if msg.HasField("seed") else None
     if seed is None and temp > 0.0 and assign_seed:
         seed = random.getrandbits(63)
-    params = SamplingParams(
+    checked = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temp,
         top_p=top_p,
         top_k=msg.top_k,
-        seed=seed,
-        stop=stops,
-        stop_token_ids=stop_ids,
+        stop=list(stops),
+        stop_token_ids=list(stop_ids),
         ignore_eos=msg.ignore_eos,
     )
-    try:
-        params.validate(vocab_size)
-    except InvalidRequestError as e:
-        raise InvalidArgument(str(e)) from e
-    return params
-
-
-def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        stop=list(p.stop),
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-    )
-    if p.seed is not None:
-        msg.seed = p.seed
-    return msg
+    if seed is not None:
+        checked.seed = seed
+    return checked
 
 
 def check_prompt(
@@ -183,11 +169,3 @@ def check_enum(value: int, enum_type: object, field: str) -> None:
     """Unknown enum numbers (sent by newer or broken clients) are refused."""
     known = {v.number for v in enum_type.DESCRIPTOR.values}  # type: ignore[attr-defined]
     _check(value in known, field, f"unknown value {value}")
-
-
-FINISH_TO_PROTO = {
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-}

@@ -1,10 +1,22 @@
-"""Settings of a decode worker beyond the shared worker, engine and server ones."""
+"""Settings of a decode worker: its own section (`DecodeConfig`) and all of them
+together (`DecodeSettings`, built by `parse_settings` from flags and environment)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from services.common.config import require, setting
+from services.common.server import ServerConfig
+from services.common.tls import TlsConfig
+from services.common.tracing import TracingConfig
+from services.common.validation import RequestLimits
+from services.decode.disagg_policy import DisaggConfig
+from services.engine.config import EngineConfig
+from services.worker import settings as worker_settings
+from services.worker.runtime import WorkerConfig
+from services.worker.settings import Section, WorkerSettings
 
 
 @dataclass(frozen=True)
@@ -18,3 +30,31 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         require(self.prefill_timeout_s > 0, "prefill_timeout_s must be > 0")
         require(self.kv_lease_ms >= 100, "kv_lease_ms must be >= 100")
+
+
+@dataclass(frozen=True)
+class DecodeSettings(WorkerSettings):
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+
+SECTIONS: tuple[Section, ...] = (
+    ("server", ServerConfig, ""),
+    ("worker", WorkerConfig, ""),
+    ("decode", DecodeConfig, ""),
+    ("disagg", DisaggConfig, ""),
+    ("limits", RequestLimits, "limits_"),
+    ("engine", EngineConfig, "engine_"),
+    ("tls", TlsConfig, "tls_"),
+    ("tracing", TracingConfig, ""),
+)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The flags of a decode worker, one per field of SECTIONS (docs/CONFIG.md is made from them)."""
+    return worker_settings.make_parser("pdmesh-decode", "pdmesh decode worker", SECTIONS)
+
+
+def parse_settings(argv: Sequence[str] | None, env: Mapping[str, str]) -> DecodeSettings:
+    """Flags win over `PDMESH_*` environment variables, which win over defaults."""
+    return worker_settings.parse_settings(DecodeSettings, make_parser(), SECTIONS, argv, env)

@@ -8,77 +8,37 @@ TlsConfig (`--tls-cert-file`, ...) and TracingConfig (`--otlp-endpoint`, ...).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 from pdmesh.v1 import decode_pb2_grpc
-from services.common.config import add_arguments, build
-from services.common.logging import configure_logging
-from services.common.server import ServerConfig, run
-from services.common.tls import TlsConfig
-from services.common.tracing import Tracing, TracingConfig
-from services.common.validation import RequestLimits
-from services.common.worker_runtime import WorkerConfig, WorkerRuntime
-from services.decode.config import DecodeConfig
-from services.decode.disagg_policy import Candidate, DisaggConfig, DisaggregationPolicy
+from services.decode.config import SECTIONS, DecodeSettings, make_parser, parse_settings
+from services.decode.disagg_policy import Candidate, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.servicer import DecodeServicer
-from services.engine.config import EngineConfig
+from services.worker.settings import configs, run_worker, start_runtime
 
 SERVICE_NAME = "pdmesh.v1.DecodeService"
-CONFIGS = (
-    (ServerConfig, ""),
-    (WorkerConfig, ""),
-    (DecodeConfig, ""),
-    (DisaggConfig, ""),
-    (RequestLimits, "limits_"),
-    (EngineConfig, "engine_"),
-    (TlsConfig, "tls_"),
-    (TracingConfig, ""),
-)
+# What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
+CONFIGS = configs(SECTIONS)
+__all__ = ["CONFIGS", "SERVICE_NAME", "main", "make_parser", "serve"]
 
 
-def make_parser() -> argparse.ArgumentParser:
-    """The flags of this service, one per field of CONFIGS (docs/CONFIG.md is made from them)."""
-    parser = argparse.ArgumentParser(prog="pdmesh-decode", description="pdmesh decode worker")
-    for cls, prefix in CONFIGS:
-        add_arguments(parser, cls, prefix)
-    return parser
-
-
-def parse(argv: Sequence[str] | None, env: dict[str, str]) -> dict[type, object]:
-    args = make_parser().parse_args(argv)
-    return {cls: build(cls, args, env, prefix) for cls, prefix in CONFIGS}
-
-
-async def serve(cfg: dict[type, object]) -> None:
-    server_cfg: ServerConfig = cfg[ServerConfig]  # type: ignore[assignment]
-    decode_cfg: DecodeConfig = cfg[DecodeConfig]  # type: ignore[assignment]
-    configure_logging("decode", server_cfg.log_level)
-    rt = WorkerRuntime(
-        "decode",
-        SERVICE_NAME,
-        server_cfg,
-        cfg[WorkerConfig],  # type: ignore[arg-type]
-        cfg[EngineConfig],  # type: ignore[arg-type]
-        tls=cfg[TlsConfig],  # type: ignore[arg-type]
-        tracing=Tracing.start(cfg[TracingConfig], "decode"),  # type: ignore[arg-type]
-    )
-    await rt.setup()
+async def serve(settings: DecodeSettings) -> None:
+    rt = await start_runtime("decode", SERVICE_NAME, settings)
+    decode_cfg = settings.decode
     metrics = DecodeMetrics(rt.registry)
     remote = None
     if rt.transport is not None or rt.engine.info.capabilities.moves_kv_itself:
         remote = RemotePrefill(rt.engine, rt.transport, rt.channels, rt.worker_id, decode_cfg.kv_lease_ms)
     servicer = DecodeServicer(
         engine=rt.engine,
-        policy=DisaggregationPolicy(cfg[DisaggConfig]),  # type: ignore[arg-type]
+        policy=DisaggregationPolicy(settings.disagg),
         remote=remote,
         metrics=metrics,
-        limits=cfg[RequestLimits],  # type: ignore[arg-type]
+        limits=settings.limits,
         worker_info=rt.info(),
         static_candidates=[Candidate(a, a) for a in decode_cfg.prefill_workers],
         prefill_timeout_s=decode_cfg.prefill_timeout_s,
@@ -89,9 +49,7 @@ async def serve(cfg: dict[type, object]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse(argv, dict(os.environ))
-    run(lambda: serve(cfg))
-    return 0
+    return run_worker(parse_settings, serve, argv)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from kvtransfer.transport import BlockHandle, KvTransport
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import tracing
 from services.common.channels import ChannelCache
-from services.common.validation import sampling_to_proto
 from services.decode.disagg_policy import Candidate
 from services.engine.api import (
     Engine,
@@ -45,6 +44,7 @@ from services.engine.api import (
     InvalidHandoffError,
     RequestOutput,
 )
+from services.worker.sampling import sampling_to_proto
 
 log = structlog.get_logger()
 

@@ -23,22 +23,21 @@ from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, worker_pb2
 from services.common import tracing
 from services.common.errors import DeadlineExceeded, grpc_errors
 from services.common.validation import (
-    FINISH_TO_PROTO,
     RequestLimits,
     check_enum,
     check_ident,
     check_priority,
     check_prompt,
     check_resume,
-    sampling_from_proto,
 )
 from services.common.wait_estimator import WaitEstimator
-from services.common.worker import counters_from_stats, kv_event_stream, load_from_stats
 from services.decode.disagg_policy import Candidate, Decision, DisaggregationPolicy, Mode, Path, Reason
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
 from services.engine.api import Engine, EngineRequest, FinishReason, RequestOutput
+from services.worker.sampling import FINISH_TO_PROTO, sampling_from_proto
+from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 log = structlog.get_logger()
 

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import grpc
+
 from kvtransfer.layout import KvLayout
 
 if TYPE_CHECKING:  # the router imports this module and must not load torch
@@ -24,7 +26,11 @@ if TYPE_CHECKING:  # the router imports this module and must not load torch
 
 
 class EngineError(Exception):
-    """Base of the engine's typed errors."""
+    """Base of the engine's typed errors.
+
+    A subclass that a client may cause names its gRPC status in `status_code`;
+    `services.common.errors.status_of` reads it at the edge (common cannot
+    import the engine). The others are INTERNAL there."""
 
 
 class InvalidRequestError(EngineError, ValueError):
@@ -32,6 +38,8 @@ class InvalidRequestError(EngineError, ValueError):
 
     `field` names the offending request field, for INVALID_ARGUMENT messages.
     """
+
+    status_code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -41,9 +49,17 @@ class InvalidRequestError(EngineError, ValueError):
 class EngineCapacityError(EngineError):
     """Not enough KV blocks to admit the request now (RESOURCE_EXHAUSTED)."""
 
+    status_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
 
 class UnknownRequestError(EngineError, KeyError):
     """No request / held KV with that id (already released, finished or aborted)."""
+
+    status_code = grpc.StatusCode.NOT_FOUND
+
+    def status_message(self) -> str:
+        # str() of a KeyError is the repr of its argument (quoted); the client gets the text
+        return str(self.args[0] if self.args else self)
 
 
 class InvalidHandoffError(EngineError):

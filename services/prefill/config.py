@@ -1,10 +1,21 @@
-"""Settings of a prefill worker beyond the shared worker, engine and server ones."""
+"""Settings of a prefill worker: its own section (`PrefillConfig`) and all of them
+together (`PrefillSettings`, built by `parse_settings` from flags and environment)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from services.common.config import require, setting
+from services.common.server import ServerConfig
+from services.common.tls import TlsConfig
+from services.common.tracing import TracingConfig
+from services.common.validation import RequestLimits
+from services.engine.config import EngineConfig
+from services.worker import settings as worker_settings
+from services.worker.runtime import WorkerConfig
+from services.worker.settings import Section, WorkerSettings
 
 
 @dataclass(frozen=True)
@@ -15,3 +26,29 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         require(self.lease_ttl_s > 0, "lease_ttl_s must be > 0")
         require(self.lease_check_s > 0, "lease_check_s must be > 0")
+
+
+@dataclass(frozen=True)
+class PrefillSettings(WorkerSettings):
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+
+
+SECTIONS: tuple[Section, ...] = (
+    ("server", ServerConfig, ""),
+    ("worker", WorkerConfig, ""),
+    ("prefill", PrefillConfig, ""),
+    ("limits", RequestLimits, "limits_"),
+    ("engine", EngineConfig, "engine_"),
+    ("tls", TlsConfig, "tls_"),
+    ("tracing", TracingConfig, ""),
+)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The flags of a prefill worker, one per field of SECTIONS (docs/CONFIG.md is made from them)."""
+    return worker_settings.make_parser("pdmesh-prefill", "pdmesh prefill worker", SECTIONS)
+
+
+def parse_settings(argv: Sequence[str] | None, env: Mapping[str, str]) -> PrefillSettings:
+    """Flags win over `PDMESH_*` environment variables, which win over defaults."""
+    return worker_settings.parse_settings(PrefillSettings, make_parser(), SECTIONS, argv, env)

@@ -9,8 +9,6 @@ byte stream) on one port.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -19,57 +17,21 @@ from kvtransfer.leases import LeaseKeeper, LeaseManager
 from kvtransfer.metrics import LeaseCollector
 from kvtransfer.pool import PoolView
 from pdmesh.v1 import prefill_pb2_grpc
-from services.common.config import add_arguments, build
-from services.common.logging import configure_logging
-from services.common.server import ServerConfig, run
-from services.common.tls import TlsConfig, certified_worker
-from services.common.tracing import Tracing, TracingConfig
-from services.common.validation import RequestLimits
-from services.common.worker_runtime import WorkerConfig, WorkerRuntime
-from services.engine.config import EngineConfig
-from services.prefill.config import PrefillConfig
+from services.common.tls import certified_worker
+from services.prefill.config import SECTIONS, PrefillSettings, make_parser, parse_settings
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.servicer import PrefillServicer
+from services.worker.settings import configs, run_worker, start_runtime
 
 SERVICE_NAME = "pdmesh.v1.PrefillService"
-CONFIGS = (
-    (ServerConfig, ""),
-    (WorkerConfig, ""),
-    (PrefillConfig, ""),
-    (RequestLimits, "limits_"),
-    (EngineConfig, "engine_"),
-    (TlsConfig, "tls_"),
-    (TracingConfig, ""),
-)
+# What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
+CONFIGS = configs(SECTIONS)
+__all__ = ["CONFIGS", "SERVICE_NAME", "main", "make_parser", "serve"]
 
 
-def make_parser() -> argparse.ArgumentParser:
-    """The flags of this service, one per field of CONFIGS (docs/CONFIG.md is made from them)."""
-    parser = argparse.ArgumentParser(prog="pdmesh-prefill", description="pdmesh prefill worker")
-    for cls, prefix in CONFIGS:
-        add_arguments(parser, cls, prefix)
-    return parser
-
-
-def parse(argv: Sequence[str] | None, env: dict[str, str]) -> dict[type, object]:
-    args = make_parser().parse_args(argv)
-    return {cls: build(cls, args, env, prefix) for cls, prefix in CONFIGS}
-
-
-async def serve(cfg: dict[type, object]) -> None:
-    server_cfg: ServerConfig = cfg[ServerConfig]  # type: ignore[assignment]
-    prefill_cfg: PrefillConfig = cfg[PrefillConfig]  # type: ignore[assignment]
-    configure_logging("prefill", server_cfg.log_level)
-    rt = WorkerRuntime(
-        "prefill",
-        SERVICE_NAME,
-        server_cfg,
-        cfg[WorkerConfig],  # type: ignore[arg-type]
-        cfg[EngineConfig],  # type: ignore[arg-type]
-        tls=cfg[TlsConfig],  # type: ignore[arg-type]
-        tracing=Tracing.start(cfg[TracingConfig], "prefill"),  # type: ignore[arg-type]
-    )
-    await rt.setup()
+async def serve(settings: PrefillSettings) -> None:
+    rt = await start_runtime("prefill", SERVICE_NAME, settings)
+    prefill_cfg = settings.prefill
     leases = LeaseManager(default_ttl_s=prefill_cfg.lease_ttl_s)
     rt.registry.register(LeaseCollector(leases))
     keeper = LeaseKeeper(leases, rt.directory, interval_s=prefill_cfg.lease_check_s)
@@ -85,7 +47,7 @@ async def serve(cfg: dict[type, object]) -> None:
         engine=rt.engine,
         leases=leases,
         metrics=PrefillMetrics(rt.registry),
-        limits=cfg[RequestLimits],  # type: ignore[arg-type]
+        limits=settings.limits,
         worker_info=rt.info(),
         kv_source_address=rt.address,
         agent_name=rt.transport.agent_name if rt.transport else "",
@@ -100,9 +62,7 @@ async def serve(cfg: dict[type, object]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse(argv, dict(os.environ))
-    run(lambda: serve(cfg))
-    return 0
+    return run_worker(parse_settings, serve, argv)
 
 
 if __name__ == "__main__":

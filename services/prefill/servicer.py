@@ -28,17 +28,16 @@ from services.common import tracing
 from services.common.errors import InvalidArgument, PermissionDenied, grpc_errors
 from services.common.tls import certified_worker
 from services.common.validation import (
-    FINISH_TO_PROTO,
     RequestLimits,
     check_ident,
     check_priority,
     check_prompt,
-    sampling_from_proto,
 )
 from services.common.wait_estimator import WaitEstimator
-from services.common.worker import counters_from_stats, kv_event_stream, load_from_stats
 from services.engine.api import Engine, EngineRequest, PrefillResult
 from services.prefill.metrics import PrefillMetrics
+from services.worker.sampling import FINISH_TO_PROTO, sampling_from_proto
+from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 log = structlog.get_logger()
 

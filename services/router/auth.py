@@ -21,23 +21,22 @@ File line: {"key_sha256": "<hex>", "tenant": "acme", "max_priority": 0,
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from services.common.api_keys import hash_key
+from services.common.api_keys import new_key as new_key  # re-exported: callers make keys here
 from services.common.config import require, setting
 from services.common.errors import Unauthenticated
 from services.router.tenant_quota import TenantLimits
 
 log = structlog.get_logger()
 
-KEY_PREFIX = "pdm_"
 _LIMIT_FIELDS = ("requests_per_s", "request_burst", "tokens_per_s", "token_burst", "max_inflight")
 _KNOWN_FIELDS = {"key_sha256", "tenant", "max_priority", "note", *_LIMIT_FIELDS}
 
@@ -72,15 +71,6 @@ class TenantGrant:
 
 def _is_digest(s: str) -> bool:
     return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
-
-
-def new_key() -> str:
-    """A fresh API key (shown once; only its hash is kept)."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def parse_entry(obj: Mapping[str, Any]) -> tuple[str, TenantGrant]:

@@ -30,8 +30,7 @@ from services.common.validation import (
     check_ident,
     check_priority,
     check_prompt,
-    sampling_from_proto,
-    sampling_to_proto,
+    check_sampling,
 )
 from services.router.auth import TenantGrant
 from services.router.circuit_breaker import BreakerState
@@ -66,7 +65,7 @@ def parse_generate(
         )
     if request.HasField("workflow"):
         check_ident(request.workflow.workflow_id, "workflow.workflow_id", limits.max_request_id_bytes)
-    sampling = sampling_from_proto(
+    sampling = check_sampling(
         request.sampling if request.HasField("sampling") else None, limits, model.vocab_size
     )
     kind = request.WhichOneof("prompt")
@@ -86,7 +85,7 @@ def parse_generate(
     return FlowRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=tuple(ids),
-        sampling=sampling_to_proto(sampling),
+        sampling=sampling,
         tenant=request.tenant,
         priority=request.priority,
         workflow=request.workflow if request.HasField("workflow") else None,

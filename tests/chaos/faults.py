@@ -63,17 +63,29 @@ def long_schedule(rng: random.Random, rounds: int) -> list[Fault]:
     return out
 
 
-def inject(mesh: ChaosMesh, fault: Fault, rng: random.Random) -> Callable[[], None]:
-    """Strike now; returns what heals it."""
+# The evidence (key of Episode.landed) that each kind of fault acted: without it
+# an injection that did nothing would pass every invariant.
+LANDED_BY = {"kill": "killed", "stop": "stopped", "net": "delayed", "reset": "resets", "partition": "held"}
+
+
+def inject(mesh: ChaosMesh, fault: Fault, rng: random.Random, landed: Counter) -> Callable[[], None]:
+    """Strike now; returns what heals it. `landed` gets the evidence that the fault acted."""
     if fault.role == "links":
         if fault.kind == "net":
             mesh.hub.set_faults(delay_s=rng.uniform(0.02, 0.08), loss=0.05, loss_stall_s=0.3)
         else:
             mesh.hub.set_faults(reset=0.02)
-        return mesh.hub.heal
+        before = _proxy_counts(mesh)
+
+        def heal_links() -> None:
+            landed.update(_proxy_counts(mesh) - before)
+            mesh.hub.heal()
+
+        return heal_links
     target = mesh.node(fault.role, rng.randrange(_count(mesh, fault.role)))
     if fault.kind == "kill":
         mesh.kill(target, signal.SIGKILL)
+        landed["killed"] += target.svc.proc.returncode == -signal.SIGKILL
 
         def restart() -> None:
             mesh.restart(target.role, target.index)
@@ -81,12 +93,35 @@ def inject(mesh: ChaosMesh, fault: Fault, rng: random.Random) -> Callable[[], No
         return restart
     if fault.kind == "stop":
         mesh.kill(target, signal.SIGSTOP)
+        landed["stopped"] += bool(
+            wait_until(lambda: _state(target.svc.proc.pid) == "T", timeout=10, what="SIGSTOP")
+        )
         return lambda: mesh.kill(target, signal.SIGCONT)
     if fault.kind == "partition":
         assert target.proxy is not None
-        target.proxy.set_faults(partition=True)
-        return target.proxy.heal
+        proxy = target.proxy
+        proxy.set_faults(partition=True)
+        held = proxy.held
+
+        def heal_partition() -> None:
+            landed["held"] += proxy.held - held
+            proxy.heal()
+
+        return heal_partition
     raise ValueError(f"unknown fault {fault}")
+
+
+def _proxy_counts(mesh: ChaosMesh) -> Counter:
+    c: Counter = Counter()
+    for p in mesh.hub.proxies.values():
+        c.update(delayed=p.delayed, resets=p.resets, held=p.held)
+    return c
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T = stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _count(mesh: ChaosMesh, role: str) -> int:
@@ -138,10 +173,18 @@ class Episode:
     fault: Fault
     codes: Counter  # how the load's requests ended
     felt: Counter  # evidence deltas over the episode (lower bounds across restarts)
+    landed: Counter  # evidence that the fault acted (LANDED_BY), from the injection itself
 
     def __str__(self) -> str:
         felt = {k: v for k, v in self.felt.items() if v}
-        return f"{self.fault} x{self.fault.hold_s:.1f}s: {dict(self.codes)} {felt}"
+        return (
+            f"{self.fault} x{self.fault.hold_s:.1f}s: {dict(self.codes)} {felt} landed {dict(+self.landed)}"
+        )
+
+    def assert_felt(self) -> None:
+        """The fault acted (a kill killed, a stop stopped, a link fault touched traffic)."""
+        key = LANDED_BY[self.fault.kind]
+        assert self.landed[key] > 0, f"{self.fault} was not felt: no {key} ({self})"
 
 
 def run_episode(
@@ -159,7 +202,8 @@ def run_episode(
     try:
         wait_until(lambda: load.ok_since(0.0) >= 2, timeout=60, what="steady load before the fault")
         time.sleep(rng.uniform(0.1, 1.5))  # the schedule picks the moment to strike
-        heal = inject(mesh, fault, rng)
+        landed: Counter = Counter()
+        heal = inject(mesh, fault, rng, landed)
         time.sleep(fault.hold_s)  # how long the fault lasts
         heal()
         mesh.wait_recovered()
@@ -174,4 +218,4 @@ def run_episode(
     assert after.free == initial.free, f"{fault}: free blocks {after.free} != initial {initial.free}"
     felt = evidence(mesh)
     felt.subtract(before)
-    return Episode(fault, codes, +felt)
+    return Episode(fault, codes, +felt, landed)

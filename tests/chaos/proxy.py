@@ -53,6 +53,9 @@ class FaultProxy:
         self.port = 0
         self.connections = 0
         self.resets = 0
+        # evidence that a fault acted on traffic (tests/chaos asserts each fault was felt)
+        self.delayed = 0  # chunks that crossed while a delay or loss fault was on
+        self.held = 0  # chunks and new connections a partition held back
         self._server: asyncio.base_events.Server | None = None
         self._healed = asyncio.Event()
         self._healed.set()
@@ -98,6 +101,8 @@ class FaultProxy:
         self._writers.add(writer)
         up_writer = None
         try:
+            if not self._healed.is_set():
+                self.held += 1
             await self._healed.wait()  # a partition holds new connections too
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
             self._writers.add(up_writer)
@@ -122,6 +127,8 @@ class FaultProxy:
                     return
                 while (wait := due - time.monotonic()) > 0:
                     await asyncio.sleep(wait)  # the emulated link's latency
+                if not self._healed.is_set():
+                    self.held += 1
                 await self._healed.wait()
                 writer.write(data)
                 await writer.drain()
@@ -134,6 +141,8 @@ class FaultProxy:
                 if f.reset and self.rng.random() < f.reset:
                     self.resets += 1
                     raise ConnectionResetError("injected reset")
+                if f.delay_s or f.loss:
+                    self.delayed += 1
                 due = time.monotonic() + f.delay_s
                 if f.loss and self.rng.random() < f.loss:
                     due += f.loss_stall_s * (0.5 + self.rng.random())

@@ -60,6 +60,7 @@ def test_short_schedule(short_run, fault):
     episode = short_run.episode(fault)
     print(f"chaos episode {episode}")
     assert episode.codes["OK"] >= 3
+    episode.assert_felt()
 
 
 @pytest.mark.skipif(not LONG, reason="the long chaos run: make chaos (PDMESH_CHAOS_LONG=1)")
@@ -69,6 +70,8 @@ def test_long_schedule(tmp_path, kv_transport):
     try:
         rounds = int(os.environ.get("PDMESH_CHAOS_ROUNDS", "2"))
         for fault in long_schedule(run.rng, rounds):
-            print(f"chaos episode [{kv_transport}] {run.episode(fault)}", flush=True)
+            episode = run.episode(fault)
+            print(f"chaos episode [{kv_transport}] {episode}", flush=True)
+            episode.assert_felt()
     finally:
         run.mesh.close()

@@ -6,31 +6,16 @@ pdmesh.launcher); tests wait on health and on observable state, never on time.
 
 from __future__ import annotations
 
-import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
 from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from tests.support.poll import wait_until  # noqa: F401 (re-exported to the e2e tests)
 
 TINY = flags(engine_preset="tiny", engine_num_threads=1)
-
-
-def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
-    """Poll `pred` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(delay)  # polling another process's state, with backoff
-        delay = min(delay * 1.5, 0.2)
 
 
 @dataclass

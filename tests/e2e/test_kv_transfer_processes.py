@@ -35,6 +35,7 @@ from kvtransfer.testing import BlockPool, checksum, expected_checksum
 from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, kvtransfer_pb2_grpc
 from tests.e2e.kv_peer import REPO, Peer, parse_layout
+from tests.support.poll import eventually, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -59,11 +60,10 @@ def kv_service(tmp):
         ],
         cwd=REPO,
     )
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        assert proc.poll() is None, "kvtransfer service exited"
-        assert time.monotonic() < deadline, "kvtransfer service did not start"
-        time.sleep(0.02)  # polling a file with a deadline
+    wait_until(
+        lambda: port_file.exists() or proc.poll() is not None, timeout=60, what="kvtransfer's port file"
+    )
+    assert proc.poll() is None, "kvtransfer service exited"
     address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -276,13 +276,6 @@ async def test_killing_the_holder_mid_grpc_stream_fails_fast_and_frees(tmp, kv_s
         peer.stop()
 
 
-async def wait_until(cond, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)  # polling a condition with a deadline
-
-
 async def test_a_stalled_nixl_read_times_out_then_dies_with_its_holder(tmp, kv_service, receiver):
     peer = Peer(
         tmp, kv_service, "holder-nixl-stall", "--stall-nixl", seed=SEED, num_blocks=N, layout=LAYOUT_ARG
@@ -297,7 +290,7 @@ async def test_a_stalled_nixl_read_times_out_then_dies_with_its_holder(tmp, kv_s
         # Death mid-READ: posted, in flight (the holder never progresses), then killed.
         handle, _ = await export(peer, "cut", list(range(8)))
         pull = asyncio.create_task(receiver.pull("nixl", handle, deadline_s=60))
-        await wait_until(lambda: receiver.nixl.reads_in_flight == 1 or pull.done())
+        await eventually(lambda: receiver.nixl.reads_in_flight == 1 or pull.done(), timeout=30.0)
         assert not pull.done()
         peer.kill()
         await expect(FailureKind.PEER_DEAD, pull)

@@ -41,7 +41,6 @@ from pdmesh.v1 import (
 )
 from services.common.server import MeshServer, ServerConfig
 from services.common.validation import RequestLimits
-from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.decode.disagg_policy import Candidate, DisaggConfig, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import PrefillLoadProbe
@@ -59,6 +58,7 @@ from services.router.config import ModelSpec, RouterConfig, RouterSettings
 from services.router.router import Router
 from services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
 from services.router.servicer import add_to_server
+from services.worker.runtime import WorkerConfig, WorkerRuntime
 
 # Fuzzed requests may ask for up to this many tokens: enough to reach every
 # check, small enough that a valid request finishes well inside its deadline.

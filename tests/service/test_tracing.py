@@ -19,8 +19,6 @@ with an SDK provider installed globally and a caller that sends a trace context.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -46,7 +44,6 @@ from pdmesh.v1 import (
 from services.common.server import MeshServer, ServerConfig
 from services.common.tracing import Tracing, client_interceptors
 from services.common.validation import RequestLimits
-from services.common.worker_runtime import WorkerConfig, WorkerRuntime
 from services.decode.disagg_policy import DisaggConfig, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
 from services.decode.remote_prefill import RemotePrefill
@@ -63,6 +60,8 @@ from services.router.config import ModelSpec, RouterConfig, RouterSettings
 from services.router.router import Router
 from services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
 from services.router.servicer import add_to_server
+from services.worker.runtime import WorkerConfig, WorkerRuntime
+from tests.support.poll import eventually
 from tests.unit.observability.otel_globals import global_tracer_provider
 
 ENGINE = EngineConfig(preset="tiny", num_threads=1, num_blocks=128)
@@ -178,10 +177,7 @@ class InProcessMesh:
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     """Poll `predicate` (a server's span ends just after its last message is sent)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for spans"
-        await asyncio.sleep(0.01)
+    await eventually(predicate, timeout=timeout, what="spans")
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.main import bind
 from tests.service.gateway import httpio
 from tests.service.gateway.fake_router import FakeRouter
+from tests.support.poll import eventually
 
 
 class _Server(uvicorn.Server):
@@ -126,8 +127,8 @@ async def test_client_disconnect_cancels_the_router_call(gw, fake, stream):
     if stream:
         await asyncio.to_thread(httpio.read_until, sock, b'"text":"a"')
     else:
-        while not fake.requests:  # the call reached the router; nothing is sent back until it ends
-            await asyncio.sleep(0.01)
+        # the call reached the router; nothing is sent back until it ends
+        await eventually(lambda: fake.requests, what="the call to reach the router")
     httpio.hang_up(sock)
     await asyncio.wait_for(fake.cancelled.wait(), 10)
     _, _, metrics = await asyncio.to_thread(httpio.request, gw, "GET", "/metrics")

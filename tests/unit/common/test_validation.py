@@ -7,8 +7,8 @@ from services.common.validation import (
     check_enum,
     check_priority,
     check_prompt,
-    sampling_from_proto,
 )
+from services.worker.sampling import sampling_from_proto
 
 LIMITS = RequestLimits(max_tokens_limit=100)
 

@@ -15,6 +15,7 @@ from kvtransfer.testing import BlockPool, checksum, expected_checksum, fill_bloc
 from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.common.server import MeshServer, ServerConfig
+from tests.support.poll import eventually
 
 LAYOUT = KvLayout(2, 2, 16, "float32", 4)  # 2048-byte blocks
 SEED = 3
@@ -74,16 +75,8 @@ async def pair():
     assert receiver.blocks.num_free == N  # every test frees what it kept
     holder.leases.close()
     await eventually(
-        lambda: holder.blocks.num_free == N, "the holder's blocks (a cancelled read unpins late)"
+        lambda: holder.blocks.num_free == N, what="the holder's blocks (a cancelled read unpins late)"
     )
-
-
-async def eventually(pred, what: str, timeout_s: float = 10.0) -> None:
-    """Poll `pred` on this loop (other tasks run meanwhile) until true; fail after `timeout_s`."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)  # polling state other tasks change, with a deadline
 
 
 async def expect_failure(kind, coro, receiver):
@@ -205,7 +198,7 @@ async def test_a_stalled_stream_times_out_and_frees_both_sides():
     await holder.server.stop()
     # The stalled read still pins the released lease; its handler's clean-up (which unpins and
     # frees) runs once grpc has cancelled it, which may be just after stop() returns.
-    await eventually(lambda: holder.blocks.num_free == N, "the pinned blocks to come back")
+    await eventually(lambda: holder.blocks.num_free == N, what="the pinned blocks to come back")
 
 
 async def test_a_lease_that_ends_mid_read_stops_the_stream_and_frees_after():

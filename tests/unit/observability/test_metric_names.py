@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtransfer.leases import LeaseManager
 from kvtransfer.metrics import LeaseCollector
-from services.common.metrics import EngineCollector
 from services.decode.metrics import DecodeMetrics
 from services.engine.api import EngineStats
 from services.gateway.metrics import GatewayMetrics
@@ -25,6 +24,7 @@ from services.kvtransfer.metrics import KvServiceMetrics
 from services.prefill.metrics import PrefillMetrics
 from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.router import RouterStats
+from services.worker.metrics import EngineCollector
 
 
 def engine_stats() -> EngineStats:

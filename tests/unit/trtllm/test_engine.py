@@ -24,6 +24,7 @@ from services.engine.config import EngineConfig
 from services.engine.factory import create_engine
 from services.engine.trtllm.engine import TrtllmEngine
 from services.engine.trtllm.handoff import state_from_params
+from tests.support.poll import eventually
 
 PROMPT = [(i * 37) % 500 + 2 for i in range(45)]  # 2 full blocks of 16 + 13 tokens
 
@@ -163,12 +164,6 @@ def test_state_from_params_refuses_a_missing_handoff():
         state_from_params(None)
 
 
-async def _settled(pred, tries: int = 200) -> None:
+async def _settled(pred) -> None:
     """Wait on another thread's observable state (the fake's executor), yielding to the loop."""
-    import asyncio
-
-    for _ in range(tries):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
+    await eventually(pred, timeout=10.0, what="the fake executor's state")

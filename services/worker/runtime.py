@@ -30,16 +30,16 @@ from kvtransfer.transport import KvTransport
 from pdmesh.v1 import common_pb2, kvtransfer_pb2_grpc
 from services.common.channels import ChannelCache
 from services.common.config import require, setting
-from services.common.metrics import EngineCollector
 from services.common.router_registration import RouterMembership
 from services.common.server import MeshServer, ServerConfig
 from services.common.tls import TlsConfig
 from services.common.tracing import Tracing, client_interceptors
 from services.common.tracing import shutdown as shutdown_tracing
-from services.common.worker import default_worker_id
 from services.engine.api import Engine
 from services.engine.config import EngineConfig
 from services.engine.factory import create_engine
+from services.worker.metrics import EngineCollector
+from services.worker.serving import default_worker_id
 
 log = structlog.get_logger()
 

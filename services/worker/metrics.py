@@ -1,0 +1,63 @@
+"""Engine metrics of a worker, read from the engine at scrape time.
+
+Moved out of services/common/metrics.py: common sits below the engine and must
+not know `EngineStats`; the registry and naming rules stay there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from services.engine.api import EngineStats
+
+
+class EngineCollector:
+    """Engine gauges read at scrape time (`pdmesh_kv_blocks_*`, `pdmesh_engine_*`),
+    so the engine itself carries no metric objects."""
+
+    def __init__(self, stats: Callable[[], EngineStats], role: str):
+        self._stats = stats
+        self._role = role
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = (
+            # "_capacity", not "_total": Prometheus reserves "_total" for counters.
+            ("pdmesh_kv_blocks_capacity", "KV blocks in the pool", s.total_blocks),
+            ("pdmesh_kv_blocks_free", "free KV blocks (including evictable cached ones)", s.free_blocks),
+            ("pdmesh_kv_blocks_used", "KV blocks in use", s.total_blocks - s.free_blocks),
+            ("pdmesh_kv_blocks_cached", "KV blocks in the prefix cache", s.cached_blocks),
+            ("pdmesh_kv_blocks_held", "KV blocks held for other workers", s.held_blocks),
+            ("pdmesh_engine_running", "requests in the running batch", s.running),
+            ("pdmesh_engine_waiting", "requests waiting to be scheduled (queue depth)", s.waiting),
+            ("pdmesh_engine_tokens_waiting", "prompt tokens not yet computed", s.tokens_waiting),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["role"])
+            g.add_metric([self._role], value)
+            yield g
+        counters = (
+            ("pdmesh_engine_prompt_tokens_computed", "prompt tokens computed", s.prompt_tokens_computed),
+            (
+                "pdmesh_engine_decode_tokens_computed",
+                "tokens produced by decode steps",
+                s.decode_tokens_computed,
+            ),
+            (
+                "pdmesh_engine_prompt_tokens_cached",
+                "prompt tokens served from the prefix cache",
+                s.prompt_tokens_cached,
+            ),
+            (
+                "pdmesh_engine_prompt_tokens_transferred",
+                "prompt tokens whose KV came from another worker",
+                s.prompt_tokens_transferred,
+            ),
+            ("pdmesh_engine_preemptions", "requests preempted (recomputed later)", s.preemptions),
+        )
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=["role"])
+            c.add_metric([self._role], value)
+            yield c

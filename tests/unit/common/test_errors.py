@@ -1,0 +1,96 @@
+"""`status_of`: every domain error of every layer maps to the status it had when
+services/common imported the engine and kvtransfer to map them (now the errors
+name their own status), and what the edge does with them on a real server."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import structlog.testing
+
+from kvtransfer.errors import FailureKind, KvTransferFailed, NotOwner, StaleHandle
+from kvtransfer.layout import LayoutMismatch
+from services.common.errors import (
+    InvalidArgument,
+    MeshError,
+    ResourceExhausted,
+    Unauthenticated,
+    grpc_errors,
+    status_of,
+)
+from services.engine.api import (
+    EngineCapacityError,
+    EngineError,
+    InvalidHandoffError,
+    InvalidRequestError,
+    UnknownRequestError,
+)
+
+S = grpc.StatusCode
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (InvalidArgument("sampling.top_p: bad"), (S.INVALID_ARGUMENT, "sampling.top_p: bad")),
+        (ResourceExhausted("queue full", retry_after_s=1.0), (S.RESOURCE_EXHAUSTED, "queue full")),
+        (Unauthenticated("no key"), (S.UNAUTHENTICATED, "no key")),
+        (MeshError("boom"), (S.INTERNAL, "boom")),
+        (KvTransferFailed(FailureKind.TIMEOUT, "x"), (S.DEADLINE_EXCEEDED, "timeout: x")),
+        (KvTransferFailed(FailureKind.TRUNCATED, "x"), (S.DATA_LOSS, "truncated: x")),
+        (StaleHandle("h1"), (S.NOT_FOUND, "stale_handle: h1")),
+        (NotOwner("h1"), (S.PERMISSION_DENIED, "not_owner: h1")),
+        (InvalidRequestError("top_k", "too big"), (S.INVALID_ARGUMENT, "top_k: too big")),
+        (LayoutMismatch("head_dim 64 != 32"), (S.FAILED_PRECONDITION, "head_dim 64 != 32")),
+        (EngineCapacityError("no blocks"), (S.RESOURCE_EXHAUSTED, "no blocks")),
+        # a KeyError's str() quotes its argument; the client gets the plain text
+        (UnknownRequestError("no held KV 'r1'"), (S.NOT_FOUND, "no held KV 'r1'")),
+        (UnknownRequestError(), (S.NOT_FOUND, "")),
+    ],
+)
+def test_domain_errors_map_to_their_status(exc, expected):
+    assert status_of(exc) == expected
+
+
+class _HttpishError(Exception):
+    status_code = 404  # an int, as HTTP libraries have: not a gRPC status
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [ValueError("x"), KeyError("x"), EngineError("loop failed"), InvalidHandoffError("x"), _HttpishError()],
+)
+def test_anything_else_is_unknown_and_becomes_internal_at_the_edge(exc):
+    assert status_of(exc) is None
+
+
+class _Probe:
+    @grpc_errors
+    async def Boom(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        raise RuntimeError("a bug with a secret in it")
+
+    @grpc_errors
+    async def Refused(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        raise UnknownRequestError("no held KV 'r1'")
+
+
+async def test_the_edge_turns_errors_into_statuses_and_logs_the_method_of_a_bug():
+    probe = _Probe()
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(getattr(probe, name)) for name in ("Boom", "Refused")
+    }
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Probe", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with structlog.testing.capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError) as boom:
+                await channel.unary_unary("/test.Probe/Boom")(b"", timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await channel.unary_unary("/test.Probe/Refused")(b"", timeout=10)
+    finally:
+        await server.stop(None)
+    assert boom.value.code() == S.INTERNAL and boom.value.details() == "internal error (RuntimeError)"
+    assert [(e["event"], e["method"]) for e in logs] == [("internal_error", "_Probe.Boom")]
+    assert (refused.value.code(), refused.value.details()) == (S.NOT_FOUND, "no held KV 'r1'")

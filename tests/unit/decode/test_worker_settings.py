@@ -1,0 +1,47 @@
+"""Decode and prefill settings are typed dataclasses built from flags and
+`PDMESH_*` variables, one field per config section (no `dict[type, object]`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.common.config import ConfigError
+from services.decode import main as decode_main
+from services.decode.config import DecodeSettings
+from services.decode.config import parse_settings as parse_decode
+from services.prefill import main as prefill_main
+from services.prefill.config import PrefillSettings
+from services.prefill.config import parse_settings as parse_prefill
+
+
+def test_decode_settings_come_from_flags_then_environment():
+    s = parse_decode(
+        ["--prefill-workers", "a:1,b:2", "--engine-preset", "small", "--limits-max-tokens-limit", "64"],
+        {"PDMESH_KV_LEASE_MS": "5000", "PDMESH_PREFILL_WORKERS": "ignored:9"},
+    )
+    assert isinstance(s, DecodeSettings)
+    assert s.decode.prefill_workers == ("a:1", "b:2") and s.decode.kv_lease_ms == 5000
+    assert s.engine.preset == "small" and s.limits.max_tokens_limit == 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.decode = s.decode  # type: ignore[misc]
+
+
+def test_prefill_settings_come_from_flags_then_environment():
+    s = parse_prefill(["--lease-ttl-s", "7"], {"PDMESH_LEASE_CHECK_S": "0.5", "PDMESH_KV_TRANSPORT": "grpc"})
+    assert isinstance(s, PrefillSettings)
+    assert (s.prefill.lease_ttl_s, s.prefill.lease_check_s, s.worker.kv_transport) == (7.0, 0.5, "grpc")
+
+
+def test_a_bad_value_is_refused_with_the_setting_named():
+    with pytest.raises(ConfigError, match="kv_lease_ms"):
+        parse_decode([], {"PDMESH_KV_LEASE_MS": "1"})
+
+
+@pytest.mark.parametrize(
+    ("main", "settings"), [(decode_main, DecodeSettings), (prefill_main, PrefillSettings)]
+)
+def test_every_section_of_the_settings_is_a_documented_flag_section(main, settings):
+    section_types = {f.default_factory for f in dataclasses.fields(settings)}  # type: ignore[misc]
+    assert section_types == {cls for cls, _ in main.CONFIGS}
