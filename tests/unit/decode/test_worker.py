@@ -230,3 +230,17 @@ async def test_no_client_deadline_means_the_configured_maximum(mesh):
         await run(mesh.worker(max_request_s=0.5), job(timeout_s=None, mode=Mode.LOCAL))
     mesh.decode.cancel_external("filler")
     await mesh.assert_both_pools_back()
+
+
+async def test_local_accounting_counts_the_prefix_cache_hit_of_a_repeat(mesh):
+    worker = mesh.worker()
+    tokens, first = await run(worker, job("a", mode=Mode.LOCAL))
+    assert tokens == reference(job("a"))
+    assert (first.path, first.reason, first.cached_prompt_tokens) == (Path.LOCAL, Reason.FORCED_LOCAL, 0)
+    assert first.computed_tokens == 48 + 7 and mesh.transport.pulls == 0
+    _, again = await run(worker, job("b", mode=Mode.LOCAL))
+    # Two full blocks come from the cache; the last prompt block is recomputed
+    # (the last token is always computed: its logits give the first sample).
+    assert again.cached_prompt_tokens == 32 and again.computed_tokens == 16 + 7
+    assert mesh.metrics.count("ok") == 2
+    await mesh.assert_both_pools_back()
