@@ -139,8 +139,9 @@ class FakeTransport:
         try:
             async with asyncio.timeout(deadline_s):
                 n = len(src_block_ids) if self.fail_after_blocks is None else self.fail_after_blocks
-                kv = await self.source.export_blocks(src_block_ids[:n])
-                await self.dest.import_blocks(dst_block_ids[:n], kv, handle.layout)
+                if n:
+                    kv = await self.source.export_blocks(src_block_ids[:n])
+                    await self.dest.import_blocks(dst_block_ids[:n], kv, handle.layout)
                 if self.fail_after_blocks is not None:
                     raise KvTransferFailed(FailureKind.PEER_DEAD, "the holder went away mid-pull")
                 if self.hang:

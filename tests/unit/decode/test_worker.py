@@ -168,8 +168,9 @@ async def test_a_handle_that_does_not_cover_the_request_is_released_before_the_f
     assert len(mesh.fake.releases) == 1  # asked back, not left to a lease
 
 
-async def test_the_holder_dying_during_the_pull_frees_the_half_written_reservation(mesh):
-    mesh.transport.fail_after_blocks = 1
+@pytest.mark.parametrize("blocks_before", [0, 1, 2])
+async def test_the_holder_dying_during_the_pull_frees_the_half_written_reservation(mesh, blocks_before):
+    mesh.transport.fail_after_blocks = blocks_before  # 0: gone right after handing out the handle
     j = job()
     tokens, final = await run(mesh.worker(), j)
     # The same tokens as locally: the half-written blocks were freed, never cached.
@@ -185,6 +186,16 @@ async def test_a_pull_that_outlasts_the_prefill_timeout_falls_back(mesh):
     tokens, final = await run(mesh.worker(prefill_timeout_s=0.5), j)
     assert_fell_back(tokens, final, j)
     assert mesh.fallbacks("transfer", "timeout") == 1
+    await mesh.assert_both_pools_back()
+    assert len(mesh.fake.releases) == 1
+
+
+async def test_the_deadline_passing_during_the_pull_leaves_no_time_for_a_fallback(mesh):
+    mesh.transport.hang = True
+    with pytest.raises(DeadlineExceeded, match="failed remote prefill"):
+        await run(mesh.worker(prefill_timeout_s=30.0), job(timeout_s=1.0))
+    assert mesh.fallbacks("transfer", "timeout") == 1
+    assert mesh.metrics.decision_counts().get("local/fallback", 0) == 0  # not started
     await mesh.assert_both_pools_back()
     assert len(mesh.fake.releases) == 1
 
