@@ -43,6 +43,7 @@ async def serve(settings: DecodeSettings) -> None:
         static_candidates=[Candidate(a, a) for a in decode_cfg.prefill_workers],
         prefill_timeout_s=decode_cfg.prefill_timeout_s,
         probe=PrefillLoadProbe(rt.channels) if remote is not None else None,
+        max_request_s=decode_cfg.max_request_s,
     )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, rt.server.server)
     await rt.serve(servicer.load)

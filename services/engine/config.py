@@ -45,9 +45,7 @@ class EngineConfig:
     seed: int = setting(0, "seed of the built-in model's random weights")
     enable_prefix_caching: bool = setting(True, "reuse KV of cached prompt prefixes")
     kv_event_buffer: int = setting(4096, "KV events kept for subscribers that fall behind")
-    sim_profile: str = setting(
-        "dynamo-mocker", "sim backend: timing profile in services/model/profiles.json"
-    )
+    sim_profile: str = setting("dynamo-mocker", "sim backend: timing profile in services/model/profiles.json")
     sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
 
     def __post_init__(self) -> None:

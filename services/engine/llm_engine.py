@@ -67,7 +67,10 @@ class LLMEngine:
             self.spec.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_event_buffer
         )
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.block_manager = block_manager  # read-only here: the Scheduler drives it
+        # The Scheduler drives it (allocation, freeing, the prefix cache); this class
+        # reads it (lookups, events, stats) and borrows scratch blocks in
+        # prompt_logits, freed before that call returns.
+        self.block_manager = block_manager
         self._seqs: dict[str, Sequence] = {}
         self.prompt_tokens_computed = 0
         self.decode_tokens_computed = 0
@@ -102,8 +105,7 @@ class LLMEngine:
         outputs = []
         for (seq, n), token in zip(out.scheduled, sampled, strict=True):
             self._account(seq, n)
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            self.scheduler.computed(seq, n)
             if token is not None:
                 outputs.append(self._append(seq, token))
         return outputs
@@ -257,7 +259,7 @@ class LLMEngine:
             self.block_manager.free(seq)
 
     def reset_prefix_cache(self) -> None:
-        self.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     # ---- internals ----------------------------------------------------------
 
@@ -289,7 +291,7 @@ class LLMEngine:
         elif seq.prefill_only:
             self.scheduler.hold(seq)
         else:
-            seq.status = SequenceStatus.DECODING
+            self.scheduler.decoding(seq)
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=seq.take_new_output(),

@@ -9,7 +9,9 @@ of the budget is computed in chunks over several steps. When a running sequence
 cannot get a block, the most recently admitted one is preempted: its blocks are
 freed and it recomputes later (its full blocks usually survive as cache hits).
 
-The output goes to ModelRunner; LLMEngine reports back with `finish` / `hold`.
+The output goes to ModelRunner; LLMEngine reports back with `computed` (the
+tokens ran), `decoding` / `hold` / `finish` (what the sampled token meant).
+Every change of a sequence's `status` happens here.
 """
 
 from __future__ import annotations
@@ -119,6 +121,18 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """The runner computed `n` more tokens of `seq`; its full blocks join the prefix cache."""
+        seq.num_computed_tokens += n
+        self.block_manager.cache_full_blocks(seq)
+
+    def decoding(self, seq: Sequence) -> None:
+        """A token was sampled for `seq` and it goes on: from here it decodes."""
+        seq.status = SequenceStatus.DECODING
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take `seq` out of whatever queue holds it and free its blocks."""

@@ -10,8 +10,9 @@ so it runs in unit tests against fake calls:
        workers, prefix overlaps from the index), take the first whose breaker
        lets it through, rank prefill candidates, call the worker with the
        remaining deadline, relay its tokens (DecodeAttempt)
-    -> on failure: the journey decides (retry before the first token, if the
-       retry budget grants one; migrate with resume tokens after it; give up)
+    -> on failure: the journey decides (migration.decide_recovery: retry before
+       the first token, if the retry budget grants one; migrate with resume
+       tokens after it; give up), and the flow applies the decision
     -> the cost of the request goes to the CostLedger, exactly once.
 
 Cancellation (client gone, or `cancel()` from Router.Cancel) cancels the
@@ -44,7 +45,7 @@ from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
-from services.router.migration import JourneyConfig, Recovery, RequestJourney
+from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
 from services.router.policy import Candidate, Policy
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import WorkerRegistry, WorkerRole
@@ -78,7 +79,7 @@ class FlowRequest:
         return self.sampling.max_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FlowFinal:
     finish_reason: int  # common_pb2.FinishReason
     prompt_tokens: int
@@ -280,9 +281,13 @@ class RequestFlow:
         )
 
     def _recover(self, worker: str, err: AttemptError) -> FlowFinal | None:
-        """After a failed attempt: return a final (COMPLETE), fall through to the
-        next attempt (None), or raise the error the client gets."""
-        decision = self.journey.fail_attempt(err.retryable)
+        """After a failed attempt, apply the journey's decision: return a final
+        (COMPLETE), fall through to the next attempt (None), or raise the error
+        the client gets."""
+        ctx = self.ctx
+        decision = self.journey.fail_attempt(
+            err.retryable, another_worker=self._another_worker(), retry_budget=ctx.budget.can_retry()
+        )
         log.info(
             "attempt_failed",
             request_id=self.req.request_id,
@@ -292,26 +297,24 @@ class RequestFlow:
             decision=decision.action.value,
             delivered=len(self.journey.delivered_token_ids),
         )
+        if decision.action is Recovery.RETRY:
+            ctx.budget.record_retry()
+        elif decision.cause is Cause.RETRY_BUDGET:
+            ctx.budget.record_denied()
+            if ctx.metrics is not None:
+                ctx.metrics.retry_denied()
         if decision.action is Recovery.COMPLETE:
             self._cost = self.journey.complete()
             return FlowFinal(
-                common_pb2.FINISH_REASON_LENGTH,
-                len(self.req.prompt_token_ids),
-                len(self.journey.delivered_token_ids),
-                0,
-                self._cost.computed_tokens,
-                worker,
-                self.journey.migrations,
-                "",
+                finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                prompt_tokens=len(self.req.prompt_token_ids),
+                completion_tokens=len(self.journey.delivered_token_ids),
+                cached_prompt_tokens=0,
+                computed_tokens=self._cost.computed_tokens,
+                worker_id=worker,
+                migrations=self.journey.migrations,
+                prefill_path="",
             )
-        if decision.action in (Recovery.RETRY, Recovery.MIGRATE) and not self._another_worker():
-            self._cost = self.journey.give_up()
-            raise err.to_mesh_error(worker, "no other decode worker to try")
-        if decision.action is Recovery.RETRY and not self.ctx.budget.try_acquire_retry():
-            if self.ctx.metrics is not None:
-                self.ctx.metrics.retry_denied()
-            self._cost = self.journey.give_up()
-            raise err.to_mesh_error(worker, "retry budget spent")
         if decision.action is Recovery.GIVE_UP:
             self._cost = self.journey.give_up()
             raise err.to_mesh_error(worker, decision.reason)

@@ -9,13 +9,20 @@ tokens generated and computed, outcome). The servicer creates one
     journey.start_attempt(worker_id, cached_tokens=overlap * block_size)
     journey.record_tokens(ids)                  # for every delta forwarded to the client
     journey.succeed(usage.computed_tokens)      # -> RequestCost for the CostLedger
-    decision = journey.fail_attempt()           # worker failed: RETRY / MIGRATE / COMPLETE / GIVE_UP
+    decision = journey.fail_attempt(err.retryable, another_worker=..., retry_budget=...)
+                                                # worker failed: RETRY / MIGRATE / COMPLETE / GIVE_UP
 
-A failure before the client saw any token is a *retry* (the same request again;
-the caller also asks the retry budget). A failure after it is a *migration*:
+A failure before the client saw any token is a *retry* (the same request again,
+if the router's retry budget grants one). A failure after it is a *migration*:
 the next worker gets prompt + delivered tokens as `resume_token_ids` and
 continues at output position len(delivered), so the client sees one stream
 with no duplicate or missing token. Both are capped per request.
+
+What to do after a failure is decided in one place, `decide_recovery`, a pure
+function of `RecoveryInputs`: the error, the journey's counts and limits, and
+the two facts only the caller knows (is there another decode worker, would the
+retry budget grant a retry). The caller applies the decision: it spends the
+budget on RETRY and counts a denial on `Cause.RETRY_BUDGET`.
 
 Tokens computed by an attempt are what its worker reported (the final
 `Usage.computed_tokens`) when it reported; otherwise an estimate:
@@ -59,10 +66,66 @@ class Recovery(enum.Enum):
     GIVE_UP = "give_up"  # finish with give_up()
 
 
+class Cause(enum.Enum):
+    """Why a RecoveryDecision went the way it did (`reason` is its text for people)."""
+
+    BEFORE_FIRST_TOKEN = "before_first_token"  # RETRY
+    MID_STREAM = "mid_stream"  # MIGRATE
+    ALL_DELIVERED = "all_delivered"  # COMPLETE
+    NOT_RETRYABLE = "not_retryable"  # GIVE_UP from here on
+    RETRY_LIMIT = "retry_limit"
+    MIGRATION_LIMIT = "migration_limit"
+    NO_OTHER_WORKER = "no_other_worker"
+    RETRY_BUDGET = "retry_budget"
+
+
 @dataclass(frozen=True)
 class RecoveryDecision:
     action: Recovery
     reason: str
+    cause: Cause
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryInputs:
+    """Everything the retry / migrate / give-up decision depends on."""
+
+    retryable: bool  # the error allows another attempt (AttemptError.retryable)
+    delivered: int  # output tokens the client already has
+    max_tokens: int
+    retries: int  # retries this request has had
+    max_retries: int
+    migrations: int  # migrations this request has had
+    max_migrations: int
+    another_worker: bool = True  # an eligible decode worker this request has not tried
+    retry_budget: bool = True  # the router's retry budget would grant a retry now
+
+
+def decide_recovery(f: RecoveryInputs) -> RecoveryDecision:
+    """Retry, migrate, complete or give up after a failed attempt. Pure."""
+    if not f.retryable:
+        return RecoveryDecision(Recovery.GIVE_UP, "error is not retryable", Cause.NOT_RETRYABLE)
+    if f.delivered == 0:
+        if f.retries >= f.max_retries:
+            return RecoveryDecision(
+                Recovery.GIVE_UP, f"retry limit {f.max_retries} reached", Cause.RETRY_LIMIT
+            )
+        if not f.another_worker:
+            return RecoveryDecision(Recovery.GIVE_UP, "no other decode worker to try", Cause.NO_OTHER_WORKER)
+        if not f.retry_budget:
+            return RecoveryDecision(Recovery.GIVE_UP, "retry budget spent", Cause.RETRY_BUDGET)
+        return RecoveryDecision(Recovery.RETRY, "failed before the first token", Cause.BEFORE_FIRST_TOKEN)
+    if f.delivered >= f.max_tokens:
+        return RecoveryDecision(
+            Recovery.COMPLETE, "every token was delivered before the failure", Cause.ALL_DELIVERED
+        )
+    if f.migrations >= f.max_migrations:
+        return RecoveryDecision(
+            Recovery.GIVE_UP, f"migration limit {f.max_migrations} reached", Cause.MIGRATION_LIMIT
+        )
+    if not f.another_worker:
+        return RecoveryDecision(Recovery.GIVE_UP, "no other decode worker to try", Cause.NO_OTHER_WORKER)
+    return RecoveryDecision(Recovery.MIGRATE, f"failed after {f.delivered} tokens", Cause.MID_STREAM)
 
 
 @dataclass(frozen=True)
@@ -222,20 +285,30 @@ class RequestJourney:
             self._end_attempt(AttemptOutcome.CANCELLED, computed_tokens)
         return self._finish(RequestOutcome.CANCELLED)
 
-    def fail_attempt(self, retryable: bool = True, computed_tokens: int | None = None) -> RecoveryDecision:
-        """The running attempt failed on its worker. What next?"""
+    def fail_attempt(
+        self,
+        retryable: bool = True,
+        computed_tokens: int | None = None,
+        *,
+        another_worker: bool = True,
+        retry_budget: bool = True,
+    ) -> RecoveryDecision:
+        """The running attempt failed on its worker. What next? (`decide_recovery`;
+        `another_worker` and `retry_budget` as in RecoveryInputs.)"""
         self._end_attempt(AttemptOutcome.FAILED, computed_tokens)
-        if not retryable:
-            return RecoveryDecision(Recovery.GIVE_UP, "error is not retryable")
-        if not self._delivered:
-            if self.retries >= self.config.max_retries:
-                return RecoveryDecision(Recovery.GIVE_UP, f"retry limit {self.config.max_retries} reached")
-            return RecoveryDecision(Recovery.RETRY, "failed before the first token")
-        if len(self._delivered) >= self.max_tokens:
-            return RecoveryDecision(Recovery.COMPLETE, "every token was delivered before the failure")
-        if self.migrations >= self.config.max_migrations:
-            return RecoveryDecision(Recovery.GIVE_UP, f"migration limit {self.config.max_migrations} reached")
-        return RecoveryDecision(Recovery.MIGRATE, f"failed after {len(self._delivered)} tokens")
+        return decide_recovery(
+            RecoveryInputs(
+                retryable=retryable,
+                delivered=len(self._delivered),
+                max_tokens=self.max_tokens,
+                retries=self.retries,
+                max_retries=self.config.max_retries,
+                migrations=self.migrations,
+                max_migrations=self.config.max_migrations,
+                another_worker=another_worker,
+                retry_budget=retry_budget,
+            )
+        )
 
     def complete(self) -> RequestCost:
         """Finish as a success after Recovery.COMPLETE (no attempt running)."""

@@ -8,8 +8,9 @@ granted while
 so when every worker fails, the router sends at most (1 + retry_ratio) times
 the client traffic plus a small constant, instead of (1 + max retries) times:
 retries cannot amplify an outage. The servicer calls `record_request` once per
-client request (first attempt only; retries do not earn budget) and
-`try_acquire_retry` before each retry (a failure before the first token).
+client request (first attempt only; retries do not earn budget); the
+recovery decision (migration.py) reads `can_retry`, and the flow then records
+the retry it starts (`record_retry`) or the one refused (`record_denied`).
 Migrations after the first token are bounded per request by the journey's
 migration limit, not by this budget.
 
@@ -72,11 +73,23 @@ class RetryBudget:
         allowance = cfg.min_retries_per_second * cfg.window_s + cfg.retry_ratio * requests
         return max(allowance - retries, 0.0)
 
+    def can_retry(self) -> bool:
+        """Would a retry be granted now? (Changes nothing.)"""
+        return self.available() >= 1.0 - 1e-9  # tolerate float error in ratio * requests
+
+    def record_retry(self) -> None:
+        """A retry was started (after `can_retry` said yes): it spends budget."""
+        self._window.add(self._clock(), _RETRIES)
+        self.retries_granted += 1
+
+    def record_denied(self) -> None:
+        """A retry was refused because the budget was spent (for metrics)."""
+        self.retries_denied += 1
+
     def try_acquire_retry(self) -> bool:
         """Take one retry from the budget; False (and counted) when it is spent."""
-        if self.available() >= 1.0 - 1e-9:  # tolerate float error in ratio * requests
-            self._window.add(self._clock(), _RETRIES)
-            self.retries_granted += 1
+        if self.can_retry():
+            self.record_retry()
             return True
-        self.retries_denied += 1
+        self.record_denied()
         return False

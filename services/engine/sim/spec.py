@@ -22,8 +22,8 @@ from kvtransfer.layout import KvLayout
 from services.engine.api import EngineCapabilities, EngineInfo, Tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
-from services.model.timing import TimingProfile
 from services.model.model_config import ModelConfig
+from services.model.timing import TimingProfile
 from services.model.tokenizer import ByteTokenizer, HfTokenizer
 
 # One float16 per K and per V per token: 2 * 2 bytes.

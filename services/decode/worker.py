@@ -1,0 +1,334 @@
+"""DecodeWorker: one decode request from the disaggregation decision to its usage, no gRPC.
+
+Owns, per request: the disaggregation decision (this worker's cached prefix ->
+a fresh load probe of the prefill candidates when the request may go remote ->
+`DisaggregationPolicy`), the remote path (`RemotePrefill`) with its single local
+fallback, the request's deadline, and its accounting (tokens, cached and
+computed tokens, KV bytes, metrics). It yields typed events, `Tokens` for each
+delta and one `Finished` last; the servicer turns a message into a `DecodeJob`
+and the events into messages, and nothing else.
+
+Cleanup ordering, which the unit tests drive through every failure point:
+- remote path: `RemotePrefill` frees this worker's reservation and asks the
+  prefill worker to release its lease *before* it raises `RemotePrefillFailed`;
+  only then does the local fallback allocate, so a fallback never holds two
+  reservations, and a fallback with no deadline left is refused
+  (`DeadlineExceeded`) instead of started;
+- cancellation (the consumer goes away, or its task is cancelled) at any await:
+  an in-flight Prefill call or pull is cancelled and `RemotePrefill` cleans up
+  as above; an engine stream is closed (`aclosing`), which aborts the request
+  and frees its blocks;
+- the deadline: the remote path is bounded by it (and by `prefill_timeout_s`);
+  a stream that passes it is closed like a cancelled one and the request ends
+  with `DeadlineExceeded`.
+
+A request whose client set no deadline gets `max_request_s`, the configured
+longest a request may run; a client deadline is capped by it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import structlog
+
+from services.common import tracing
+from services.common.errors import DeadlineExceeded
+from services.common.wait_estimator import WaitEstimator
+from services.decode.disagg_policy import Candidate, Decision, DisaggregationPolicy, Mode, Path, Reason
+from services.decode.metrics import DecodeMetrics
+from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
+from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
+from services.engine.api import Engine, EngineRequest, EngineStats, FinishReason, RequestOutput
+
+log = structlog.get_logger()
+
+# A fallback needs at least this much of the deadline left to be worth trying.
+MIN_FALLBACK_S = 0.05
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """One Generate call, converted from its message (validated already)."""
+
+    request: EngineRequest  # request_id unique on this worker
+    client_request_id: str  # the id the caller knows the request by (logs, traces)
+    mode: Mode | None = None  # None: the policy's default mode
+    candidates: Sequence[Candidate] | None = None  # ranked by the router; None: the static ones
+    timeout_s: float | None = None  # the client's remaining deadline; None: max_request_s
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New output tokens, in order."""
+
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended normally; what it cost and where it was prefilled."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    # Prefill work (here or on the prefill worker) plus one forward pass per
+    # generated token after the first.
+    computed_tokens: int
+    path: Path
+    reason: Reason
+    prefill_worker_id: str
+    kv_bytes_transferred: int
+
+
+Event = Tokens | Finished
+
+
+@dataclass
+class _Account:
+    """What one request has used so far."""
+
+    decision: Decision
+    prompt_tokens: int
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_worker_id: str = ""
+    kv_bytes: int = 0
+    finish: FinishReason | None = None
+
+    def local_output(self, out: RequestOutput) -> None:
+        self.completion_tokens += len(out.token_ids)
+        if self.decision.path is Path.LOCAL and out.num_computed_prompt_tokens:
+            self.computed_tokens = max(self.computed_tokens, out.num_computed_prompt_tokens)
+
+    def remote_result(self, result: RemoteResult) -> None:
+        self.prefill_worker_id = result.prefill_worker_id
+        self.kv_bytes = result.bytes_transferred
+        self.cached_tokens = max(result.cached_prefix_tokens, result.local_cached_tokens)
+        self.computed_tokens += result.prefill_computed_tokens
+
+    def finished(self) -> Finished:
+        # Decode work: every generated token after the first needed a forward pass,
+        # and the first one too on the local path (it came out of the prefill pass).
+        assert self.finish is not None, "the engine stream ended without a finished output"
+        return Finished(
+            finish_reason=self.finish,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_tokens,
+            computed_tokens=self.computed_tokens + max(self.completion_tokens - 1, 0),
+            path=self.decision.path,
+            reason=self.decision.reason,
+            prefill_worker_id=self.prefill_worker_id,
+            kv_bytes_transferred=self.kv_bytes,
+        )
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        policy: DisaggregationPolicy,
+        remote: RemotePrefill | None,
+        metrics: DecodeMetrics,
+        *,
+        static_candidates: Sequence[Candidate] = (),
+        prefill_timeout_s: float = 30.0,
+        max_request_s: float = 3600.0,
+        probe: PrefillLoadProbe | None = None,
+    ):
+        if prefill_timeout_s <= 0 or max_request_s <= 0:
+            raise ValueError("prefill_timeout_s and max_request_s must be > 0")
+        self.engine = engine
+        self.policy = policy
+        self.remote = remote
+        self.metrics = metrics
+        self.static_candidates = list(static_candidates)
+        self.prefill_timeout_s = prefill_timeout_s
+        self.max_request_s = max_request_s
+        self.probe = probe
+        self.own_dispatches = OwnDispatches()
+        self.waits = WaitEstimator()
+
+    def local_wait_s(self, stats: EngineStats | None = None) -> float:
+        """Estimated wait before a new local prefill would start (the measured rate
+        updated from `stats`, the engine's now when None)."""
+        s = self.engine.stats() if stats is None else stats
+        self.waits.observe(s.prompt_tokens_computed, s.tokens_waiting)
+        return self.waits.wait_s(s.tokens_waiting)
+
+    async def generate(self, job: DecodeJob) -> AsyncIterator[Event]:
+        """`Tokens` events, then one `Finished`; raises a MeshError (DeadlineExceeded)
+        or an engine error. Close the iterator (aclosing) to abort early."""
+        self.metrics.requests.inc()
+        started = time.monotonic()
+        limit = self.max_request_s if job.timeout_s is None else min(job.timeout_s, self.max_request_s)
+        deadline = started + limit
+        req = job.request
+        context_len = len(req.prompt_token_ids) + len(req.resume_token_ids)
+        cached = self.engine.prefix_lookup([*req.prompt_token_ids, *req.resume_token_ids])
+        decision = await self._decide(job, context_len, cached)
+        account = _Account(decision, prompt_tokens=len(req.prompt_token_ids), cached_tokens=cached)
+        self._record_decision(job, decision, context_len, cached)
+        outcome = "cancelled"
+        try:
+            async for event in self._run(req, account, deadline, started):
+                yield event
+            outcome = "ok"
+            yield account.finished()
+        except _StreamDeadline as e:
+            # Counted as before the core kept the deadline itself: the gRPC edge
+            # cancelled such a call, and cancelled is what it was counted as.
+            raise DeadlineExceeded(f"the deadline passed {e.where}") from None
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            self.metrics.finished(outcome)
+
+    # ---- the decision --------------------------------------------------------
+
+    async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> Decision:
+        mode = job.mode or Mode(self.policy.config.default_mode)
+        candidates = self._candidates(job)
+        if candidates and self.probe is not None and self._may_go_remote(context_len - cached, mode):
+            candidates = await self.probe.refresh(candidates)
+        candidates = self.own_dispatches.apply(candidates, self.waits.tokens_per_s)
+        return self.policy.decide(
+            context_len, cached, candidates, self.local_wait_s(), mode, self.waits.tokens_per_s
+        )
+
+    def _candidates(self, job: DecodeJob) -> list[Candidate]:
+        if self.remote is None:
+            return []
+        return list(job.candidates) if job.candidates else list(self.static_candidates)
+
+    def _may_go_remote(self, uncached: int, mode: Mode) -> bool:
+        return mode is Mode.REMOTE or (
+            mode is Mode.AUTO and uncached > self.policy.config.max_local_prefill_tokens
+        )
+
+    def _record_decision(self, job: DecodeJob, decision: Decision, context_len: int, cached: int) -> None:
+        self.metrics.decided(decision)
+        prefill_worker = decision.candidate.worker_id if decision.candidate else None
+        log.info(
+            "disagg_decision",
+            request_id=job.client_request_id,
+            path=decision.path.value,
+            reason=decision.reason.value,
+            prompt_tokens=context_len,
+            cached_tokens=cached,
+            prefill_worker=prefill_worker,
+        )
+        tracing.annotate(
+            request_id=job.client_request_id,
+            path=decision.path.value,
+            reason=decision.reason.value,
+            prefill_worker=prefill_worker,
+        )
+
+    # ---- running it ------------------------------------------------------------
+
+    async def _run(
+        self, req: EngineRequest, account: _Account, deadline: float, started: float
+    ) -> AsyncIterator[Tokens]:
+        outputs = None
+        if account.decision.path is Path.REMOTE:
+            result = await self._try_remote(req, account, deadline)
+            if result is not None and result.outputs is None:  # the first token finished it
+                account.completion_tokens, account.finish = 1, result.finish_reason
+                self.metrics.ttft.observe(time.monotonic() - started)
+                yield Tokens([result.first_token_id])
+                return
+            outputs = result.outputs if result is not None else None
+        if outputs is None:
+            outputs = self.engine.generate(req)
+        first, last = True, started
+        # Closing the stream (finished, cancelled, deadline) aborts the engine request.
+        async with aclosing(outputs) as stream:
+            while True:
+                out = await _next_before(stream, deadline, account.decision.path)
+                if out is None:
+                    return
+                if first and account.decision.path is Path.LOCAL:
+                    account.cached_tokens = out.num_cached_tokens or account.cached_tokens
+                account.local_output(out)
+                if out.token_ids:
+                    now = time.monotonic()
+                    if first:
+                        self.metrics.ttft.observe(now - started)
+                        first = False
+                    else:
+                        self.metrics.itl(now - last, len(out.token_ids))
+                    last = now
+                    yield Tokens(list(out.token_ids))
+                if out.finished:
+                    account.finish = out.finish_reason
+                    return
+
+    async def _try_remote(
+        self, req: EngineRequest, account: _Account, deadline: float
+    ) -> RemoteResult | None:
+        """The remote path; None after a failure (counted) means: prefill locally."""
+        candidate = account.decision.candidate
+        assert candidate is not None and self.remote is not None
+        sent = max(len(req.prompt_token_ids) + len(req.resume_token_ids) - account.cached_tokens, 0)
+        self.own_dispatches.begin(candidate.address, sent)
+        try:
+            result = await self.remote.run(
+                req, candidate, min(deadline, time.monotonic() + self.prefill_timeout_s)
+            )
+        except RemotePrefillFailed as e:
+            # RemotePrefill has freed our reservation and asked for the lease back.
+            self.metrics.fallback(e.stage, e.reason)
+            log.warning(
+                "remote_prefill_failed",
+                request_id=req.request_id,
+                stage=e.stage,
+                reason=e.reason,
+                prefill_worker=candidate.worker_id,
+                error=str(e),
+            )
+            if deadline - time.monotonic() < MIN_FALLBACK_S:
+                raise DeadlineExceeded("deadline passed during a failed remote prefill") from e
+            account.decision = Decision(Path.LOCAL, Reason.FALLBACK)
+            self.metrics.decided(account.decision)
+            tracing.annotate(path="local", reason=Reason.FALLBACK.value, fallback=f"{e.stage}: {e.reason}")
+            return None
+        finally:
+            self.own_dispatches.end(candidate.address, sent)
+        account.remote_result(result)
+        if result.bytes_transferred:
+            self.metrics.transferred(result.bytes_transferred, result.transfer_seconds)
+        tracing.annotate(kv_bytes=result.bytes_transferred)
+        return result
+
+
+class _StreamDeadline(Exception):
+    def __init__(self, where: str):
+        self.where = where
+
+
+async def _next_before(
+    stream: AsyncIterator[RequestOutput], deadline: float, path: Path
+) -> RequestOutput | None:
+    """The stream's next output, None at its end; `_StreamDeadline` once `deadline`
+    (time.monotonic) has passed. One timer per output, no task."""
+    loop = asyncio.get_running_loop()
+    timer = asyncio.timeout_at(loop.time() + (deadline - time.monotonic()))
+    try:
+        async with timer:
+            return await anext(stream)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        if not timer.expired():  # the engine's own, not our deadline
+            raise
+        where = "during the local prefill or decode" if path is Path.LOCAL else "while decoding"
+        raise _StreamDeadline(where) from None
