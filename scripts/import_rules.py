@@ -78,7 +78,10 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("services/gateway/launch.py", "pdmesh.launcher"): (
         "the gateway's launch spec (see above) builds on the launcher"
     ),
-    ("pdmesh/commands.py", "bench.loadgen"): "`pdmesh load` runs the benchmark's load generator",
+    (
+        "pdmesh/commands.py",
+        "bench.loadgen",
+    ): "`pdmesh bench` runs the load generator in process (bench sits above pdmesh)",
 }
 
 

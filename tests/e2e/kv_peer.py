@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.poll import eventually, wait_until
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -231,28 +233,23 @@ class Peer:
         )
         self.info: dict = {}
 
-    def _check_alive(self, deadline: float, timeout_s: float) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"kv_peer {self.name} exited with {self.proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"kv_peer {self.name} not ready in {timeout_s} s")
+    def _started_or_exited(self) -> bool:
+        return self.port_file.exists() or self.proc.poll() is not None
 
-    def wait_ready(self, timeout_s: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while not self.port_file.exists():
-            self._check_alive(deadline, timeout_s)
-            time.sleep(0.02)  # polling a file with a deadline
+    def _read_info(self) -> dict:
+        if not self.port_file.exists():
+            raise RuntimeError(f"kv_peer {self.name} exited with {self.proc.returncode}")
         self.info = json.loads(self.port_file.read_text())
         return self.info
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        wait_until(self._started_or_exited, timeout=timeout_s, what=f"kv_peer {self.name}'s port file")
+        return self._read_info()
 
     async def ready(self, timeout_s: float = 60.0) -> dict:
         """`wait_ready` for async callers: the event loop (heartbeats!) keeps running."""
-        deadline = time.monotonic() + timeout_s
-        while not self.port_file.exists():
-            self._check_alive(deadline, timeout_s)
-            await asyncio.sleep(0.02)  # polling a file with a deadline
-        self.info = json.loads(self.port_file.read_text())
-        return self.info
+        await eventually(self._started_or_exited, timeout=timeout_s, what=f"kv_peer {self.name}'s port file")
+        return self._read_info()
 
     @property
     def address(self) -> str:

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -295,11 +294,12 @@ async def test_a_stalled_nixl_read_times_out_then_dies_with_its_holder(tmp, kv_s
         peer.kill()
         await expect(FailureKind.PEER_DEAD, pull)
         assert receiver.nixl.reads_in_flight == 0
+
         # Once its liveness lease lapses the dead holder is unknown, and forgotten by our agent.
-        deadline = time.monotonic() + 30
-        while await receiver.directory.is_alive(peer.name) is not False:
-            assert time.monotonic() < deadline, "dead holder never expired"
-            await asyncio.sleep(0.05)  # polling the registry with a deadline
+        async def expired() -> bool:
+            return await receiver.directory.is_alive(peer.name) is False
+
+        await eventually(expired, timeout=30, what="the dead holder's agent to expire")
         await expect(FailureKind.UNKNOWN_AGENT, receiver.pull("nixl", handle))
         assert peer.name not in receiver.nixl.loaded_agents
     finally:

@@ -3,15 +3,16 @@ threads or processes change (never a bare sleep as synchronisation).
 
 `wait_until` blocks (for another process's state: backoff up to 0.2 s);
 `eventually` awaits (for state other tasks or threads on this loop change: it
-yields every 10 ms). Both return the predicate's first truthy value and fail
+yields every 10 ms; its predicate may also be a coroutine function, e.g. an RPC). Both return the predicate's first truthy value and fail
 with an AssertionError naming what was awaited once `timeout` seconds pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,11 +32,15 @@ def wait_until(pred: Callable[[], T], timeout: float = 30.0, what: str = "condit
         delay = min(delay * 1.5, 0.2)
 
 
-async def eventually(pred: Callable[[], T], timeout: float = 10.0, what: str = "condition") -> T:
+async def eventually(
+    pred: Callable[[], T] | Callable[[], Awaitable[T]], timeout: float = 10.0, what: str = "condition"
+) -> T:
     """Poll `pred` on this loop (other tasks run meanwhile) until truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() > deadline:
