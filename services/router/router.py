@@ -128,7 +128,11 @@ class Router:
         self.sequencer = EventSequencer()
         self.budget = RetryBudget(settings.retry_budget, clock)
         self.ledger = CostLedger()
-        self.auth = ApiKeyStore(settings.auth) if settings.auth.enabled else None
+        self.auth = (
+            ApiKeyStore(settings.auth, on_reload_error=self.metrics.api_keys_reload_failed)
+            if settings.auth.enabled
+            else None
+        )
         self.admission = AdmissionController(
             settings.admission, clock, self.auth.limits_for if self.auth is not None else None
         )
