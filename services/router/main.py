@@ -28,10 +28,11 @@ from services.common.tracing import shutdown as shutdown_tracing
 from services.router.config import ModelSpec, RouterSettings, make_parser, parse_settings, sections
 from services.router.listeners import RouterListeners
 from services.router.router import Router
+from services.router.servicer import SERVICE_NAME
 
 # What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
 CONFIGS = sections()
-__all__ = ["CONFIGS", "main", "make_parser", "serve"]
+__all__ = ["CONFIGS", "SERVICE_NAME", "main", "make_parser", "serve"]
 
 
 async def _follow_readiness(router: Router, server: RouterListeners) -> None:
