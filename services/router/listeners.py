@@ -73,6 +73,7 @@ class RouterListeners:
             drain_grace_s=server.drain_grace_s,
             max_message_bytes=server.max_message_bytes,
             log_level=server.log_level,
+            so_reuseport=server.so_reuseport,  # a restarted router takes its old ports back at once
         )
         tls = settings.tls
         # TLS on: the internal port takes only mesh certificates (TlsConfig checks there is a CA).
