@@ -15,6 +15,7 @@ from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, 
 from pdmesh.mesh_tls import MeshTls, MissingCertificates, wait_https
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+DEFAULT_ROUTER_INTERNAL = "127.0.0.1:50061"  # compose's and Kubernetes' --internal-port
 SERVICES = {
     "kvtransfer": ("services.kvtransfer.main", "pdmesh.v1.KvTransferService"),
     "prefill": ("services.prefill.main", "pdmesh.v1.PrefillService"),
@@ -323,7 +324,9 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def _workers_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ROUTER, help="router host:port")
+    p.add_argument(
+        "--address", default=DEFAULT_ROUTER, help="the router's internal host:port (--internal-port)"
+    )
     p.add_argument("--timeout", type=float, default=5.0)
     add_security_arguments(p)
 
