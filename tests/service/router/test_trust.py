@@ -288,3 +288,17 @@ def test_a_huge_token_list_is_refused_without_copying_it():
     finally:
         tracemalloc.stop()
     assert peak < 1_000_000  # a list of 2M ints would be > 16 MB
+
+
+def test_huge_stop_lists_are_refused_without_copying_them():
+    model, limits = ModelSpec.load(RouterConfig()), RequestLimits()
+    req = router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=1))
+    req.sampling.stop_token_ids.extend([1] * 2_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidArgument, match="at most 64 ids"):
+            parse_generate(req, model, limits, None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000  # a tuple of 2M ids is 16 MB
