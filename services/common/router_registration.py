@@ -73,7 +73,14 @@ class RouterMembership:
                 await asyncio.sleep(self._interval_s)
             except grpc.aio.AioRpcError as e:
                 self.registered.clear()
-                log.warning("router_unreachable", code=e.code().name, retry_in_s=backoff)
+                # PERMISSION_DENIED: another process holds our id (a restart that lost the
+                # incarnation waits for the old lease to expire) or we are a static worker.
+                event = (
+                    "router_refused"
+                    if e.code() == grpc.StatusCode.PERMISSION_DENIED
+                    else "router_unreachable"
+                )
+                log.warning(event, code=e.code().name, details=e.details(), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
