@@ -302,3 +302,20 @@ def test_huge_stop_lists_are_refused_without_copying_them():
     finally:
         tracemalloc.stop()
     assert peak < 1_000_000  # a tuple of 2M ids is 16 MB
+
+
+async def test_a_bad_keys_file_revokes_what_it_no_longer_holds_and_is_counted(tmp_path, cleanup):
+    """Issue 13 item 6 through the router: a revoked key stops working at once even though
+    the same edit broke another line; the failed reload shows in the router's metrics."""
+    h, _, acme, zeta, _ = await keyed(tmp_path, cleanup)
+    keys = tmp_path / "keys.jsonl"
+    await h.generate("hi", max_tokens=1, metadata=bearer(zeta))
+    kept = [line for line in keys.read_text().splitlines() if '"zeta"' not in line]
+    keys.write_text("\n".join([*kept, '{"key_sha256": "broken']) + "\n")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await h.generate("hi", max_tokens=1, metadata=bearer(zeta))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    _, final, _ = await h.generate("hi", max_tokens=1, metadata=bearer(acme))
+    assert final is not None
+    registry = h.router.metrics.registry
+    assert registry.get_sample_value("pdmesh_router_api_keys_reload_errors_total") == 1
