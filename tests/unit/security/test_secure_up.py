@@ -74,3 +74,15 @@ def test_compose_addresses_of_the_internal_port_go_to_the_routers_internal_liste
     env = local_env(decode, services, {"router": ["127.0.0.1:7002"]}, {"router": ["127.0.0.1:7003"]})
     assert env["PDMESH_ROUTER_ADDRESS"] == "127.0.0.1:7003" and env["X"] == "127.0.0.1:7002"
     assert local_env(router, services, {})["PDMESH_INTERNAL_PORT"] == "0"
+
+
+def test_pdmesh_keys_add_admin_marks_an_operators_key(tmp_path, capsys):
+    import json
+
+    from pdmesh.cli import main
+
+    path = tmp_path / "keys.jsonl"
+    assert main(["keys", "add", "ops", "--file", str(path), "--admin"]) == 0
+    assert main(["keys", "add", "acme", "--file", str(path)]) == 0
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line.get("admin") for line in lines] == [True, None]
