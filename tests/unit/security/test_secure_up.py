@@ -4,9 +4,12 @@ and the keys file; compose's internal-port addresses map to the router's interna
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdmesh.cli import build_parser
+from pdmesh.cli import main as pdmesh_main
 from pdmesh.commands import check_certificates, mesh_specs
 from pdmesh.compose_launch import ComposeService, Readiness, local_env
 from pdmesh.mesh_tls import MissingCertificates
@@ -77,12 +80,8 @@ def test_compose_addresses_of_the_internal_port_go_to_the_routers_internal_liste
 
 
 def test_pdmesh_keys_add_admin_marks_an_operators_key(tmp_path, capsys):
-    import json
-
-    from pdmesh.cli import main
-
     path = tmp_path / "keys.jsonl"
-    assert main(["keys", "add", "ops", "--file", str(path), "--admin"]) == 0
-    assert main(["keys", "add", "acme", "--file", str(path)]) == 0
+    assert pdmesh_main(["keys", "add", "ops", "--file", str(path), "--admin"]) == 0
+    assert pdmesh_main(["keys", "add", "acme", "--file", str(path)]) == 0
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line.get("admin") for line in lines] == [True, None]
