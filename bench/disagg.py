@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             topo = topology.Topology(**{**topo.__dict__, "decode_flags": flags})
         dep = topology.start(topo)
         try:
-            wait_workers(dep.address, topo.prefill + topo.decode)
+            wait_workers(dep.internal_address, topo.prefill + topo.decode)
             if base is None:  # the first mode is agg: measure unloaded latency there
                 # Each length twice: the TPOT SLO is 1.5x this median, so a noisy baseline moves every
                 # attainment figure (4 samples gave 20.1-24.9 ms across runs on this machine).

@@ -88,7 +88,7 @@ class SoakMesh:
                 worker_id=f"{role}-{i}",
                 kvtransfer_address=self.current[("kvtransfer", 0)].address,
                 kv_transport=self.kv_transport,
-                router_address=self.current[("router", 0)].address,
+                router_address=self.current[("router", 0)].internal_address,
                 router_lease_ms=3000,
             )
             + ENGINE
@@ -110,7 +110,8 @@ class SoakMesh:
                 if svc.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"router did not start:\n{svc.log_tail()}")
                 time.sleep(0.05)  # polling a child's port file
-            svc.port = json.loads(svc.port_file.read_text())["port"]
+            ports = json.loads(svc.port_file.read_text())
+            svc.port, svc.internal_port = ports["port"], ports["internal_port"]
         else:
             self.launcher.wait_ready(svc)
         self.current[(role, i)] = svc
@@ -164,7 +165,7 @@ def leaks(mesh: SoakMesh, timeout_s: float = 60.0) -> tuple[int, int, int]:
             s = worker_stats(role, svc)
             blocks += s.info.kv_capacity_blocks - s.load.free_blocks
             held += s.leases.held
-        with grpc.insecure_channel(mesh.current[("router", 0)].address) as ch:
+        with grpc.insecure_channel(mesh.current[("router", 0)].internal_address) as ch:
             r = router_pb2_grpc.RouterServiceStub(ch).Stats(
                 router_pb2.RouterServiceStatsRequest(), timeout=10
             )

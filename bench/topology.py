@@ -41,6 +41,12 @@ class Deployment:
         assert self.router is not None
         return self.router.address
 
+    @property
+    def internal_address(self) -> str:
+        """The router's internal port: ListWorkers, Stats, worker membership."""
+        assert self.router is not None
+        return self.router.internal_address
+
     def close(self) -> None:
         self.launcher.close()
 

@@ -134,7 +134,10 @@ def print_workers(
                 router_pb2.ListWorkersRequest(), timeout=timeout, metadata=metadata
             )
         except grpc.RpcError as e:
-            print(f"pdmesh workers: {e.code().name}: {e.details()}", file=sys.stderr)
+            hint = ""
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # the public port: ListWorkers is internal
+                hint = " (ListWorkers is on the router's internal port, --internal-port; pdmesh up prints it)"
+            print(f"pdmesh workers: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
     rows = [("ROLE", "WORKER", "ADDRESS", "HEALTH", "RUNNING", "WAITING", "FREE BLOCKS", "CACHED", "SOURCE")]
     for w in resp.workers:

@@ -7,12 +7,15 @@ import importlib.util
 import signal
 import sys
 import time
+from pathlib import Path
 
 from pdmesh.cli import command
 from pdmesh.client import add_security_arguments
 from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags, wait_all
+from pdmesh.mesh_tls import MeshTls, MissingCertificates, wait_https
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+DEFAULT_ROUTER_INTERNAL = "127.0.0.1:50061"  # compose's and Kubernetes' --internal-port
 SERVICES = {
     "kvtransfer": ("services.kvtransfer.main", "pdmesh.v1.KvTransferService"),
     "prefill": ("services.prefill.main", "pdmesh.v1.PrefillService"),
@@ -53,7 +56,42 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--policy", default=None, help="router policy: kv_aware, least_loaded, round_robin")
     p.add_argument("--workdir", default=None, help="where logs and port files go (default: a temp dir)")
+    p.add_argument(
+        "--router-internal-port",
+        type=int,
+        default=0,
+        help="the router's internal port: worker membership, ListWorkers, Stats (0 = any free port)",
+    )
+    p.add_argument(
+        "--tls-dir",
+        default=None,
+        help="mTLS everywhere, each service with its own certificate from "
+        "`pdmesh certs --out DIR --worker decode/decode-0 --worker prefill/prefill-0 ...`",
+    )
+    p.add_argument(
+        "--api-keys-file", default=None, help="tenant API keys the router requires (`pdmesh keys add`)"
+    )
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for each service")
+
+
+def _tls(args: argparse.Namespace) -> MeshTls | None:
+    tls_dir = getattr(args, "tls_dir", None)
+    return MeshTls(Path(tls_dir)) if tls_dir else None
+
+
+def _own_cert(args: argparse.Namespace, role: str, worker: str = "") -> tuple[str, ...]:
+    """A service's own certificate flags with --tls-dir (none without)."""
+    tls = _tls(args)
+    return tls.flags(role, worker) if tls is not None else ()
+
+
+def check_certificates(args: argparse.Namespace) -> None:
+    """With --tls-dir: every certificate the topology needs is there (MissingCertificates)."""
+    tls = _tls(args)
+    if tls is not None:
+        workers = [("prefill", f"prefill-{i}") for i in range(args.prefill)]
+        workers += [("decode", f"decode-{i}") for i in range(args.decode)]
+        tls.check([("kvtransfer", ""), ("router", ""), ("gateway", ""), *workers])
 
 
 def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
@@ -67,7 +105,7 @@ def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
         ServiceSpec(
             "kvtransfer",
             SERVICES["kvtransfer"][0],
-            flags(host=args.host),
+            flags(host=args.host) + _own_cert(args, "kvtransfer"),
             ready_service=SERVICES["kvtransfer"][1],
             host=args.host,
         )
@@ -77,7 +115,9 @@ def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
             ServiceSpec(
                 f"prefill-{i}",
                 SERVICES["prefill"][0],
-                flags(host=args.host, worker_id=f"prefill-{i}", kv_transport=args.kv_transport) + engine,
+                flags(host=args.host, worker_id=f"prefill-{i}", kv_transport=args.kv_transport)
+                + engine
+                + _own_cert(args, "prefill", f"prefill-{i}"),
                 ready_service=SERVICES["prefill"][1],
                 host=args.host,
             )
@@ -93,7 +133,8 @@ def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
                     kv_transport=args.kv_transport,
                     max_local_prefill_tokens=args.max_local_prefill_tokens,
                 )
-                + engine,
+                + engine
+                + _own_cert(args, "decode", f"decode-{i}"),
                 ready_service=SERVICES["decode"][1],
                 host=args.host,
             )
@@ -161,12 +202,14 @@ def start_mesh(
     router_flags = flags(
         host=args.host,
         port=args.router_port,
+        internal_port=getattr(args, "router_internal_port", 0),
         decode_workers=[d.address for d in decodes],
         prefill_workers=prefill_addrs or None,
         policy=args.policy,
         preset=None if args.model else args.preset,
         model_path=args.model,
-    )
+        api_keys_file=getattr(args, "api_keys_file", None),
+    ) + _own_cert(args, "router")
     (router,) = group(
         [
             launcher.start(
@@ -183,19 +226,21 @@ def start_mesh(
     if _exists("services.gateway.main"):
         from services.gateway.launch import gateway_spec, start_ready
 
-        gateway = start_ready(
-            launcher,
-            gateway_spec(
-                router.address,
-                host=args.host,
-                port=args.gateway_port,
-                model_path=args.model,
-                preset=None if args.model else args.preset,
-            ),
-            args.timeout,
+        spec = gateway_spec(
+            router.address,
+            host=args.host,
+            port=args.gateway_port,
+            model_path=args.model,
+            preset=None if args.model else args.preset,
+            extra=_own_cert(args, "gateway"),
         )
+        tls = _tls(args)
+        if tls is None:
+            gateway = start_ready(launcher, spec, args.timeout)
+        else:  # HTTPS with the gateway's certificate
+            gateway = wait_https(launcher, launcher.start(spec), tls.config("gateway").ca_file, args.timeout)
         started["gateway"] = gateway
-        status.ready(gateway, f"http://{gateway.address}/v1")
+        status.ready(gateway, f"{'https' if tls else 'http'}://{gateway.address}/v1")
     status.done(started)
     return started
 
@@ -209,7 +254,14 @@ def _with(spec: ServiceSpec, **extra: object) -> ServiceSpec:
 @command("up", _up_args)
 def up(args: argparse.Namespace) -> int:
     """Start a local mesh (kvtransfer, prefill, decode, router) and serve until Ctrl-C."""
-    launcher = Launcher(args.workdir)
+    tls = _tls(args)
+    try:
+        check_certificates(args)
+    except MissingCertificates as e:
+        print(f"pdmesh up: {e}", file=sys.stderr)
+        return 2
+    # Readiness checks of a TLS mesh present the router's certificate (any mesh role may ask health).
+    launcher = Launcher(args.workdir, tls=tls.config("router") if tls is not None else None)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -225,6 +277,7 @@ def up(args: argparse.Namespace) -> int:
             f'"Hello"   (Ctrl-C to stop)',
             flush=True,
         )
+        print(f"pdmesh up: workers and operators (pdmesh workers) use {router.internal_address}", flush=True)
         while not stop["now"]:
             for svc in launcher.services:
                 if svc.proc.poll() is not None:
@@ -271,7 +324,9 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def _workers_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ROUTER, help="router host:port")
+    p.add_argument(
+        "--address", default=DEFAULT_ROUTER, help="the router's internal host:port (--internal-port)"
+    )
     p.add_argument("--timeout", type=float, default=5.0)
     add_security_arguments(p)
 

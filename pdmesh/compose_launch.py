@@ -7,10 +7,12 @@ containers and processes on one host is rewritten, in `local_env`:
 
   - `PDMESH_HOST` -> 127.0.0.1 and `PDMESH_PORT` -> 0 (every container listens on
     the same port; processes sharing loopback cannot), `PDMESH_METRICS_PORT` -> 0
-    when metrics are on; the launcher adds `--port-file` to learn the ports;
-  - every `service:port` naming a compose service and its in-container port ->
-    the real loopback address(es) of that service's processes (all replicas,
-    comma-separated, as a DNS name with several A records would give).
+    when metrics are on, `PDMESH_INTERNAL_PORT` (the router's internal listener)
+    -> 0; the launcher adds `--port-file` to learn the ports;
+  - every `service:port` naming a compose service and its in-container port (or
+    its internal port) -> the real loopback address(es) of that service's
+    processes on that port (all replicas, comma-separated, as a DNS name with
+    several A records would give).
 
 Start order follows `depends_on` the way compose does: a service starts once
 each dependency is *started* (its port is known) or *healthy* (its healthcheck
@@ -66,6 +68,7 @@ class ComposeService:
     ready: Readiness
     depends_on: Mapping[str, str] = field(default_factory=dict)
     port: int = 0  # in-container listening port (PDMESH_PORT)
+    internal_port: int = 0  # the router's internal listener (PDMESH_INTERNAL_PORT), 0 = none
 
 
 def interpolate(value: str, environ: Mapping[str, str]) -> str:
@@ -132,7 +135,16 @@ def load_compose(
         if "PDMESH_PORT" not in env:
             raise ComposeError(f"{name}: environment must set PDMESH_PORT (its in-container port)")
         ready = _readiness(name, raw.get("healthcheck"))
-        services[name] = ComposeService(name, module, args, env, ready, deps, int(env["PDMESH_PORT"]))
+        services[name] = ComposeService(
+            name,
+            module,
+            args,
+            env,
+            ready,
+            deps,
+            int(env["PDMESH_PORT"]),
+            int(env.get("PDMESH_INTERNAL_PORT", 0)),
+        )
     for svc in services.values():
         for dep in svc.depends_on:
             if dep not in services:
@@ -163,24 +175,32 @@ def start_order(services: Mapping[str, ComposeService]) -> list[str]:
 
 
 def local_env(
-    svc: ComposeService, services: Mapping[str, ComposeService], addresses: Mapping[str, list[str]]
+    svc: ComposeService,
+    services: Mapping[str, ComposeService],
+    addresses: Mapping[str, list[str]],
+    internal: Mapping[str, list[str]] | None = None,
 ) -> dict[str, str]:
-    """`svc`'s declared environment with the loopback rewrites (see the module docstring)."""
+    """`svc`'s declared environment with the loopback rewrites (see the module docstring);
+    `internal` holds the internal-port addresses of the services that have one."""
+    internal = internal or {}
     out: dict[str, str] = {}
     for key, value in svc.env.items():
         if key == "PDMESH_HOST":
             value = "127.0.0.1"
-        elif key == "PDMESH_PORT" or (key == "PDMESH_METRICS_PORT" and int(value) >= 0):
+        elif key in ("PDMESH_PORT", "PDMESH_INTERNAL_PORT") or (
+            key == "PDMESH_METRICS_PORT" and int(value) >= 0
+        ):
             value = "0"
         else:
 
             def sub(m: re.Match[str], key: str = key) -> str:
                 host, port = m.group("host"), int(m.group("port"))
-                if host not in services or services[host].port != port:
+                target = services.get(host)
+                if target is None or port not in (target.port, target.internal_port or -1):
                     return m.group(0)
                 if host not in svc.depends_on:
                     raise ComposeError(f"{svc.name}: {key} uses {host}:{port} but does not depend on {host}")
-                return ",".join(addresses[host])
+                return ",".join(internal[host] if port != target.port else addresses[host])
 
             value = _ADDRESS.sub(sub, value)
         out[key] = value
@@ -229,7 +249,12 @@ class ComposeLaunch:
     def _start(self, name: str) -> None:
         svc = self.services[name]
         addresses = {dep: [r.address for r in self.replicas[dep]] for dep in svc.depends_on}
-        env = local_env(svc, self.services, addresses)
+        internal = {
+            dep: [r.internal_address for r in self.replicas[dep]]
+            for dep in svc.depends_on
+            if self.services[dep].internal_port
+        }
+        env = local_env(svc, self.services, addresses, internal)
         count = self.scale[name]
         self.replicas[name] = [
             self.launcher.start(
@@ -276,4 +301,5 @@ def _read_port(svc: RunningService) -> bool:
     if not svc.port and svc.port_file.exists():
         data = json.loads(svc.port_file.read_text())
         svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
+        svc.internal_port = data.get("internal_port")
     return bool(svc.port)

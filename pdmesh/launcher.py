@@ -50,10 +50,18 @@ class RunningService:
     log_path: Path
     port: int = 0
     metrics_port: int | None = None
+    internal_port: int | None = None  # the router's internal listener (membership), from its port file
 
     @property
     def address(self) -> str:
         return f"{self.spec.host}:{self.port}"
+
+    @property
+    def internal_address(self) -> str:
+        """Where workers register with a router (its --internal-port)."""
+        if not self.internal_port:
+            raise LaunchError(f"{self.spec.name} reported no internal port")
+        return f"{self.spec.host}:{self.internal_port}"
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -106,6 +114,7 @@ class Launcher:
         if not svc.port and svc.port_file.exists():
             data = json.loads(svc.port_file.read_text())
             svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
+            svc.internal_port = data.get("internal_port")
         return (
             bool(svc.port)
             and health_check(svc.address, svc.spec.ready_service, timeout=1.0, tls=self._tls)[0] == "SERVING"

@@ -3,7 +3,7 @@
 pdmesh certs --out certs [--hosts mesh.example.com,10.0.0.5] [--worker decode/decode-0]
     ca.pem (+ ca-key.pem) and <role>.pem / <role>-key.pem for router, decode,
     prefill, kvtransfer, gateway and client (pdmesh/certs.py says what is in them).
-pdmesh keys add TENANT --file api-keys.jsonl [--max-priority N] [--requests-per-s R] ...
+pdmesh keys add TENANT --file api-keys.jsonl [--max-priority N] [--requests-per-s R] [--admin] ...
     prints a new key once and appends only its SHA-256 to the file the router
     reads (--api-keys-file); the router picks it up without a restart.
 pdmesh keys hash KEY
@@ -75,6 +75,9 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
     add.add_argument("--token-burst", type=float, default=None)
     add.add_argument("--max-inflight", type=int, default=None, help="open requests of the tenant")
     add.add_argument("--note", default=None, help="free text kept with the hash (who, what for)")
+    add.add_argument(
+        "--admin", action="store_true", default=None, help="an operator's key: may also call ListWorkers"
+    )
     hash_ = sub.add_parser("hash", help="print the SHA-256 of KEY (for --api-keys HASH:TENANT)")
     hash_.add_argument("key")
 
@@ -97,6 +100,7 @@ def keys(args: argparse.Namespace) -> int:
             "tokens_per_s",
             "token_burst",
             "max_inflight",
+            "admin",
         )
     }
     try:

@@ -72,10 +72,12 @@ class GenerateFinal(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., migrations: _Optional[int] = ..., prefill_path: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("cancelled",)
@@ -110,28 +112,34 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker", "lease_ms")
+    __slots__ = ("worker", "lease_ms", "incarnation")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker: _common_pb2.WorkerInfo
     lease_ms: int
-    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., lease_ms: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "lease_ms")
+    __slots__ = ("heartbeat_interval_ms", "lease_ms", "incarnation")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     lease_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RouterServiceHeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load")
+    __slots__ = ("worker_id", "load", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: _common_pb2.WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RouterServiceHeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -140,10 +148,12 @@ class RouterServiceHeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerResponse(_message.Message):
     __slots__ = ("removed",)

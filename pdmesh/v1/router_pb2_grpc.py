@@ -27,6 +27,10 @@ if _version_not_supported:
 
 class RouterServiceStub:
     """Public entry point: admission, KV-aware routing, retries, migration.
+    The router serves it on two listeners (docs/SECURITY.md): the public port
+    has Generate and Cancel only; the internal port (--internal-port) has the
+    mesh's methods (ListWorkers, membership, Stats). A method a port does not
+    serve is UNIMPLEMENTED there.
     """
 
     def __init__(self, channel):
@@ -74,6 +78,10 @@ class RouterServiceStub:
 
 class RouterServiceServicer:
     """Public entry point: admission, KV-aware routing, retries, migration.
+    The router serves it on two listeners (docs/SECURITY.md): the public port
+    has Generate and Cancel only; the internal port (--internal-port) has the
+    mesh's methods (ListWorkers, membership, Stats). A method a port does not
+    serve is UNIMPLEMENTED there.
     """
 
     def Generate(self, request, context):
@@ -86,42 +94,47 @@ class RouterServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Cancel a running request by id.
+        """Cancel a running request of the caller's tenant by id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Workers known to the router with health and load.
+        """Internal port. Workers known to the router with health and load; needs an
+        admin or router certificate, or an admin API key when keys are on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RegisterWorker(self, request, context):
-        """A worker joins at run time (or re-joins after a restart).
+        """Internal port. A worker joins at run time (or re-joins after a restart).
+        A worker speaks only for itself: with mTLS its certificate's worker id,
+        else the incarnation a previous registration returned. PERMISSION_DENIED
+        for a static worker's id or an id another process holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Keep a runtime registration alive and report load.
+        """Internal port. Keep a runtime registration alive and report load (the
+        registrant only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeregisterWorker(self, request, context):
-        """A worker leaves (clean shutdown).
+        """Internal port. A worker leaves (clean shutdown; the registrant only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Router counters, including cost per successful request.
+        """Internal port. Router counters, including cost per successful request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +188,10 @@ def add_RouterServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class RouterService:
     """Public entry point: admission, KV-aware routing, retries, migration.
+    The router serves it on two listeners (docs/SECURITY.md): the public port
+    has Generate and Cancel only; the internal port (--internal-port) has the
+    mesh's methods (ListWorkers, membership, Stats). A method a port does not
+    serve is UNIMPLEMENTED there.
     """
 
     @staticmethod

@@ -10,7 +10,8 @@ stored (the keys are random, so a slow hash adds nothing). A line of the
 keys file is one JSON object:
     {"key_sha256": "<hex>", "tenant": "acme", "max_priority": 0,
      "requests_per_s": 5, "request_burst": 10, "tokens_per_s": 20000,
-     "token_burst": 100000, "max_inflight": 8, "note": "..."}   (all but the first two optional)
+     "token_burst": 100000, "max_inflight": 8, "admin": false, "note": "..."}
+(all but the first two optional; an `admin` key may also call the operator RPCs, e.g. ListWorkers)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 KEY_PREFIX = "pdm_"
 LIMIT_FIELDS = ("requests_per_s", "request_burst", "tokens_per_s", "token_burst", "max_inflight")
-KNOWN_FIELDS = frozenset({"key_sha256", "tenant", "max_priority", "note", *LIMIT_FIELDS})
+KNOWN_FIELDS = frozenset({"key_sha256", "tenant", "max_priority", "note", "admin", *LIMIT_FIELDS})
 
 
 def new_key() -> str:
@@ -66,6 +67,8 @@ def check_entry(obj: Mapping[str, Any]) -> None:
     for name in ("request_burst", "token_burst"):
         if name in obj and not (_number(obj[name]) and obj[name] >= 1):
             raise ValueError(f"{name} must be >= 1")
+    if not isinstance(obj.get("admin", False), bool):
+        raise ValueError("admin must be true or false")
     inflight = obj.get("max_inflight")
     if inflight is not None and not (_number(inflight) and inflight >= 1):
         raise ValueError("max_inflight must be >= 1 or None")

@@ -4,12 +4,15 @@
   - a call that did not come over TLS (the plaintext health port kubelet's gRPC
     probes use, which cannot speak TLS) may only reach grpc.health.v1;
   - with mTLS on, the caller's certificate must name a mesh role
-    (`pdmesh://<role>`, see services/common/tls.py) allowed for the method by
-    `POLICY`: a public client ("client", "gateway") may only call
-    RouterService.Generate/Cancel/ListWorkers (and health/reflection); worker
-    membership RPCs need a worker's certificate, Prefill/Release/ReadBlocks a
-    decode worker's; everything else is internal (router, decode, prefill,
-    kvtransfer). Refusals are PERMISSION_DENIED naming the role and method.
+    (`pdmesh://<role>`, see services/common/tls.py) that `POLICY` lists for
+    the method. The table names every RPC of pdmesh.v1 and the roles that
+    call it in the mesh's own data flow (decode Generate is the router's alone,
+    Prefill/Release/ReadBlocks decode's, KV-agent registration the workers',
+    KV-event subscriptions the router's); a method it does not name is closed to
+    every role, so a new RPC is unreachable until someone decides who calls it.
+    Refusals are PERMISSION_DENIED naming the role and method.
+    Finer checks that need the request (a worker speaks only for itself, an
+    admin key for ListWorkers) are the servicers' (services/router/membership.py).
 
 `ConnectionLimit`: at most `limit` concurrent calls per client connection
 (`context.peer()` is the connection's remote address); one more is refused
@@ -30,23 +33,50 @@ from services.common.tls import is_tls_call, peer_identity
 
 PUBLIC_ROLES = frozenset({"client", "gateway"})
 INTERNAL_ROLES = frozenset({"router", "decode", "prefill", "kvtransfer"})
-ROLES = PUBLIC_ROLES | INTERNAL_ROLES
+# An operator's certificate (`pdmesh certs` issues any role name): ListWorkers, Stats.
+ADMIN_ROLES = frozenset({"admin", "router"})
+ROLES = PUBLIC_ROLES | INTERNAL_ROLES | {"admin"}
 WORKER_ROLES = frozenset({"decode", "prefill"})
+NOBODY: frozenset[str] = frozenset()
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-# (method or service prefix, roles allowed); the first match wins, INTERNAL_ROLES otherwise.
+_ROUTER = frozenset({"router"})
+_DECODE = frozenset({"decode"})
+# (method or service prefix, roles allowed); the first match wins, NOBODY otherwise.
+# Who calls what: the router calls the workers (Generate, SubscribeKvEvents, Stats
+# polls of static workers); decode calls prefill (Prefill, Release, Stats for its
+# load view) and reads KV blocks; workers register with the router and with
+# kvtransfer. Keep it in step with docs/SECURITY.md's table.
 POLICY: tuple[tuple[str, frozenset[str]], ...] = (
     (HEALTH_PREFIX, ROLES),
     ("/grpc.reflection.", ROLES),
+    # The router's public listener (a client key decides the tenant).
     ("/pdmesh.v1.RouterService/Generate", ROLES),
     ("/pdmesh.v1.RouterService/Cancel", ROLES),
+    # The router's internal listener. ListWorkers: any role may ask, the servicer then
+    # wants an admin/router certificate or an admin API key (item 8 of issue 13).
     ("/pdmesh.v1.RouterService/ListWorkers", ROLES),
+    ("/pdmesh.v1.RouterService/Stats", ADMIN_ROLES),
     ("/pdmesh.v1.RouterService/RegisterWorker", WORKER_ROLES),
     ("/pdmesh.v1.RouterService/Heartbeat", WORKER_ROLES),
     ("/pdmesh.v1.RouterService/DeregisterWorker", WORKER_ROLES),
-    ("/pdmesh.v1.PrefillService/Prefill", frozenset({"decode"})),
-    ("/pdmesh.v1.PrefillService/Release", frozenset({"decode"})),
-    ("/pdmesh.v1.KvSourceService/ReadBlocks", frozenset({"decode"})),
+    # Decode workers: the router's alone (no key, admission or quota behind them).
+    ("/pdmesh.v1.DecodeService/Generate", _ROUTER),
+    ("/pdmesh.v1.DecodeService/SubscribeKvEvents", _ROUTER),
+    ("/pdmesh.v1.DecodeService/Stats", ADMIN_ROLES),
+    # Prefill workers: held KV is decode's to take and release.
+    ("/pdmesh.v1.PrefillService/Prefill", _DECODE),
+    ("/pdmesh.v1.PrefillService/Release", _DECODE),
+    ("/pdmesh.v1.PrefillService/SubscribeKvEvents", _ROUTER),
+    ("/pdmesh.v1.PrefillService/Stats", ADMIN_ROLES | _DECODE),
+    # The KV control plane: agents are the workers' (kvtrust binds a name to its owner).
+    ("/pdmesh.v1.KvTransferService/RegisterAgent", WORKER_ROLES),
+    ("/pdmesh.v1.KvTransferService/Heartbeat", WORKER_ROLES),
+    ("/pdmesh.v1.KvTransferService/DeregisterAgent", WORKER_ROLES),
+    ("/pdmesh.v1.KvTransferService/GetAgent", WORKER_ROLES),
+    ("/pdmesh.v1.KvTransferService/ReportTransfers", WORKER_ROLES),
+    ("/pdmesh.v1.KvTransferService/Stats", ADMIN_ROLES),
+    ("/pdmesh.v1.KvSourceService/ReadBlocks", _DECODE),
 )
 
 
@@ -54,7 +84,7 @@ def allowed_roles(method: str) -> frozenset[str]:
     for prefix, roles in POLICY:
         if method.startswith(prefix):
             return roles
-    return INTERNAL_ROLES
+    return NOBODY
 
 
 Check = Callable[[grpc.aio.ServicerContext], Awaitable[Callable[[], None] | None]]

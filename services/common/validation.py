@@ -74,12 +74,14 @@ def check_sampling(
         math.isfinite(top_p) and 0.0 < top_p <= 1.0, "sampling.top_p", f"must be in (0, 1], got {msg.top_p}"
     )
     _check(0 <= msg.top_k <= vocab_size, "sampling.top_k", f"must be in [0, {vocab_size}], got {msg.top_k}")
-    stops = tuple(msg.stop)
+    # Counts before copies: len() of a repeated field is its size; tuple() makes an object
+    # per entry of whatever the client sent.
     _check(
-        len(stops) <= limits.max_stop_strings,
+        len(msg.stop) <= limits.max_stop_strings,
         "sampling.stop",
-        f"at most {limits.max_stop_strings} stop strings, got {len(stops)}",
+        f"at most {limits.max_stop_strings} stop strings, got {len(msg.stop)}",
     )
+    stops = tuple(msg.stop)
     for s in stops:
         _check(s != "", "sampling.stop", "stop strings must be non-empty")
         _check(
@@ -87,12 +89,12 @@ def check_sampling(
             "sampling.stop",
             f"stop strings must be <= {limits.max_stop_string_bytes} bytes",
         )
-    stop_ids = tuple(msg.stop_token_ids)
     _check(
-        len(stop_ids) <= limits.max_stop_token_ids,
+        len(msg.stop_token_ids) <= limits.max_stop_token_ids,
         "sampling.stop_token_ids",
-        f"at most {limits.max_stop_token_ids} ids, got {len(stop_ids)}",
+        f"at most {limits.max_stop_token_ids} ids, got {len(msg.stop_token_ids)}",
     )
+    stop_ids = tuple(msg.stop_token_ids)
     for t in stop_ids:
         _check(t < vocab_size, "sampling.stop_token_ids", f"token {t} is not in [0, {vocab_size})")
     seed = msg.seed if msg.HasField("seed") else None

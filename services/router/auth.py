@@ -11,25 +11,32 @@ Entries come from a JSON-lines file (`--api-keys-file`, one object a line,
 written by `pdmesh keys add`) and/or inline `<sha256-hex>:<tenant>` pairs
 (`--api-keys`, e.g. `PDMESH_API_KEYS` from a Secret). Raw keys are never
 stored. The file is read again when it changes (a stat per call), so adding
-or revoking a key needs no restart; a file that does not parse leaves the
-previous entries in force. Authentication is off when neither is given.
+or revoking a key needs no restart. Revocation fails closed: when the new
+file has bad lines (or cannot be read), the keys in force are exactly those of
+its valid lines, so a removed key is never kept nor resurrected by a typo
+elsewhere; each bad line is logged and the reload counted as failed
+(`on_reload_error`, the router's `pdmesh_router_api_keys_reload_errors`). Only
+the first load refuses a bad file (the router does not start). Authentication
+is off when neither is given.
 
 File line: {"key_sha256": "<hex>", "tenant": "acme", "max_priority": 0,
             "requests_per_s": 5, "request_burst": 10, "tokens_per_s": 20000,
-            "token_burst": 100000, "max_inflight": 8}   (all but the first two optional)
+            "token_burst": 100000, "max_inflight": 8, "admin": false}   (all but the first two optional)
+An `admin` key may also call the operator RPCs (ListWorkers: worker addresses).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from services.common.api_keys import hash_key
+from services.common.api_keys import append_entry as append_entry  # re-exported: tests write key files here
+from services.common.api_keys import hash_key, is_digest
 from services.common.api_keys import new_key as new_key  # re-exported: callers make keys here
 from services.common.config import require, setting
 from services.common.errors import Unauthenticated
@@ -38,7 +45,8 @@ from services.router.tenant_quota import TenantLimits
 log = structlog.get_logger()
 
 _LIMIT_FIELDS = ("requests_per_s", "request_burst", "tokens_per_s", "token_burst", "max_inflight")
-_KNOWN_FIELDS = {"key_sha256", "tenant", "max_priority", "note", *_LIMIT_FIELDS}
+_UNREADABLE = (-1, -1)  # the file signature while the file cannot be read (counted once)
+_KNOWN_FIELDS = {"key_sha256", "tenant", "max_priority", "note", "admin", *_LIMIT_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class AuthConfig:
     def __post_init__(self) -> None:
         for entry in self.api_keys:
             digest, sep, tenant = entry.partition(":")
-            ok = bool(sep and tenant) and _is_digest(digest)
+            ok = bool(sep and tenant) and is_digest(digest)
             require(ok, f"api_keys: {entry[:12]}... is not <sha256-hex>:<tenant>")
 
     @property
@@ -64,13 +72,10 @@ class TenantGrant:
     tenant: str
     max_priority: int | None = None
     limits: TenantLimits | None = None
+    admin: bool = False  # may call ListWorkers (an operator's key, not a tenant's)
 
     def cap(self, priority: int) -> int:
         return priority if self.max_priority is None else min(priority, self.max_priority)
-
-
-def _is_digest(s: str) -> bool:
-    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
 
 
 def parse_entry(obj: Mapping[str, Any]) -> tuple[str, TenantGrant]:
@@ -79,7 +84,7 @@ def parse_entry(obj: Mapping[str, Any]) -> tuple[str, TenantGrant]:
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}")
     digest, tenant = str(obj.get("key_sha256", "")).lower(), obj.get("tenant")
-    if not _is_digest(digest):
+    if not is_digest(digest):
         raise ValueError("key_sha256 must be 64 hex digits")
     if not isinstance(tenant, str) or not tenant or len(tenant.encode()) > 128:
         raise ValueError("tenant must be a non-empty string of <= 128 bytes")
@@ -89,46 +94,52 @@ def parse_entry(obj: Mapping[str, Any]) -> tuple[str, TenantGrant]:
     cap = obj.get("max_priority")
     if cap is not None and not isinstance(cap, int):
         raise ValueError("max_priority must be an integer")
-    return digest, TenantGrant(tenant, cap, limits)
+    admin = obj.get("admin", False)
+    if not isinstance(admin, bool):
+        raise ValueError("admin must be true or false")
+    return digest, TenantGrant(tenant, cap, limits, admin)
 
 
-def parse_lines(lines: Iterable[str], source: str) -> dict[str, TenantGrant]:
+def parse_valid_lines(lines: Iterable[str], source: str) -> tuple[dict[str, TenantGrant], list[str]]:
+    """(grants of the valid lines, one error per bad line): a bad line never stops the others."""
     grants: dict[str, TenantGrant] = {}
+    errors: list[str] = []
     for n, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         try:
-            digest, grant = parse_entry(json.loads(line))
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("a line must be a JSON object")
+            digest, grant = parse_entry(obj)
         except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-            raise ValueError(f"{source}:{n}: {e}") from e
+            errors.append(f"{source}:{n}: {e}")
+            continue
         grants[digest] = grant
+    return grants, errors
+
+
+def parse_lines(lines: Iterable[str], source: str) -> dict[str, TenantGrant]:
+    """Every line's grant; ValueError at the first bad line."""
+    grants, errors = parse_valid_lines(lines, source)
+    if errors:
+        raise ValueError(errors[0])
     return grants
-
-
-def append_entry(path: str, tenant: str, key: str, **fields: Any) -> dict[str, Any]:
-    """Add `key`'s hash for `tenant` to the keys file (created 0600); returns the line's object."""
-    obj = {
-        "key_sha256": hash_key(key),
-        "tenant": tenant,
-        **{k: v for k, v in fields.items() if v is not None},
-    }
-    parse_entry(obj)  # refuse what the router would refuse
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write(json.dumps(obj, sort_keys=True) + "\n")
-    return obj
 
 
 class ApiKeyStore:
     """Key hash -> grant, from the config's inline entries and keys file (reloaded on change)."""
 
-    def __init__(self, config: AuthConfig):
+    def __init__(self, config: AuthConfig, on_reload_error: Callable[[], None] = lambda: None):
+        """`on_reload_error`: called once per reload that met a bad or unreadable file."""
         self.config = config
+        self._on_reload_error = on_reload_error
         self._inline = {d: TenantGrant(t) for d, _, t in (e.partition(":") for e in config.api_keys)}
         self._file_sig: tuple[int, int] | None = None
         self._file: dict[str, TenantGrant] = {}
         self._limits: dict[str, TenantLimits] = {}
         self.reloads = 0
+        self.reload_errors = 0
         self._reload(initial=True)
 
     def _reload(self, initial: bool = False) -> None:
@@ -138,19 +149,38 @@ class ApiKeyStore:
         try:
             st = os.stat(path)
             sig = (st.st_mtime_ns, st.st_size)
-            if sig == self._file_sig:
-                return
+        except OSError:
+            sig = _UNREADABLE
+        if sig == self._file_sig:
+            return
+        try:
             with open(path) as f:
-                grants = parse_lines(f, path)
-        except (OSError, ValueError) as e:
+                grants, errors = parse_valid_lines(f, path)
+        except (OSError, UnicodeDecodeError) as e:
             if initial:
                 raise ValueError(f"api_keys_file: {e}") from e
-            log.warning("api_keys_reload_failed", path=path, error=str(e))
-            return
+            # Unreadable (gone, permissions): no valid part, so no file key stays in force.
+            grants, errors = {}, [f"{path}: {e}"]
+        if errors and initial:
+            raise ValueError(f"api_keys_file: {errors[0]}")
+        dropped = len(set(self._file) - set(grants))
         self._file, self._file_sig = grants, sig
         self._limits = {g.tenant: g.limits for g in grants.values() if g.limits is not None}
-        self.reloads += 1
-        log.info("api_keys_loaded", path=path, keys=len(grants))
+        if errors:
+            self.reload_errors += 1
+            self._on_reload_error()
+            log.error(
+                "api_keys_reload_partial",
+                path=path,
+                errors=errors[:10],
+                bad_lines=len(errors),
+                keys=len(grants),
+                dropped=dropped,
+                note="only the valid lines' keys are in force",
+            )
+        else:
+            self.reloads += 1
+            log.info("api_keys_loaded", path=path, keys=len(grants), dropped=dropped)
 
     def authenticate(self, metadata: Iterable[tuple[str, Any]] | None) -> TenantGrant:
         """The grant of the call's bearer key; Unauthenticated when missing or unknown."""

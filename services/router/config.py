@@ -3,7 +3,9 @@
 `RouterConfig` holds the router's own settings (workers, model, policy,
 timeouts, probe intervals); the cores keep their own configs
 (`AdmissionConfig`, `BreakerConfig`, `RetryBudgetConfig`, `JourneyConfig`,
-`PrefixIndexConfig`, `RequestLimits`), the listener is a `ServerConfig`, its
+`PrefixIndexConfig`, `RequestLimits`), the public listener is a `ServerConfig`
+and the internal one (workers' membership, services/router/listeners.py) an
+`InternalListenerConfig`, their
 TLS (server and channels to workers) a `TlsConfig`, API keys an `AuthConfig`,
 tracing a `TracingConfig`.
 `RouterSettings` bundles them; `parse_settings(argv, env)` builds it from flags
@@ -126,6 +128,17 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class InternalListenerConfig:
+    port: int = setting(
+        0, "the internal gRPC port: worker membership, ListWorkers, Stats (0 = any free port)"
+    )
+    host: str = setting("", "address the internal port listens on ('' = the same as --host)")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, f"internal_port must be in [0, 65535], got {self.port}")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What the router knows of the served model: no weights, just the tokenizer and limits."""
 
@@ -153,6 +166,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class RouterSettings:
     server: ServerConfig = field(default_factory=ServerConfig)
+    internal: InternalListenerConfig = field(default_factory=InternalListenerConfig)  # membership etc.
     router: RouterConfig = field(default_factory=RouterConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -168,6 +182,7 @@ class RouterSettings:
 # (field of RouterSettings, config class, flag prefix)
 _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("server", ServerConfig, ""),
+    ("internal", InternalListenerConfig, "internal_"),
     ("router", RouterConfig, ""),
     ("limits", RequestLimits, "limits_"),
     ("admission", AdmissionConfig, "admission_"),

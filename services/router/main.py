@@ -1,11 +1,14 @@
 """`python -m services.router.main`: the router process.
 
-    python -m services.router.main --port 0 --port-file F \
+    python -m services.router.main --port 0 --internal-port 0 --port-file F \
         --decode-workers a:1,b:2 --prefill-workers c:3 [--policy kv_aware] [--so-reuseport 1]
 
-Serves pdmesh.v1.RouterService with health ("" = live; "pdmesh.v1.RouterService"
-= ready once at least one decode worker is healthy), reflection, Prometheus
-metrics (`--metrics-port`), and drains on SIGTERM. Every flag also reads a
+Serves pdmesh.v1.RouterService on two listeners (services/router/listeners.py):
+the public port (Generate, Cancel) and the internal one (`--internal-port`:
+worker membership, ListWorkers, Stats), each with health ("" = live;
+"pdmesh.v1.RouterService" = ready once at least one decode worker is healthy)
+and reflection; Prometheus metrics (`--metrics-port`); drains on SIGTERM. The
+port file holds both ports ("port", "internal_port"). Every flag also reads a
 `PDMESH_*` environment variable (`--help` lists them).
 """
 
@@ -19,19 +22,20 @@ import sys
 from collections.abc import Sequence
 
 from services.common.logging import configure_logging
-from services.common.server import MeshServer, run
+from services.common.server import run
 from services.common.tracing import Tracing, client_interceptors
 from services.common.tracing import shutdown as shutdown_tracing
 from services.router.config import ModelSpec, RouterSettings, make_parser, parse_settings, sections
+from services.router.listeners import RouterListeners
 from services.router.router import Router
-from services.router.servicer import SERVICE_NAME, add_to_server
+from services.router.servicer import SERVICE_NAME
 
 # What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
 CONFIGS = sections()
-__all__ = ["CONFIGS", "main", "make_parser", "serve"]
+__all__ = ["CONFIGS", "SERVICE_NAME", "main", "make_parser", "serve"]
 
 
-async def _follow_readiness(router: Router, server: MeshServer) -> None:
+async def _follow_readiness(router: Router, server: RouterListeners) -> None:
     ready = None
     while True:
         now = router.ready()
@@ -51,12 +55,10 @@ async def serve(settings: RouterSettings) -> None:
         subscriber=f"router-{socket.gethostname()}-{os.getpid()}",
         interceptors=client_interceptors(tracing),
     )
-    server = MeshServer(
-        settings.server, SERVICE_NAME, registry=router.metrics.registry, tls=settings.tls, tracing=tracing
-    )
-    add_to_server(router, server.server)
+    server = RouterListeners(router, tracing=tracing)
     await server.start()
-    server.install_signal_handlers(on_drain=router.close)
+    # SIGTERM drains the public port; workers can still heartbeat until the router closes.
+    server.public.install_signal_handlers(on_drain=router.close)
     await router.start()
     follower = asyncio.create_task(_follow_readiness(router, server))
     log.info(
@@ -66,14 +68,16 @@ async def serve(settings: RouterSettings) -> None:
         decode_workers=list(settings.router.decode_workers),
         prefill_workers=list(settings.router.prefill_workers),
         api_keys=router.auth is not None,
+        internal_address=server.internal_address,
     )
     try:
-        await server.wait_stopped()
+        await server.public.wait_stopped()
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follower
         await router.close()
+        await server.internal.stop()
         shutdown_tracing(tracing)
 
 

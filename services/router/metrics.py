@@ -145,6 +145,12 @@ class RouterMetrics:
         self._workers = Gauge(
             "pdmesh_router_workers", "Workers known to the router", ["role", "health"], registry=r
         )
+        self._keys_reload_errors = Counter(
+            "pdmesh_router_api_keys_reload_errors",
+            "Reloads of the API-keys file that met bad lines or could not read it "
+            "(only the valid lines' keys stay in force)",
+            registry=r,
+        )
         self._indexed = Gauge(
             "pdmesh_router_indexed_blocks", "Distinct blocks in the prefix index", registry=r
         )
@@ -166,6 +172,9 @@ class RouterMetrics:
 
     def invalid(self) -> None:
         self._invalid.inc()
+
+    def api_keys_reload_failed(self) -> None:
+        self._keys_reload_errors.inc()
 
     def breaker_transition(self, state: str) -> None:
         self._breaker.labels(state).inc()

@@ -1,6 +1,6 @@
 """The router: composition root of the cores, the worker pool and running requests.
 
-`Router` creates and owns every core (registry, prefix index + sequencer,
+`Router` creates and owns every core (registry, membership guard, prefix index + sequencer,
 breakers, retry budget, cost ledger, API keys, admission) and the `WorkerPool`, wires
 them (the registry asks the breakers whether a worker is available; removing a
 worker stops its KV subscription before clearing its state), and keeps the
@@ -41,6 +41,7 @@ from services.router.generate import (
     RoutingContext,
     check_capacity,
 )
+from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.policy import WorkerLoad, make_policy
 from services.router.prefix_index import EventSequencer, PrefixIndex
@@ -124,11 +125,16 @@ class Router:
         self.metrics = RouterMetrics(self.stats)
         self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self.breakers.is_available)
+        self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = PrefixIndex(settings.index)
         self.sequencer = EventSequencer()
         self.budget = RetryBudget(settings.retry_budget, clock)
         self.ledger = CostLedger()
-        self.auth = ApiKeyStore(settings.auth) if settings.auth.enabled else None
+        self.auth = (
+            ApiKeyStore(settings.auth, on_reload_error=self.metrics.api_keys_reload_failed)
+            if settings.auth.enabled
+            else None
+        )
         self.admission = AdmissionController(
             settings.admission, clock, self.auth.limits_for if self.auth is not None else None
         )
@@ -227,11 +233,12 @@ class Router:
 
     # ---- requests -----------------------------------------------------------
 
-    def open_flow(self, req: FlowRequest) -> RequestFlow:
-        """A validated request becomes a flow (registered for Cancel) or is refused fast."""
+    def open_flow(self, req: FlowRequest, client_id: str | None = None) -> RequestFlow:
+        """A validated request becomes a flow (registered for Cancel) or is refused fast.
+        `req.request_id` is the tenant-scoped id; `client_id` the one the client sent."""
         self.requests_total += 1
         if req.request_id in self.flows:
-            raise AlreadyExists(f"request_id {req.request_id!r} is already running")
+            raise AlreadyExists(f"request_id {(client_id or req.request_id)!r} is already running")
         try:
             check_capacity(self.ctx)
         except ResourceExhausted:
@@ -271,25 +278,47 @@ class Router:
     # ---- workers ------------------------------------------------------------
 
     async def register(
-        self, info: WorkerInfo, lease_s: float | None, load: WorkerLoad | None = None
-    ) -> JoinResult:
-        """A worker joins at run time (raises JoinRefused)."""
+        self,
+        info: WorkerInfo,
+        lease_s: float | None,
+        load: WorkerLoad | None = None,
+        caller: Caller | None = None,
+    ) -> tuple[JoinResult, str]:
+        """A worker joins at run time: (the join, its new incarnation secret).
+        Raises JoinRefused, or PermissionDenied when `caller` may not speak for the id."""
+        caller = caller or Caller()
+        existing = self.registry.get(info.worker_id)
+        same_address = [
+            r
+            for r in self.registry.workers()
+            if r.info.address == info.address and r.worker_id != info.worker_id
+        ]
+        self.membership.check_register(info.worker_id, existing, same_address, caller)
         result = self.registry.join(info, WorkerSource.REGISTERED, lease_s, load)
+        secret = self.membership.bind(info.worker_id, result.replaced)
         for gone in result.replaced:
             await self.pool.detach(gone)
         assert info.role is not None
         await self.pool.attach(info.worker_id, info.address, info.role)
         log.info("worker_joined", worker=info.worker_id, address=info.address, source="registered")
         self.changed()
-        return result
+        return result, secret
 
-    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+    def heartbeat(self, worker_id: str, load: WorkerLoad, caller: Caller | None = None) -> bool:
+        """Take a worker's load and renew its lease; False when unknown (register again)."""
+        record = self.registry.get(worker_id)
+        if record is None:
+            return False
+        self.membership.check_speaks_for(record, caller or Caller(), "heartbeat")
         return self.registry.heartbeat(worker_id, load)
 
-    async def deregister(self, worker_id: str) -> bool:
-        if worker_id not in self.registry:
+    async def deregister(self, worker_id: str, caller: Caller | None = None) -> bool:
+        record = self.registry.get(worker_id)
+        if record is None:
             return False
+        self.membership.check_speaks_for(record, caller or Caller(), "deregister")
         self.registry.deregister(worker_id)
+        self.membership.forget([worker_id])
         await self.pool.detach(worker_id)
         log.info("worker_left", worker=worker_id)
         self.changed()
@@ -297,6 +326,7 @@ class Router:
 
     async def expire_leases(self) -> list[str]:
         gone = self.registry.expire()
+        self.membership.forget(gone)
         for worker_id in gone:
             log.info("worker_lease_expired", worker=worker_id)
             await self.pool.detach(worker_id)

@@ -6,22 +6,33 @@ streams `TokenDelta`s (all tokens ready at once in one message, with the text
 they complete) and ends with a `GenerateFinal`; the request id (as sent or
 assigned) goes back in the "x-request-id" initial metadata.
 
-With API keys on (services/router/auth.py) Generate, Cancel and ListWorkers
-need `authorization: Bearer <key>` (UNAUTHENTICATED otherwise); the key's
-tenant replaces the request's `tenant`, its cap lowers `priority`, and Cancel
-reaches only the caller's own requests. Which certificates may call which
-method with mTLS is MeshServer's business (services/common/call_guards.py).
+Two listeners (services/router/listeners.py): `add_public_to_server` registers
+Generate and Cancel only, `add_internal_to_server` the mesh's methods
+(membership, ListWorkers, Stats); a method not registered on a port is
+UNIMPLEMENTED there.
+
+With API keys on (services/router/auth.py) Generate and Cancel need
+`authorization: Bearer <key>` (UNAUTHENTICATED otherwise); the key's tenant
+replaces the request's `tenant`, its cap lowers `priority`. Request ids are
+scoped by tenant: another tenant's request with the same id neither collides
+(ALREADY_EXISTS) nor can be cancelled. ListWorkers (it shows internal
+addresses) needs an admin/router certificate or an admin key. A worker may only
+register, heartbeat or deregister itself (services/router/membership.py).
+Which certificates may call which method with mTLS is MeshServer's business
+(services/common/call_guards.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import uuid
 
 import grpc
 
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common import tracing
+from services.common.call_guards import ADMIN_ROLES
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied, grpc_errors
 from services.common.tls import peer_identity
 from services.common.validation import (
@@ -38,11 +49,14 @@ from services.router.config import ModelSpec
 from services.router.convert import info_from_proto, info_to_proto, load_from_proto, load_to_proto
 from services.router.detokenizer import make_detokenizer
 from services.router.generate import FlowFinal, FlowRequest
+from services.router.membership import Caller
 from services.router.registry import JoinRefused
 from services.router.router import Router, WorkerView
 from services.router.stop_text import StopTextFilter
 
 SERVICE_NAME = "pdmesh.v1.RouterService"
+PUBLIC_METHODS = frozenset({"Generate", "Cancel"})  # all the public listener serves
+INTERNAL_METHODS = frozenset({"ListWorkers", "RegisterWorker", "Heartbeat", "DeregisterWorker", "Stats"})
 _ROLE_NAMES = {common_pb2.WORKER_ROLE_DECODE: "decode", common_pb2.WORKER_ROLE_PREFILL: "prefill"}
 
 _Delta = router_pb2.TokenDelta
@@ -77,6 +91,11 @@ def parse_generate(
         ids = model.tokenizer.encode(request.text)
         field = "text"
     elif kind == "token_ids":
+        # Count before copying: len() of a repeated field reads its size, list() would
+        # make a Python int per entry of whatever the client sent.
+        n = len(request.token_ids.ids)
+        if n > limits.max_prompt_tokens:
+            raise InvalidArgument(f"token_ids.ids: at most {limits.max_prompt_tokens} tokens, got {n}")
         ids = list(request.token_ids.ids)
         field = "token_ids.ids"
     else:
@@ -91,6 +110,16 @@ def parse_generate(
         workflow=request.workflow if request.HasField("workflow") else None,
         timeout_s=timeout_s,
     )
+
+
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The id a request runs under in the router and on the workers: the client's id,
+    made unique per tenant (a readable prefix, a digest of tenant and id). Tenant ""
+    (no keys, no tenant field) keeps the id as sent. <= 105 bytes, as workers allow 128."""
+    if not tenant:
+        return request_id
+    digest = hashlib.sha256(f"{tenant}\0{request_id}".encode()).hexdigest()[:16]
+    return f"{request_id[:88]}.{digest}"
 
 
 def final_to_proto(f: FlowFinal, request_id: str) -> router_pb2.GenerateResponse:
@@ -150,10 +179,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise
         if grant is not None:  # the key decides the tenant, never the request's field
             req = dataclasses.replace(req, tenant=grant.tenant, priority=grant.cap(req.priority))
-        tracing.annotate(request_id=req.request_id, tenant=req.tenant)
-        flow = router.open_flow(req)
+        client_id = req.request_id
+        req = dataclasses.replace(req, request_id=scoped_request_id(req.tenant, client_id))
+        tracing.annotate(request_id=client_id, tenant=req.tenant)
+        flow = router.open_flow(req, client_id)
         try:
-            await context.send_initial_metadata((("x-request-id", req.request_id),))
+            await context.send_initial_metadata((("x-request-id", client_id),))
             push = make_detokenizer(router.model.tokenizer).push_many
             stops = StopTextFilter(req.sampling.stop)
             async for item in flow.run():
@@ -162,7 +193,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 else:
                     if held := stops.flush():
                         yield _Response(delta=_Delta(text=held))
-                    yield final_to_proto(item, req.request_id)  # type: ignore[arg-type]
+                    yield final_to_proto(item, client_id)  # type: ignore[arg-type]
         finally:
             router.close_flow(flow)
             if tracing.recording():
@@ -175,19 +206,41 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Cancel(self, request, context):
         grant = self._grant(context)
         check_ident(request.request_id, "request_id", self.limits.max_request_id_bytes, required=True)
-        tenant = grant.tenant if grant is not None else None
-        return router_pb2.CancelResponse(cancelled=self.router.cancel(request.request_id, tenant))
+        check_ident(request.tenant, "tenant", self.limits.max_tenant_bytes)
+        # With keys the key's tenant, never the field: Cancel reaches only the caller's requests.
+        tenant = grant.tenant if grant is not None else request.tenant
+        scoped = scoped_request_id(tenant, request.request_id)
+        return router_pb2.CancelResponse(cancelled=self.router.cancel(scoped, tenant))
 
     @grpc_errors
     async def ListWorkers(self, request, context):
-        self._grant(context)
+        self._check_admin(context)
         return router_pb2.ListWorkersResponse(workers=[status_to_proto(v) for v in self.router.workers()])
+
+    def _check_admin(self, context) -> None:
+        """Operators only: an admin/router certificate, or (keys on) an admin key."""
+        ident = peer_identity(context)
+        if ident is not None and ident.role in ADMIN_ROLES:
+            return
+        auth = self.router.auth
+        if auth is None:
+            if ident is None:
+                return  # no keys and no mTLS: this mesh authenticates nobody
+            raise PermissionDenied(f"ListWorkers needs an admin or router certificate, not {ident.role!r}")
+        if not auth.authenticate(context.invocation_metadata()).admin:
+            raise PermissionDenied("ListWorkers needs an admin key (pdmesh keys add --admin)")
+
+    @staticmethod
+    def _caller(context, incarnation: str) -> Caller:
+        ident = peer_identity(context)
+        return Caller(certified_worker=ident.name if ident is not None else "", incarnation=incarnation)
 
     @grpc_errors
     async def RegisterWorker(self, request, context):
         w = request.worker
         check_ident(w.worker_id, "worker.worker_id", self.limits.max_request_id_bytes, required=True)
         check_ident(w.address, "worker.address", 512, required=True)
+        check_ident(request.incarnation, "incarnation", 128)
         check_enum(w.role, common_pb2.WorkerRole, "worker.role")
         check_enum(w.accelerator, common_pb2.AcceleratorKind, "worker.accelerator")
         if w.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
@@ -197,25 +250,34 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise PermissionDenied(f"worker.role: the client certificate is for role {ident.role!r}")
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
         try:
-            result = await self.router.register(info_from_proto(w), lease_s)
+            result, secret = await self.router.register(
+                info_from_proto(w), lease_s, caller=self._caller(context, request.incarnation)
+            )
         except JoinRefused as e:
             raise FailedPrecondition(f"worker refused: {e}") from e
         rec = result.record
         return router_pb2.RegisterWorkerResponse(
             heartbeat_interval_ms=int((result.heartbeat_interval_s or 0) * 1000),
             lease_ms=int((rec.lease_s or 0) * 1000),
+            incarnation=secret,
         )
 
     @grpc_errors
     async def Heartbeat(self, request, context):
         check_ident(request.worker_id, "worker_id", self.limits.max_request_id_bytes, required=True)
-        known = self.router.heartbeat(request.worker_id, load_from_proto(request.load))
+        check_ident(request.incarnation, "incarnation", 128)
+        caller = self._caller(context, request.incarnation)
+        known = self.router.heartbeat(request.worker_id, load_from_proto(request.load), caller)
         return router_pb2.RouterServiceHeartbeatResponse(known=known)
 
     @grpc_errors
     async def DeregisterWorker(self, request, context):
         check_ident(request.worker_id, "worker_id", self.limits.max_request_id_bytes, required=True)
-        return router_pb2.DeregisterWorkerResponse(removed=await self.router.deregister(request.worker_id))
+        check_ident(request.incarnation, "incarnation", 128)
+        caller = self._caller(context, request.incarnation)
+        return router_pb2.DeregisterWorkerResponse(
+            removed=await self.router.deregister(request.worker_id, caller)
+        )
 
     @grpc_errors
     async def Stats(self, request, context):
@@ -237,7 +299,39 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         )
 
 
+class _HandlerCapture:
+    """Takes what the generated `add_RouterServiceServicer_to_server` registers, so one
+    listener can get a subset of the methods."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def _add_methods(servicer: RouterServicer, server: grpc.aio.Server, methods: frozenset[str]) -> None:
+    capture = _HandlerCapture()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, capture)  # type: ignore[arg-type]
+    chosen = {name: h for name, h in capture.handlers.items() if name in methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, chosen),))
+
+
+def add_public_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """Generate and Cancel: what a client may reach."""
+    _add_methods(servicer, server, PUBLIC_METHODS)
+
+
+def add_internal_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """Membership, ListWorkers, Stats: the mesh's own methods."""
+    _add_methods(servicer, server, INTERNAL_METHODS)
+
+
 def add_to_server(router: Router, server: grpc.aio.Server) -> RouterServicer:
+    """The public methods on `server` (RouterListeners serves both listeners)."""
     servicer = RouterServicer(router)
-    router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
+    add_public_to_server(servicer, server)
     return servicer

@@ -52,7 +52,9 @@ class WorkerConfig:
     advertise_host: str = setting("", "host other services use to reach this worker (default: --host)")
     kvtransfer_address: str = setting("", "host:port of the KV-transfer service ('' = no KV handoff)")
     kv_transport: str = setting("nixl", f"KV transport, one of {KINDS}")
-    router_address: str = setting("", "host:port of a router to join at run time ('' = static only)")
+    router_address: str = setting(
+        "", "host:port of the router's internal port (--internal-port) to join at run time ('' = static only)"
+    )
     router_lease_ms: int = setting(10_000, "lease of the runtime registration at the router")
 
     def __post_init__(self) -> None:

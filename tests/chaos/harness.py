@@ -7,7 +7,8 @@ between services crosses a proxy where delay, loss, resets and partitions can
 be injected (proxy.py says why not netem). Clients and the test's own
 observations go straight to 127.0.0.1.
 
-Workers join the router at run time (`--router-address`, short leases), so a
+Workers join the router at run time (`--router-address`: the router's internal
+port, which is the one behind the router's proxy; short leases), so a
 restarted router starts empty and must rebuild its view from re-registrations,
 and a restarted worker (new process, new port, same worker id) simply
 registers again. The router and kvtransfer restart on their old port: they
@@ -84,6 +85,7 @@ class Node:
     incarnation: int
     svc: RunningService
     proxy: FaultProxy | None = None
+    internal_port: int = 0  # the router's membership port (what workers reach through its proxy)
 
     @property
     def name(self) -> str:
@@ -100,7 +102,7 @@ class Node:
     @property
     def front(self) -> str:
         """The address the other services use (through the proxy)."""
-        return f"{FRONT}:{self.svc.port}" if self.proxy is not None else self.direct
+        return f"{FRONT}:{self.internal_port or self.svc.port}" if self.proxy is not None else self.direct
 
 
 @dataclass
@@ -144,9 +146,9 @@ class ChaosMesh:
         self.launcher.close(grace_s=5)
         self.hub.close()
 
-    def _args(self, role: str, index: int, port: int) -> tuple[str, ...]:
+    def _args(self, role: str, index: int, port: int, internal_port: int = 0) -> tuple[str, ...]:
         if role == "router":
-            return ROUTER_FLAGS + flags(port=port)
+            return ROUTER_FLAGS + flags(port=port, internal_port=internal_port)
         if role == "kvtransfer":
             return flags(port=port, so_reuseport=1, expiry_interval_s=0.2)
         common = flags(
@@ -163,25 +165,27 @@ class ChaosMesh:
         decode = flags(kv_lease_ms=3000, prefill_timeout_s=4, max_local_prefill_tokens=32)
         return common + LEASE_FLAGS + ENGINE + decode + flags(engine_enable_prefix_caching=0)
 
-    def _spawn(self, role: str, index: int, port: int = 0) -> Node:
+    def _spawn(self, role: str, index: int, port: int = 0, internal_port: int = 0) -> Node:
         n = self.incarnations.get((role, index), 0)
         self.incarnations[(role, index)] = n + 1
         name = f"{role}-{index}" + (f".{n}" if n else "")
-        svc = self.launcher.start(
-            ServiceSpec(name, MODULES[role], self._args(role, index, port), ready_service=READY[role])
-        )
+        args = self._args(role, index, port, internal_port)
+        svc = self.launcher.start(ServiceSpec(name, MODULES[role], args, ready_service=READY[role]))
         node = Node(role, index, n, svc)
         self.nodes[(role, index)] = node
         return node
 
     def _wait_port(self, node: Node) -> None:
         wait_until(node.svc.port_file.exists, timeout=60, what=f"{node.name}'s port file")
-        node.svc.port = json.loads(node.svc.port_file.read_text())["port"]
+        ports = json.loads(node.svc.port_file.read_text())
+        node.svc.port = ports["port"]
+        node.internal_port = node.svc.internal_port = ports.get("internal_port") or 0
         self._proxy(node)
 
     def _proxy(self, node: Node) -> None:
         self.hub.remove(node.name)
-        node.proxy = self.hub.add(node.name, (FRONT, node.svc.port), ("127.0.0.1", node.svc.port))
+        port = node.internal_port or node.svc.port  # the router: only workers cross its proxy
+        node.proxy = self.hub.add(node.name, (FRONT, port), ("127.0.0.1", port))
 
     def _wait_ready(self, node: Node) -> None:
         """Health-gated start; the proxy goes up as soon as the port is known (the
@@ -201,7 +205,8 @@ class ChaosMesh:
         old = self.node(role, index)
         assert old.svc.proc.poll() is not None, f"{old.name} is still running"
         self.hub.remove(old.name)
-        node = self._spawn(role, index, old.svc.port if role in ("router", "kvtransfer") else 0)
+        keep = role in ("router", "kvtransfer")
+        node = self._spawn(role, index, old.svc.port if keep else 0, old.internal_port)
         if role in ("router", "kvtransfer"):
             self._wait_port(node)
             if role == "kvtransfer":
@@ -227,15 +232,19 @@ class ChaosMesh:
     def router_address(self) -> str:
         return self.node("router").direct
 
+    def router_internal(self) -> grpc.Channel:
+        """ListWorkers and Stats live on the router's internal port."""
+        return grpc.insecure_channel(f"127.0.0.1:{self.node('router').internal_port}", options=CLIENT_OPTIONS)
+
     def router_view(self) -> dict[str, int]:
-        with self.channel(self.node("router")) as ch:
+        with self.router_internal() as ch:
             resp = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(
                 router_pb2.ListWorkersRequest(), timeout=5
             )
         return {w.info.worker_id: w.health for w in resp.workers}
 
     def router_stats(self) -> router_pb2.RouterServiceStatsResponse:
-        with self.channel(self.node("router")) as ch:
+        with self.router_internal() as ch:
             return router_pb2_grpc.RouterServiceStub(ch).Stats(
                 router_pb2.RouterServiceStatsRequest(), timeout=5
             )

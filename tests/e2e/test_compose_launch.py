@@ -68,7 +68,8 @@ def compose(tmp_path_factory):
 
 
 def test_workers_join_the_router_at_run_time(compose):
-    stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(compose.address("router")))
+    router = compose.replicas["router"][0]
+    stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.internal_address))
     workers = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
     roles = sorted(common_pb2.WorkerRole.Name(w.info.role) for w in workers)
     assert roles == ["WORKER_ROLE_DECODE", "WORKER_ROLE_DECODE", "WORKER_ROLE_PREFILL"]

@@ -84,7 +84,7 @@ def router_text(router, text: str, **sampling) -> tuple[str, router_pb2.Generate
 
 
 def router_stats(router) -> router_pb2.RouterServiceStatsResponse:
-    stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.address))
+    stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.internal_address))
     return stub.Stats(router_pb2.RouterServiceStatsRequest(), timeout=10)
 
 

@@ -3,8 +3,11 @@
 - migration: a decode worker SIGKILLed mid-stream; the client's stream equals
   an undisturbed greedy run token for token;
 - readiness and runtime join: a router with no static workers is not ready
-  until a decode worker joins with --router-address; a joined worker gets
-  traffic, and none once it has left;
+  until a decode worker joins with --router-address (the router's internal
+  port); a joined worker gets traffic, and none once it has left;
+- trust (issue 13 item 4): no membership RPC answers on the public port, and a
+  process that is not decode-0 can neither fake its load, remove it nor take
+  its id over;
 - overload at 10x the admission capacity: fast RESOURCE_EXHAUSTED with a
   retry hint, the rest served, nothing hangs;
 - two router processes share one port with SO_REUSEPORT, each serving;
@@ -90,9 +93,10 @@ def test_sigkill_mid_stream_migrates_with_identical_tokens(tmp_path):
         reference, ref_final = run(stub, req)
         assert len(reference) == 1500 and ref_final.migrations == 0
 
+        internal = stub_for(router.internal_address)  # ListWorkers and Stats live there
         stream = stub.Generate(req, timeout=120)
         got = list(next(stream).delta.token_ids)
-        serving = [w for w, s in workers(stub).items() if s.inflight == 1]
+        serving = [w for w, s in workers(internal).items() if s.inflight == 1]
         assert len(serving) == 1
         launcher.kill(serving[0])  # SIGKILL: no goodbye, the connection just breaks
         final = None
@@ -104,10 +108,10 @@ def test_sigkill_mid_stream_migrates_with_identical_tokens(tmp_path):
         assert got == reference
         assert final.migrations == 1 and final.worker_id != serving[0]
         assert final.usage.completion_tokens == 1500
-        stats = stub.Stats(router_pb2.RouterServiceStatsRequest(), timeout=10)
+        stats = internal.Stats(router_pb2.RouterServiceStatsRequest(), timeout=10)
         assert stats.migrations == 1 and stats.wasted_tokens > 0
         wait_until(
-            lambda: workers(stub)[serving[0]].health != router_pb2.WORKER_HEALTH_SERVING,
+            lambda: workers(internal)[serving[0]].health != router_pb2.WORKER_HEALTH_SERVING,
             what="the killed worker marked unhealthy",
         )
 
@@ -122,9 +126,10 @@ def joined(tmp_path_factory):
         wait_until(router.port_file.exists, what="the router's port file")
         ports = json.loads(router.port_file.read_text())
         router.port, router.metrics_port = ports["port"], ports["metrics_port"]
+        router.internal_port = ports["internal_port"]
         assert health_check(router.address, "")[0] == "SERVING"  # live
         assert health_check(router.address, ROUTER_READY)[0] == "NOT_SERVING"  # no decode worker yet
-        launcher.start_ready(decode_spec(0, "--router-address", router.address))
+        launcher.start_ready(decode_spec(0, "--router-address", router.internal_address))
         launcher.wait_ready(router)  # ready once a decode worker joined
         yield launcher, router
     finally:
@@ -133,12 +138,14 @@ def joined(tmp_path_factory):
 
 def test_runtime_join_gets_traffic_and_leaving_stops_it(joined):
     launcher, router = joined
-    stub = stub_for(router.address)
-    assert workers(stub)["decode-0"].source == "registered"
-    d1 = launcher.start_ready(decode_spec(1, "--router-address", router.address, "--router-lease-ms", "2000"))
+    stub, internal = stub_for(router.address), stub_for(router.internal_address)
+    assert workers(internal)["decode-0"].source == "registered"
+    d1 = launcher.start_ready(
+        decode_spec(1, "--router-address", router.internal_address, "--router-lease-ms", "2000")
+    )
     wait_until(
         lambda: (
-            workers(stub).get("decode-1", router_pb2.WorkerStatus()).health
+            workers(internal).get("decode-1", router_pb2.WorkerStatus()).health
             == router_pb2.WORKER_HEALTH_SERVING
         ),
         what="decode-1 joined and healthy",
@@ -146,9 +153,49 @@ def test_runtime_join_gets_traffic_and_leaving_stops_it(joined):
     served = {run(stub, greedy("who serves?", 4))[1].worker_id for _ in range(4)}
     assert served == {"decode-0", "decode-1"}
     launcher.stop(d1)  # SIGTERM: the worker drains and deregisters
-    wait_until(lambda: "decode-1" not in workers(stub), what="decode-1 gone from the router")
+    wait_until(lambda: "decode-1" not in workers(internal), what="decode-1 gone from the router")
     served = {run(stub, greedy("who serves now?", 4))[1].worker_id for _ in range(4)}
     assert served == {"decode-0"}
+
+
+def test_membership_is_not_on_the_public_port_and_no_one_speaks_for_decode_0(joined):
+    """Issue 13 item 4 with real processes: decode-0 joined over the internal port; a
+    stranger (this test) reaches no membership RPC publicly and is refused internally."""
+    _, router = joined
+    public, internal = stub_for(router.address), stub_for(router.internal_address)
+    fake_load = common_pb2.WorkerLoad(waiting=100_000)
+    before = workers(internal)["decode-0"]
+    calls = {
+        "RegisterWorker": lambda s: s.RegisterWorker(
+            router_pb2.RegisterWorkerRequest(worker=_rogue(before.info)), timeout=10
+        ),
+        "Heartbeat": lambda s: s.Heartbeat(
+            router_pb2.RouterServiceHeartbeatRequest(worker_id="decode-0", load=fake_load), timeout=10
+        ),
+        "DeregisterWorker": lambda s: s.DeregisterWorker(
+            router_pb2.DeregisterWorkerRequest(worker_id="decode-0", incarnation="guessed"), timeout=10
+        ),
+        "ListWorkers": lambda s: s.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10),
+        "Stats": lambda s: s.Stats(router_pb2.RouterServiceStatsRequest(), timeout=10),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as e:
+            call(public)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, name
+    for name in ("RegisterWorker", "Heartbeat", "DeregisterWorker"):
+        with pytest.raises(grpc.RpcError) as e:
+            calls[name](internal)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+    after = workers(internal)["decode-0"]
+    assert after.info.address == before.info.address and after.load.waiting < 100_000
+    assert run(public, greedy("still decode-0", 4))[1].worker_id == "decode-0"
+
+
+def _rogue(info: common_pb2.WorkerInfo) -> common_pb2.WorkerInfo:
+    rogue = common_pb2.WorkerInfo()
+    rogue.CopyFrom(info)
+    rogue.address = "127.0.0.1:1"  # a process of the attacker's
+    return rogue
 
 
 def _one(address: str, i: int) -> tuple[grpc.StatusCode, str | None]:
@@ -171,7 +218,7 @@ def test_overload_at_10x_sheds_fast_and_serves_the_rest(joined):
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert codes.count(grpc.StatusCode.OK) >= 8 and len(shed) >= n // 2
     assert all(ms is not None and int(ms) > 0 for ms in shed)
-    stats = stub_for(router.address).Stats(router_pb2.RouterServiceStatsRequest(), timeout=10)
+    stats = stub_for(router.internal_address).Stats(router_pb2.RouterServiceStatsRequest(), timeout=10)
     assert stats.inflight == 0 and stats.queued == 0 and stats.requests_shed >= len(shed)
 
 

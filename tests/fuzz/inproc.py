@@ -55,9 +55,9 @@ from services.kvtransfer.stats import TransferStatistics
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.servicer import PrefillServicer
 from services.router.config import ModelSpec, RouterConfig, RouterSettings
+from services.router.listeners import RouterListeners, public_message_bytes
 from services.router.router import Router
 from services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
-from services.router.servicer import add_to_server
 from services.worker.runtime import WorkerConfig, WorkerRuntime
 
 # Fuzzed requests may ask for up to this many tokens: enough to reach every
@@ -100,6 +100,11 @@ class InProcessMesh:
         """Run `coro` on the mesh's loop and wait for its result."""
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return fut.result(timeout)
+
+    def message_cap(self, server: str) -> int:
+        """The largest message `server` accepts: the router's public port takes only what
+        its request limits can need (issue 13 item 2), every other port MAX_MESSAGE_BYTES."""
+        return public_message_bytes(LIMITS) if server == "router" else MAX_MESSAGE_BYTES
 
     def server_config(self) -> ServerConfig:
         return ServerConfig(port=0, drain_grace_s=1, max_message_bytes=MAX_MESSAGE_BYTES)
@@ -211,8 +216,7 @@ class InProcessMesh:
         )
         settings = RouterSettings(server=self.server_config(), router=cfg, limits=LIMITS)
         self.router = Router(settings, ModelSpec.load(cfg), subscriber="fuzz-router")
-        server = MeshServer(settings.server, ROUTER_SERVICE, registry=self.router.metrics.registry)
-        add_to_server(self.router, server.server)
+        server = RouterListeners(self.router)
         await server.start()
         await self.router.start()
         await self.router.wait_until(
@@ -220,6 +224,7 @@ class InProcessMesh:
         )
         await server.set_ready(True)
         self.addresses["router"] = server.address
+        self.addresses["router_internal"] = server.internal_address  # membership, ListWorkers, Stats
 
         async def close() -> None:
             await self.router.close()
@@ -236,7 +241,7 @@ class InProcessMesh:
         p = prefill_pb2_grpc.PrefillServiceStub(self.channels["prefill"]).Stats(
             worker_pb2.StatsRequest(), timeout=5
         )
-        r = router_pb2_grpc.RouterServiceStub(self.channels["router"]).Stats(
+        r = router_pb2_grpc.RouterServiceStub(self.channels["router_internal"]).Stats(
             router_pb2.RouterServiceStatsRequest(), timeout=5
         )
         return Snapshot(
@@ -263,6 +268,7 @@ class InProcessMesh:
             "prefill": "pdmesh.v1.PrefillService",
             "decode": "pdmesh.v1.DecodeService",
             "router": ROUTER_SERVICE,
+            "router_internal": ROUTER_SERVICE,
         }
         out = {}
         for name, service in names.items():

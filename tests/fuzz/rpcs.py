@@ -62,32 +62,40 @@ RPCS = (
         "router", R, "Generate", router_pb2.GenerateRequest, router_pb2.GenerateResponse, INVALID, stream=True
     ),
     _rpc("router", R, "Cancel", router_pb2.CancelRequest, router_pb2.CancelResponse, INVALID),
-    _rpc("router", R, "ListWorkers", router_pb2.ListWorkersRequest, router_pb2.ListWorkersResponse),
+    # The router's internal port. A worker speaks only for itself: a fuzzed id of a
+    # static worker, or one registered by someone else, is PERMISSION_DENIED.
+    _rpc("router_internal", R, "ListWorkers", router_pb2.ListWorkersRequest, router_pb2.ListWorkersResponse),
     _rpc(
-        "router",
+        "router_internal",
         R,
         "RegisterWorker",
         router_pb2.RegisterWorkerRequest,
         router_pb2.RegisterWorkerResponse,
-        {C.INVALID_ARGUMENT, C.FAILED_PRECONDITION},
+        {C.INVALID_ARGUMENT, C.FAILED_PRECONDITION, C.PERMISSION_DENIED},
     ),
     _rpc(
-        "router",
+        "router_internal",
         R,
         "Heartbeat",
         router_pb2.RouterServiceHeartbeatRequest,
         router_pb2.RouterServiceHeartbeatResponse,
-        INVALID,
+        {C.INVALID_ARGUMENT, C.PERMISSION_DENIED},
     ),
     _rpc(
-        "router",
+        "router_internal",
         R,
         "DeregisterWorker",
         router_pb2.DeregisterWorkerRequest,
         router_pb2.DeregisterWorkerResponse,
-        INVALID,
+        {C.INVALID_ARGUMENT, C.PERMISSION_DENIED},
     ),
-    _rpc("router", R, "Stats", router_pb2.RouterServiceStatsRequest, router_pb2.RouterServiceStatsResponse),
+    _rpc(
+        "router_internal",
+        R,
+        "Stats",
+        router_pb2.RouterServiceStatsRequest,
+        router_pb2.RouterServiceStatsResponse,
+    ),
     _rpc(
         "decode",
         D,
@@ -220,9 +228,12 @@ def cleanup(mesh: InProcessMesh, rpc: Rpc, payload: bytes, outcome: Outcome) -> 
     req = parse(rpc.request, payload)
     if rpc.method.endswith("PrefillService/Prefill") and resp is not None and resp.handle.handle_id:
         mesh.release(resp.handle.handle_id)
-    elif rpc.method.endswith("RouterService/RegisterWorker") and req is not None:
-        stub = router_pb2_grpc.RouterServiceStub(mesh.channels["router"])
-        stub.DeregisterWorker(router_pb2.DeregisterWorkerRequest(worker_id=req.worker.worker_id), timeout=5)
+    elif rpc.method.endswith("RouterService/RegisterWorker") and req is not None and resp is not None:
+        stub = router_pb2_grpc.RouterServiceStub(mesh.channels["router_internal"])
+        stub.DeregisterWorker(
+            router_pb2.DeregisterWorkerRequest(worker_id=req.worker.worker_id, incarnation=resp.incarnation),
+            timeout=5,
+        )
     elif rpc.method.endswith("KvTransferService/RegisterAgent") and req is not None and resp is not None:
         stub = kvtransfer_pb2_grpc.KvTransferServiceStub(mesh.channels["kvtransfer"])
         with contextlib.suppress(grpc.RpcError):

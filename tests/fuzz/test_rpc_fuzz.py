@@ -20,14 +20,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdmesh.v1 import (
-    decode_pb2_grpc,
     kvtransfer_pb2,
     kvtransfer_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
-    worker_pb2,
 )
 from tests.e2e.helpers import wait_until
 from tests.fuzz.conftest import fuzz_settings
@@ -37,8 +35,8 @@ from tests.fuzz.strategies import MessageStrategies, wire_strategy
 
 C = grpc.StatusCode
 MEMBERSHIP = {
-    "router.RegisterWorker",
-    "router.DeregisterWorker",
+    "router_internal.RegisterWorker",
+    "router_internal.DeregisterWorker",
     "kvtransfer.RegisterAgent",
     "kvtransfer.DeregisterAgent",
 }
@@ -56,7 +54,7 @@ class Baseline:
 
 
 def router_workers(mesh: InProcessMesh) -> dict[str, int]:
-    stub = router_pb2_grpc.RouterServiceStub(mesh.channels["router"])
+    stub = router_pb2_grpc.RouterServiceStub(mesh.channels["router_internal"])
     resp = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
     return {w.info.worker_id: w.health for w in resp.workers}
 
@@ -148,20 +146,12 @@ def strategies_for(mesh: InProcessMesh, rpc: Rpc, live: LiveHandle) -> MessageSt
     return _STRATEGIES[key]
 
 
-def restore_router_view(mesh: InProcessMesh, payload: bytes) -> None:
-    """A fuzzed heartbeat may claim any load for a real worker; report the true one again."""
+def assert_no_fake_heartbeat(mesh: InProcessMesh, payload: bytes, outcome) -> None:
+    """The mesh's workers are static: a fuzzed heartbeat in their name, claiming any load,
+    is refused (issue 13 item 4; it used to land and was reported back here)."""
     req = parse(router_pb2.RouterServiceHeartbeatRequest, payload)
-    if req is None or req.worker_id not in (mesh.decode_worker_id, mesh.prefill_worker_id):
-        return
-    if req.worker_id == mesh.decode_worker_id:
-        worker = decode_pb2_grpc.DecodeServiceStub(mesh.channels["decode"])
-    else:
-        worker = prefill_pb2_grpc.PrefillServiceStub(mesh.channels["prefill"])
-    stats = worker.Stats(worker_pb2.StatsRequest(), timeout=5)
-    stub = router_pb2_grpc.RouterServiceStub(mesh.channels["router"])
-    stub.Heartbeat(
-        router_pb2.RouterServiceHeartbeatRequest(worker_id=req.worker_id, load=stats.load), timeout=5
-    )
+    if req is not None and req.worker_id in (mesh.decode_worker_id, mesh.prefill_worker_id):
+        assert outcome.code in (C.PERMISSION_DENIED, C.INVALID_ARGUMENT), outcome
 
 
 def assert_settled(mesh: InProcessMesh, base: Baseline, what: str) -> None:
@@ -181,7 +171,7 @@ def check_call(mesh: InProcessMesh, base: Baseline, rpc: Rpc, payload: bytes, ex
         live.renew()
     outcome = invoke(mesh, rpc, payload)
     allowed = {C.OK, *rpc.codes, *extra}
-    if len(payload) > MAX_MESSAGE_BYTES:
+    if len(payload) > mesh.message_cap(rpc.server):
         allowed = {C.RESOURCE_EXHAUSTED}
     assert outcome.code in allowed, f"{rpc.method} answered {outcome.code.name}: {outcome.details!r}"
     for raw in outcome.responses:
@@ -190,7 +180,7 @@ def check_call(mesh: InProcessMesh, base: Baseline, rpc: Rpc, payload: bytes, ex
     if rpc.name == "ReadBlocks":
         live.drop()
     if rpc.method.endswith("RouterService/Heartbeat"):
-        restore_router_view(mesh, payload)
+        assert_no_fake_heartbeat(mesh, payload, outcome)
     assert_settled(mesh, base, f"{rpc.method} -> {outcome.code.name}")
 
 
@@ -243,6 +233,52 @@ def test_a_request_over_the_message_limit_is_resource_exhausted(mesh, baseline, 
     outcome = invoke(mesh, rpc, payload)
     assert outcome.code == C.RESOURCE_EXHAUSTED, outcome
     assert_settled(mesh, baseline, name)
+
+
+def _generate_with(field: int, count: int, item: bytes) -> bytes:
+    """A GenerateRequest whose field `field` repeats `item` `count` times, as raw wire data."""
+    return (bytes([field << 3 | 2]) + _varint(len(item)) + item) * count
+
+
+def _sampling_stops(count: int, stop: bytes = b"x") -> bytes:
+    inner = (b"\x3a" + _varint(len(stop)) + stop) * count  # SamplingParams.stop = 7
+    return b"\x22" + _varint(len(inner)) + inner  # GenerateRequest.sampling = 4
+
+
+def _token_ids(count: int) -> bytes:
+    packed = b"\x7f" * count  # one byte a token id
+    inner = b"\x0a" + _varint(len(packed)) + packed  # TokenIds.ids = 1, packed
+    return b"\x1a" + _varint(len(inner)) + inner  # GenerateRequest.token_ids = 3
+
+
+# Issue 13 item 2: one 60 MB Generate once added ~600 MB of router RSS. The public port
+# takes only what the request limits can need; under that cap, counts are checked before
+# anything is copied.
+OVERSIZED_GENERATE = {
+    "just over the public cap (well under the old 64 MiB)": (
+        lambda cap: _token_ids(cap + 1),
+        {C.RESOURCE_EXHAUSTED},
+    ),
+    "a text prompt of 3 MiB": (
+        lambda cap: b"\x12" + _varint(3 << 20) + b"a" * (3 << 20),
+        {C.RESOURCE_EXHAUSTED},
+    ),
+    "token ids over the prompt limit, under the cap": (lambda cap: _token_ids(cap // 2), INVALID),
+    "20,000 one-byte stop strings": (lambda cap: _sampling_stops(min(20_000, cap // 4)), INVALID),
+    "a request id of 16 KiB": (lambda cap: _generate_with(1, 1, b"r" * 16384), INVALID),
+    "a tenant of 16 KiB": (lambda cap: _generate_with(5, 1, b"t" * 16384), INVALID),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERSIZED_GENERATE), ids=list(OVERSIZED_GENERATE))
+def test_oversized_router_requests_are_refused_before_anything_runs(mesh, baseline, case):
+    make, codes = OVERSIZED_GENERATE[case]
+    rpc = BY_NAME["router.Generate"]
+    payload = make(mesh.message_cap("router"))
+    outcome = invoke(mesh, rpc, payload)
+    assert outcome.code in codes, outcome
+    assert outcome.responses == []
+    assert_settled(mesh, baseline, case)
 
 
 def _varint(n: int) -> bytes:

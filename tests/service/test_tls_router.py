@@ -65,7 +65,7 @@ async def test_no_key_or_a_wrong_key_is_unauthenticated(tmp_path, cleanup):
             await h.generate("hi", metadata=metadata)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     for call in (
-        h.stub.ListWorkers(router_pb2.ListWorkersRequest()),
+        h.internal.ListWorkers(router_pb2.ListWorkersRequest()),
         h.stub.Cancel(router_pb2.CancelRequest(request_id="x")),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -82,8 +82,6 @@ async def test_the_key_sets_the_tenant_and_caps_priority(tmp_path, cleanup):
     assert (sent.tenant, sent.priority) == ("acme", 1)  # not the request's "zeta" / 9
     await h.generate("hi", metadata=bearer(zeta), tenant="acme", priority=9)
     assert (decode.calls[-1].tenant, decode.calls[-1].priority) == ("zeta", 9)
-    workers = await h.stub.ListWorkers(router_pb2.ListWorkersRequest(), metadata=bearer(zeta))
-    assert len(workers.workers) == 1
 
 
 async def test_a_tenant_over_its_open_requests_is_resource_exhausted(tmp_path, cleanup):
@@ -146,7 +144,7 @@ async def test_an_mtls_router_serves_a_client_certificate_with_a_key(tmp_path, c
     _, final, _ = await h.generate("hi", metadata=bearer(acme))
     assert final is not None and final.worker_id == "d1"
     with pytest.raises(grpc.aio.AioRpcError) as e:  # a client certificate may not join as a worker
-        await h.stub.RegisterWorker(router_pb2.RegisterWorkerRequest(worker=decode.info()))
+        await h.internal.RegisterWorker(router_pb2.RegisterWorkerRequest(worker=decode.info()))
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
@@ -181,8 +179,8 @@ async def test_a_worker_registers_only_in_its_certificates_role(tmp_path, cleanu
         block_size=16,
     )
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await as_prefill.stub.RegisterWorker(router_pb2.RegisterWorkerRequest(worker=info))
+        await as_prefill.internal.RegisterWorker(router_pb2.RegisterWorkerRequest(worker=info))
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "'prefill'" in e.value.details()
     info.role = common_pb2.WORKER_ROLE_PREFILL
-    await as_prefill.stub.RegisterWorker(router_pb2.RegisterWorkerRequest(worker=info))
+    await as_prefill.internal.RegisterWorker(router_pb2.RegisterWorkerRequest(worker=info))
     assert "w1" in as_prefill.router.registry

@@ -11,13 +11,12 @@ from typing import Any
 import grpc
 
 from pdmesh.certs import issue, write_ca, write_mesh_certs
-from pdmesh.v1 import router_pb2_grpc
 from services.common.server import MeshServer, ServerConfig
 from services.common.tls import TlsConfig, aio_channel, client_tls
 from services.router.config import ModelSpec, RouterConfig, RouterSettings
+from services.router.listeners import RouterListeners
 from services.router.router import Router
-from services.router.servicer import SERVICE_NAME, add_to_server
-from tests.service.router.conftest import FAST, RouterHandle
+from tests.service.router.conftest import FAST, RouterHandle, connect
 from tests.service.router.fakes import FakeWorkerBase
 
 
@@ -68,12 +67,15 @@ async def start_router(
 ) -> RouterHandle:
     """A router on port 0 serving `settings` (TLS as settings.tls); the handle's channel uses `client`."""
     router = Router(settings, ModelSpec.load(settings.router))
-    server = MeshServer(settings.server, SERVICE_NAME, registry=router.metrics.registry, tls=settings.tls)
-    add_to_server(router, server.server)
-    await server.start()
+    listeners = RouterListeners(router)
+    await listeners.start()
     await router.start()
-    channel = aio_channel(f"localhost:{server.port}", client_tls(client))
-    handle = RouterHandle(router, server, channel, router_pb2_grpc.RouterServiceStub(channel))
+    tls = client_tls(client)
+    handle = connect(
+        router,
+        listeners,
+        lambda address: aio_channel("localhost:" + address.rpartition(":")[2], tls),
+    )
     if wait_workers is not None:
         await router.wait_until(
             lambda: len(router.registry) == wait_workers and all(r.healthy for r in router.registry.workers())
@@ -89,9 +91,7 @@ def router_settings(decode: tuple[str, ...] = (), **sections: Any) -> RouterSett
 
 
 async def close_router(h: RouterHandle) -> None:
-    await h.channel.close()
-    await h.router.close()
-    await h.server.stop()
+    await h.close()
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:

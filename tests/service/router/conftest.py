@@ -1,4 +1,8 @@
-"""A mesh of fake workers and an in-process router on port 0 (see fakes.py)."""
+"""A mesh of fake workers and an in-process router on port 0 (see fakes.py).
+
+The router serves its two listeners (services/router/listeners.py): `h.stub` is a
+client of the public port (Generate, Cancel), `h.internal` of the internal one
+(membership, ListWorkers, Stats)."""
 
 from __future__ import annotations
 
@@ -14,11 +18,11 @@ from services.common.server import MeshServer, ServerConfig
 from services.router.admission import AdmissionConfig
 from services.router.circuit_breaker import BreakerConfig
 from services.router.config import ModelSpec, RouterConfig, RouterSettings
+from services.router.listeners import RouterListeners
 from services.router.migration import JourneyConfig
 from services.router.registry import WorkerRole
 from services.router.retry_budget import RetryBudgetConfig
 from services.router.router import Router
-from services.router.servicer import SERVICE_NAME, add_to_server
 from tests.service.router.fakes import FakeDecode, FakePrefill
 
 FAST = dict(
@@ -36,9 +40,18 @@ FAST = dict(
 @dataclass
 class RouterHandle:
     router: Router
-    server: MeshServer
+    server: MeshServer  # the public listener
     channel: grpc.aio.Channel
     stub: router_pb2_grpc.RouterServiceStub
+    listeners: RouterListeners
+    internal_channel: grpc.aio.Channel
+    internal: router_pb2_grpc.RouterServiceStub
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.internal_channel.close()
+        await self.router.close()
+        await self.listeners.stop()
 
     async def generate(self, prompt="hello", max_tokens=8, timeout=30, metadata=None, **fields: Any):
         """(deltas, final, call) of one Generate; raises AioRpcError on failure."""
@@ -53,6 +66,21 @@ class RouterHandle:
 
     def healthy_decode(self) -> int:
         return sum(r.healthy for r in self.router.registry.workers(WorkerRole.DECODE))
+
+
+def connect(router: Router, listeners: RouterListeners, channel_to=grpc.aio.insecure_channel) -> RouterHandle:
+    """A handle with a client channel to each of the router's listeners."""
+    channel = channel_to(listeners.address)
+    internal = channel_to(listeners.internal_address)
+    return RouterHandle(
+        router,
+        listeners.public,
+        channel,
+        router_pb2_grpc.RouterServiceStub(channel),
+        listeners,
+        internal,
+        router_pb2_grpc.RouterServiceStub(internal),
+    )
 
 
 def request(prompt="hello", max_tokens=8, **fields: Any) -> router_pb2.GenerateRequest:
@@ -125,12 +153,10 @@ class Mesh:
         if resolver is not None:
             kwargs["resolver"] = resolver
         router = Router(settings, ModelSpec.load(cfg), **kwargs)
-        server = MeshServer(settings.server, SERVICE_NAME, registry=router.metrics.registry)
-        add_to_server(router, server.server)
-        await server.start()
+        listeners = RouterListeners(router)
+        await listeners.start()
         await router.start()
-        channel = grpc.aio.insecure_channel(server.address)
-        handle = RouterHandle(router, server, channel, router_pb2_grpc.RouterServiceStub(channel))
+        handle = connect(router, listeners)
         self.handles.append(handle)
         if wait:
             n = len(decode) + len(prefill)
@@ -141,9 +167,7 @@ class Mesh:
 
     async def close(self) -> None:
         for h in self.handles:
-            await h.channel.close()
-            await h.router.close()
-            await h.server.stop()
+            await h.close()
         for w in self.workers:
             await w.stop()
 

@@ -36,7 +36,7 @@ async def test_full_router_sheds_with_a_retry_hint(mesh):
     d.resume.set()
     await read_all(held)
     assert await held.code() == grpc.StatusCode.OK
-    stats = await h.stub.Stats(router_pb2.RouterServiceStatsRequest())
+    stats = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
     assert stats.requests_shed == 1 and stats.requests_succeeded == 1 and stats.inflight == 0
 
 

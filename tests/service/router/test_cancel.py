@@ -26,7 +26,7 @@ async def test_client_disconnect_cancels_the_downstream_call(mesh):
     await d.cancelled_event.wait()
     assert d.cancelled == ["c-1"]
     await r.wait_until(lambda: not r.flows)
-    s = await h.stub.Stats(router_pb2.RouterServiceStatsRequest())
+    s = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
     assert s.requests_cancelled == 1 and s.inflight == 0 and s.requests_failed == 0
 
 

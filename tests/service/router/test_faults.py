@@ -17,7 +17,7 @@ PROMPT = "migrate me"
 
 
 async def _stats(h):
-    return await h.stub.Stats(router_pb2.RouterServiceStatsRequest())
+    return await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
 
 
 async def test_failure_before_the_first_token_is_retried_on_another_worker(mesh):
@@ -89,7 +89,7 @@ async def test_breaker_opens_on_a_failing_worker_and_a_probe_closes_it(mesh):
         _, final, _ = await h.generate(PROMPT, max_tokens=2)
         assert final.worker_id == "d2"  # every failure on d1 was retried on d2
     assert len(d1.calls) == 2 and r.breakers.state("d1") is BreakerState.OPEN
-    listed = await h.stub.ListWorkers(router_pb2.ListWorkersRequest())
+    listed = await h.internal.ListWorkers(router_pb2.ListWorkersRequest())
     health = {w.info.worker_id: w.health for w in listed.workers}
     assert health == {"d1": router_pb2.WORKER_HEALTH_BREAKER_OPEN, "d2": router_pb2.WORKER_HEALTH_SERVING}
     for _ in range(4):

@@ -47,7 +47,7 @@ async def test_kv_aware_follows_the_cached_prefix(mesh):
     await r.wait_until(lambda: r.index.blocks("d1") == 4)
     _, final, _ = await h.generate(other, max_tokens=8)
     assert final.worker_id == "d1"
-    listed = await h.stub.ListWorkers(router_pb2.ListWorkersRequest())
+    listed = await h.internal.ListWorkers(router_pb2.ListWorkersRequest())
     blocks = {w.info.worker_id: w.indexed_blocks for w in listed.workers}
     assert blocks == {"d1": 4, "d2": 4}
     assert {w.source for w in listed.workers} == {"static"}

@@ -41,7 +41,7 @@ async def test_stats_and_metrics_report_cost_per_successful_request(mesh):
     with pytest.raises(grpc.aio.AioRpcError):
         await h.generate("abcd", max_tokens=6)
 
-    s = await h.stub.Stats(router_pb2.RouterServiceStatsRequest())
+    s = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
     assert (s.requests_total, s.requests_succeeded, s.requests_failed, s.requests_cancelled) == (4, 3, 1, 0)
     assert s.migrations == 1 and s.inflight == 0 and s.queued == 0
     successful = 10 + 10 + (4 + 3) + (4 + 3 + 3)  # the migrated one recomputed prompt + 3 tokens
@@ -71,5 +71,5 @@ async def test_shed_and_invalid_requests_are_counted(mesh):
     m = _samples(h.router.metrics.registry)
     assert m["pdmesh_router_shed_total{reason=saturated}"] == 1
     assert m["pdmesh_router_invalid_requests_total"] == 1
-    s = await h.stub.Stats(router_pb2.RouterServiceStatsRequest())
+    s = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
     assert s.requests_shed == 1 and s.requests_total == 1

@@ -57,7 +57,7 @@ async def test_invalid_requests_never_reach_a_worker(mesh):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         assert e.value.details(), name
     assert d.calls == []
-    stats = await h.stub.Stats(router_pb2.RouterServiceStatsRequest())
+    stats = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
     assert stats.requests_total == 0 and stats.requests_failed == 0
 
 

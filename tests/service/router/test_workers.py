@@ -18,7 +18,7 @@ def _register(worker, lease_ms=3000, **changes):
 
 
 async def _listed(h):
-    resp = await h.stub.ListWorkers(router_pb2.ListWorkersRequest())
+    resp = await h.internal.ListWorkers(router_pb2.ListWorkersRequest())
     return {w.info.worker_id: w for w in resp.workers}
 
 
@@ -27,7 +27,7 @@ async def test_a_worker_joining_at_run_time_receives_traffic(mesh):
     h = await mesh.router([], wait=False)
     r = h.router
     assert not r.ready()
-    resp = await h.stub.RegisterWorker(_register(d1, lease_ms=3000))
+    resp = await h.internal.RegisterWorker(_register(d1, lease_ms=3000))
     assert resp.lease_ms == 3000 and resp.heartbeat_interval_ms == 1000
     await r.wait_until(lambda: d1.kv.subscriptions == 1 and r.sequencer.last_seq("d1") == 0)
     assert r.ready()
@@ -43,17 +43,19 @@ async def test_heartbeats_carry_load_and_renew_the_lease(mesh):
     d1 = await mesh.decode("d1")
     h = await mesh.router([], wait=False, clock=clock, stats_interval_s=3600)
     r = h.router
-    await h.stub.RegisterWorker(_register(d1, lease_ms=2000))
-    beat = router_pb2.RouterServiceHeartbeatRequest(worker_id="d1", load=common_pb2.WorkerLoad(waiting=7))
+    joined = await h.internal.RegisterWorker(_register(d1, lease_ms=2000))
+    beat = router_pb2.RouterServiceHeartbeatRequest(
+        worker_id="d1", load=common_pb2.WorkerLoad(waiting=7), incarnation=joined.incarnation
+    )
     clock.advance(1.5)
-    assert (await h.stub.Heartbeat(beat)).known
+    assert (await h.internal.Heartbeat(beat)).known
     assert (await _listed(h))["d1"].load.waiting == 7
     clock.advance(1.5)  # 3 s after joining, 1.5 s after the heartbeat
     assert await r.expire_leases() == []
     clock.advance(1.0)  # 2.5 s after the heartbeat: the lease ran out
     assert await r.expire_leases() == ["d1"]
     assert await _listed(h) == {}
-    assert not (await h.stub.Heartbeat(beat)).known  # must register again
+    assert not (await h.internal.Heartbeat(beat)).known  # must register again
     assert r.index.blocks("d1") == 0 and r.sequencer.last_seq("d1") is None
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await h.generate("anyone?")
@@ -65,11 +67,11 @@ async def test_a_worker_that_leaves_gets_no_more_traffic(mesh):
     d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
     h = await mesh.router([d2], policy="round_robin")
     r = h.router
-    await h.stub.RegisterWorker(_register(d1))
+    joined = await h.internal.RegisterWorker(_register(d1))
     await r.wait_until(lambda: r.sequencer.last_seq("d1") == 0)
-    dereg = router_pb2.DeregisterWorkerRequest(worker_id="d1")
-    assert (await h.stub.DeregisterWorker(dereg)).removed
-    assert not (await h.stub.DeregisterWorker(dereg)).removed
+    dereg = router_pb2.DeregisterWorkerRequest(worker_id="d1", incarnation=joined.incarnation)
+    assert (await h.internal.DeregisterWorker(dereg)).removed
+    assert not (await h.internal.DeregisterWorker(dereg)).removed
     for _ in range(3):
         _, final, _ = await h.generate("x", max_tokens=2)
         assert final.worker_id == "d2"
@@ -101,7 +103,7 @@ async def test_a_mismatched_worker_is_refused_at_join(mesh, changes, needle):
     d1 = await mesh.decode("d1")
     h = await mesh.router([], wait=False)
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await h.stub.RegisterWorker(_register(d1, **changes))
+        await h.internal.RegisterWorker(_register(d1, **changes))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert needle in e.value.details()
     assert await _listed(h) == {}
@@ -114,7 +116,7 @@ async def test_malformed_registrations_are_invalid(mesh, changes):
     d1 = await mesh.decode("d1")
     h = await mesh.router([], wait=False)
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await h.stub.RegisterWorker(_register(d1, **changes))
+        await h.internal.RegisterWorker(_register(d1, **changes))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -158,9 +160,11 @@ async def test_a_worker_that_moves_address_is_followed(mesh):
     old, new = await mesh.decode("d1"), await mesh.decode("d1")  # one worker id, restarted elsewhere
     h = await mesh.router([], wait=False)
     r = h.router
-    await h.stub.RegisterWorker(_register(old))
+    joined = await h.internal.RegisterWorker(_register(old))
     await r.wait_until(lambda: r.sequencer.last_seq("d1") == 0)
-    await h.stub.RegisterWorker(_register(new))
+    moved = _register(new)
+    moved.incarnation = joined.incarnation  # the same worker: it holds its registration's secret
+    await h.internal.RegisterWorker(moved)
     await r.wait_until(lambda: r.sequencer.last_seq("d1") == 0 and new.kv.subscriptions == 1)
     assert [c.address for c in r.pool.connections()] == [new.address]
     await old.stop()
@@ -176,7 +180,7 @@ async def test_a_worker_leaves_even_when_a_health_probe_was_just_asked_for(mesh)
     d1 = await mesh.decode("d1")
     h = await mesh.router([], wait=False, health_interval_s=3600)
     r = h.router
-    await h.stub.RegisterWorker(_register(d1))
+    await h.internal.RegisterWorker(_register(d1))
     conn = r.pool.connection("d1")
     await r.wait_until(lambda: bool(conn._probe_now._waiters))  # the health loop waits for a probe request
     conn._probe_now.set()  # ... which arrives in the same step as the cancel

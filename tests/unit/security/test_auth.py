@@ -127,3 +127,69 @@ def test_auth_is_off_without_keys():
 def test_bearer_key_reads_the_authorization_header_only():
     assert bearer_key([("authorization", "Bearer  abc ")]) == "abc"
     assert bearer_key([("x-request-id", "Bearer abc")]) == ""
+
+
+def _lines_without(path, digest: str) -> str:
+    return "".join(line for line in path.read_text().splitlines(keepends=True) if digest not in line)
+
+
+def test_a_key_revoked_in_a_file_with_a_bad_line_is_revoked_at_once(tmp_path):
+    """Issue 13 item 6: a malformed line once kept every previous entry, revoked keys included."""
+    path = tmp_path / "keys.jsonl"
+    keep, revoke = new_key(), new_key()
+    append_entry(str(path), "acme", keep)
+    append_entry(str(path), "zeta", revoke)
+    failures = []
+    store = ApiKeyStore(AuthConfig(api_keys_file=str(path)), on_reload_error=lambda: failures.append(1))
+    assert store.authenticate(bearer(revoke)).tenant == "zeta"
+    # One edit: revoke zeta's key and (by mistake) add a line that does not parse.
+    path.write_text(_lines_without(path, hash_key(revoke)) + '{"key_sha256": "oops"\n')
+    with pytest.raises(Unauthenticated):
+        store.authenticate(bearer(revoke))
+    assert store.authenticate(bearer(keep)).tenant == "acme"  # the valid part stays in force
+    assert store.reload_errors == 1 and failures == [1]
+
+
+def test_a_bad_reload_never_resurrects_a_key_removed_earlier(tmp_path):
+    path = tmp_path / "keys.jsonl"
+    a, b = new_key(), new_key()
+    append_entry(str(path), "acme", a)
+    append_entry(str(path), "beta", b)
+    store = ApiKeyStore(AuthConfig(api_keys_file=str(path)))
+    path.write_text(_lines_without(path, hash_key(b)))  # a clean revocation of b
+    with pytest.raises(Unauthenticated):
+        store.authenticate(bearer(b))
+    path.write_text(path.read_text() + "[1, 2]\n")  # then a bad edit: b must stay revoked
+    with pytest.raises(Unauthenticated):
+        store.authenticate(bearer(b))
+    assert store.authenticate(bearer(a)).tenant == "acme"
+    # A line for the same key that no longer parses drops that key too (fail closed).
+    line = path.read_text().splitlines()[0].replace('"tenant"', '"tenant_typo"')
+    path.write_text(line + "\n")
+    with pytest.raises(Unauthenticated):
+        store.authenticate(bearer(a))
+    assert store.reload_errors == 2
+
+
+def test_an_unreadable_keys_file_leaves_no_file_key_in_force(tmp_path):
+    path = tmp_path / "keys.jsonl"
+    key = new_key()
+    append_entry(str(path), "acme", key)
+    store = ApiKeyStore(AuthConfig(api_keys_file=str(path), api_keys=(f"{hash_key('inline')}:ops",)))
+    path.unlink()
+    with pytest.raises(Unauthenticated):
+        store.authenticate(bearer(key))
+    assert store.authenticate(bearer("inline")).tenant == "ops" and store.reload_errors == 1
+    append_entry(str(path), "acme", key)  # the file comes back: so does the key
+    assert store.authenticate(bearer(key)).tenant == "acme"
+
+
+def test_admin_keys_are_marked_in_the_file(tmp_path):
+    path = tmp_path / "keys.jsonl"
+    ops, tenant = new_key(), new_key()
+    append_entry(str(path), "ops", ops, admin=True)
+    append_entry(str(path), "acme", tenant)
+    store = ApiKeyStore(AuthConfig(api_keys_file=str(path)))
+    assert store.authenticate(bearer(ops)).admin and not store.authenticate(bearer(tenant)).admin
+    with pytest.raises(ValueError, match="admin"):
+        parse_entry({"key_sha256": "a" * 64, "tenant": "t", "admin": "yes"})

@@ -138,8 +138,11 @@ def test_cli_commands_take_tls_flags(command):
 
 
 def test_internal_methods_are_closed_to_public_roles_by_default():
-    assert allowed_roles("/pdmesh.v1.DecodeService/Generate") == INTERNAL_ROLES
-    assert allowed_roles("/pdmesh.v1.SomeFutureService/Anything") == INTERNAL_ROLES
+    # Issue 13 item 7: decode Generate is the router's alone; an RPC the table does not name
+    # is closed to every role (it used to be open to every internal one).
+    assert allowed_roles("/pdmesh.v1.DecodeService/Generate") == {"router"}
+    assert allowed_roles("/pdmesh.v1.SomeFutureService/Anything") == frozenset()
+    assert not allowed_roles("/pdmesh.v1.DecodeService/Generate") & (INTERNAL_ROLES - {"router"})
     assert "client" in allowed_roles("/pdmesh.v1.RouterService/Generate")
     assert allowed_roles("/pdmesh.v1.PrefillService/Release") == {"decode"}
 
