@@ -12,6 +12,7 @@ on UNAUTHENTICATED (a missing or unknown API key).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,10 +69,16 @@ def retry_after_ms(trailing: object) -> int | None:
     return None
 
 
+# The router names the offending public field first: "max_tokens: must be <= 4096 ...".
+_FIELD = re.compile(r"^(?P<param>[a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*): ")
+
+
 def from_grpc(code: grpc.StatusCode, details: str, trailing: object = ()) -> GatewayError:
     """The HTTP error for a failed router call (the only gRPC -> HTTP translation)."""
     status, kind = _STATUS.get(code, (500, "internal_error"))
     err = GatewayError(status, details or code.name, kind, code=code.name.lower())
+    if status == 400 and (m := _FIELD.match(details or "")):
+        err.param = m.group("param")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         ms = retry_after_ms(trailing)
         # Retry-After is whole seconds (RFC 9110); the exact hint rides along in ms.

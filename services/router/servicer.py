@@ -154,7 +154,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         tracing.annotate(request_id=req.request_id, tenant=req.tenant)
         flow = router.open_flow(req)
         try:
-            await context.send_initial_metadata((("x-request-id", req.request_id),))
+            # x-prompt-tokens: the HTTP door logs it for streams its client closes before the final.
+            await context.send_initial_metadata(
+                (("x-request-id", req.request_id), ("x-prompt-tokens", str(len(req.prompt_token_ids))))
+            )
             push = make_detokenizer(router.model.tokenizer).push_many
             stops = StopTextFilter(req.sampling.stop)
             async for item in flow.run():
