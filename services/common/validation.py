@@ -1,21 +1,22 @@
 """Request validation and proto <-> domain conversion shared by every service.
 
 Each check names the offending field in an `InvalidArgument` so the client
-sees, e.g., `INVALID_ARGUMENT: sampling.max_tokens: must be >= 1, got 0`.
+sees, e.g., `INVALID_ARGUMENT: max_tokens: must be in [1, 4096] (the serving limit), got 0`
+(public names at the router's edge; `sampling.max_tokens` inside the mesh). The
+sampling rules themselves live in services.model.sampling, shared with the engines.
 Validation happens before anything is allocated.
 """
 
 from __future__ import annotations
 
-import math
-import random
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdmesh.v1 import common_pb2
 from services.common.config import require, setting
 from services.common.errors import InvalidArgument
-from services.engine.api import FinishReason, InvalidRequestError, SamplingParams
+from services.model.sampling import FinishReason, SamplingParams, draw_seed, sampling_problem
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -49,65 +50,46 @@ def sampling_from_proto(
     vocab_size: int,
     *,
     assign_seed: bool = True,
+    prefix: str = "sampling.",
 ) -> SamplingParams:
-    """Validate and convert; an unseeded sampled request gets a fresh seed so
-    every worker that samples for it agrees (position-deterministic sampling)."""
+    """Validate (services.model.sampling's rules plus the serving limits) and convert; an
+    unseeded sampled request gets its seed here (`draw_seed`), so every worker agrees.
+
+    `prefix` is how the fields are named in messages: "sampling." inside the mesh, ""
+    at the router's public edge (the names an OpenAI client knows: `max_tokens`)."""
     if msg is None:
         msg = common_pb2.SamplingParams()
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    _check(max_tokens >= 1, "sampling.max_tokens", f"must be >= 1, got {max_tokens}")
-    _check(
-        max_tokens <= limits.max_tokens_limit,
-        "sampling.max_tokens",
-        f"must be <= {limits.max_tokens_limit} (the serving limit), got {max_tokens}",
-    )
-    temp = msg.temperature
-    _check(
-        math.isfinite(temp) and 0.0 <= temp <= 2.0, "sampling.temperature", f"must be in [0, 2], got {temp}"
-    )
-    top_p = msg.top_p if msg.top_p != 0.0 else 1.0
-    _check(
-        math.isfinite(top_p) and 0.0 < top_p <= 1.0, "sampling.top_p", f"must be in (0, 1], got {msg.top_p}"
-    )
-    _check(0 <= msg.top_k <= vocab_size, "sampling.top_k", f"must be in [0, {vocab_size}], got {msg.top_k}")
-    stops = tuple(msg.stop)
-    _check(
-        len(stops) <= limits.max_stop_strings,
-        "sampling.stop",
-        f"at most {limits.max_stop_strings} stop strings, got {len(stops)}",
-    )
-    for s in stops:
-        _check(s != "", "sampling.stop", "stop strings must be non-empty")
-        _check(
-            len(s.encode()) <= limits.max_stop_string_bytes,
-            "sampling.stop",
-            f"stop strings must be <= {limits.max_stop_string_bytes} bytes",
-        )
-    stop_ids = tuple(msg.stop_token_ids)
-    _check(
-        len(stop_ids) <= limits.max_stop_token_ids,
-        "sampling.stop_token_ids",
-        f"at most {limits.max_stop_token_ids} ids, got {len(stop_ids)}",
-    )
-    for t in stop_ids:
-        _check(t < vocab_size, "sampling.stop_token_ids", f"token {t} is not in [0, {vocab_size})")
-    seed = msg.seed if msg.HasField("seed") else None
-    if seed is None and temp > 0.0 and assign_seed:
-        seed = random.getrandbits(63)
     params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temp,
-        top_p=top_p,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p != 0.0 else 1.0,  # 0 = unset (= 1, off)
         top_k=msg.top_k,
-        seed=seed,
-        stop=stops,
-        stop_token_ids=stop_ids,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
     )
-    try:
-        params.validate(vocab_size)
-    except InvalidRequestError as e:
-        raise InvalidArgument(str(e)) from e
+    problem = sampling_problem(params, vocab_size, limits.max_tokens_limit)
+    if problem is not None:
+        raise InvalidArgument(f"{prefix}{problem[0]}: {problem[1]}")
+    stops, stop_ids = params.stop, params.stop_token_ids
+    _check(
+        len(stops) <= limits.max_stop_strings,
+        f"{prefix}stop",
+        f"at most {limits.max_stop_strings} stop strings, got {len(stops)}",
+    )
+    _check(
+        all(len(s.encode()) <= limits.max_stop_string_bytes for s in stops),
+        f"{prefix}stop",
+        f"stop strings must be <= {limits.max_stop_string_bytes} bytes",
+    )
+    _check(
+        len(stop_ids) <= limits.max_stop_token_ids,
+        f"{prefix}stop_token_ids",
+        f"at most {limits.max_stop_token_ids} ids, got {len(stop_ids)}",
+    )
+    if params.seed is None and not params.greedy and assign_seed:
+        params = dataclasses.replace(params, seed=draw_seed())
     return params
 
 
@@ -133,26 +115,29 @@ def check_prompt(
     max_model_len: int,
     limits: RequestLimits,
     field: str = "prompt_token_ids",
+    max_tokens_field: str = "sampling.max_tokens",
 ) -> None:
-    """A prompt must be non-empty, in-vocabulary and fit the context with its output."""
-    _check(len(token_ids) > 0, field, "the prompt is empty")
-    _check(
-        len(token_ids) <= limits.max_prompt_tokens,
-        field,
-        f"{len(token_ids)} tokens exceed the limit of {limits.max_prompt_tokens}",
+    """A prompt must be non-empty, in-vocabulary and fit the context with its output.
+
+    Messages state the limit that applies: the smaller of the serving limit and the
+    model context less one output token."""
+    n = len(token_ids)
+    _check(n > 0, field, "the prompt is empty")
+    limit = min(limits.max_prompt_tokens, max_model_len - 1)
+    why = (
+        "the serving limit"
+        if limit == limits.max_prompt_tokens
+        else f"the model context of {max_model_len} tokens less one output token"
     )
+    _check(n <= limit, field, f"{n} tokens exceed the limit of {limit} ({why})")
     _check(
-        len(token_ids) < max_model_len,
-        field,
-        f"{len(token_ids)} prompt tokens do not fit the model context of {max_model_len}",
-    )
-    _check(
-        len(token_ids) + max_tokens <= max_model_len,
-        "sampling.max_tokens",
-        f"prompt ({len(token_ids)}) + max_tokens ({max_tokens}) exceed the model context of {max_model_len}",
+        n + max_tokens <= max_model_len,
+        max_tokens_field,
+        f"the prompt ({n} tokens) + max_tokens ({max_tokens}) exceed the model context of "
+        f"{max_model_len} tokens; at most {max_model_len - n} output tokens fit",
     )
     bad = next((t for t in token_ids if t >= vocab_size), None)
-    _check(bad is None, field, f"token {bad} is not in [0, {vocab_size})")
+    _check(bad is None, field, f"token {bad} is not in [0, {vocab_size}) (the vocabulary)")
 
 
 def check_resume(resume_ids: Sequence[int], max_tokens: int, vocab_size: int) -> None:

@@ -66,23 +66,23 @@ def parse_generate(
         )
     if request.HasField("workflow"):
         check_ident(request.workflow.workflow_id, "workflow.workflow_id", limits.max_request_id_bytes)
-    sampling = sampling_from_proto(
-        request.sampling if request.HasField("sampling") else None, limits, model.vocab_size
+    sampling = sampling_from_proto(  # public field names: this is what clients (and HTTP) see
+        request.sampling if request.HasField("sampling") else None, limits, model.vocab_size, prefix=""
     )
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
-            raise InvalidArgument("text: the prompt is empty")
+            raise InvalidArgument("prompt: the prompt is empty")
         if len(request.text) > limits.max_prompt_tokens * 8:  # bound tokenizer work before tokenizing
-            raise InvalidArgument(f"text: longer than {limits.max_prompt_tokens * 8} characters")
+            raise InvalidArgument(f"prompt: longer than {limits.max_prompt_tokens * 8} characters")
         ids = model.tokenizer.encode(request.text)
-        field = "text"
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
-        field = "token_ids.ids"
     else:
         raise InvalidArgument("prompt: set text or token_ids")
-    check_prompt(ids, sampling.max_tokens, model.vocab_size, model.max_model_len, limits, field)
+    check_prompt(
+        ids, sampling.max_tokens, model.vocab_size, model.max_model_len, limits, "prompt", "max_tokens"
+    )
     return FlowRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=tuple(ids),

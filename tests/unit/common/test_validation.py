@@ -81,3 +81,33 @@ def test_kv_transfer_failures_map_to_their_status():
     assert status_of(KvTransferFailed(FailureKind.TIMEOUT, "x"))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
     assert status_of(KvTransferFailed(FailureKind.NOT_OWNER, "x"))[0] == grpc.StatusCode.PERMISSION_DENIED
     assert status_of(ValueError("x")) is None
+
+
+def test_messages_state_the_effective_limit():
+    # max_tokens: one range, the serving one, whichever side is broken (not "[1, inf]" vs "<= 100").
+    for bad in (0, 101):
+        with pytest.raises(InvalidArgument) as e:
+            sampling_from_proto(sp(max_tokens=bad), LIMITS, 300, prefix="")
+        assert str(e.value).startswith("max_tokens: must be in [1, 100]"), str(e.value)
+    # A prompt limit of 32768 means nothing when the model context is 2,048: say 2,047.
+    with pytest.raises(InvalidArgument) as e:
+        check_prompt([1] * 3000, 1, 300, 2048, RequestLimits(max_prompt_tokens=32768), "prompt")
+    assert "limit of 2047" in str(e.value) and "32768" not in str(e.value)
+    assert str(e.value).startswith("prompt: ")
+    with pytest.raises(InvalidArgument) as e:
+        check_prompt([1] * 2000, 100, 300, 2048, LIMITS, "prompt", "max_tokens")
+    assert str(e.value).startswith("max_tokens: ") and "at most 48 output tokens fit" in str(e.value)
+
+
+def test_the_engine_and_the_services_apply_the_same_sampling_rules():
+    from services.engine.api import SamplingParams as EngineSampling  # re-exported, not a copy
+    from services.model.sampling import SamplingParams, sampling_problem
+
+    assert EngineSampling is SamplingParams
+    assert sampling_problem(SamplingParams(top_k=301), 300) == (
+        "top_k",
+        "must be in [0, 300] (0 = off; the vocabulary size), got 301",
+    )
+    with pytest.raises(InvalidArgument) as e:
+        sampling_from_proto(sp(top_k=301), LIMITS, 300)
+    assert str(e.value) == "sampling.top_k: must be in [0, 300] (0 = off; the vocabulary size), got 301"
