@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from services.common.metrics import add_process_metrics
 from services.common.tls import TlsConfig
 from services.gateway import responses as R
 from services.gateway.chat_template import ChatTemplate, load_chat_template
@@ -178,7 +179,8 @@ class Gateway:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = add_process_metrics(self.metrics.registry)  # process_*/python_* too
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         model = {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "pdmesh"}
