@@ -42,6 +42,9 @@ HOSTILE: list[tuple[str, bytes]] = [
 ]
 
 
+BASELINE: list = []
+
+
 class _Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -54,6 +57,7 @@ def gateway(mesh: InProcessMesh):
     sock = bind("127.0.0.1", 0)
     server = _Server(uvicorn.Config(gw.app(), log_config=None, access_log=False, lifespan="on"))
     server.ready = False
+    BASELINE.append(mesh.snapshot())  # before any HTTP request: what every test must return to
     task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), mesh.loop)
     try:
         wait_until(lambda: server.ready, timeout=30, what="gateway serving")
@@ -86,34 +90,47 @@ def test_hostile_bodies_are_400s_and_the_mesh_stays_healthy(gateway, mesh, path,
     check_mesh_at_rest(gateway, mesh, base)
 
 
-def _values():
-    return st.one_of(
-        st.none(),
-        st.booleans(),
-        st.integers(min_value=-4, max_value=4),
-        st.sampled_from(BIG),
-        st.floats(allow_nan=False, allow_infinity=False),
-        st.text(max_size=8),
-        st.lists(st.sampled_from([0, 1, 2**32, 2**40, "a"]), max_size=3),
-        st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
-    )
+def _int(valid: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(valid, st.sampled_from(BIG), st.integers(min_value=-(2**70), max_value=2**70))
 
 
-FIELDS = ["max_tokens", "top_k", "top_p", "temperature", "seed", "stop", "stop_token_ids", "n", "stream"]
-
-
-@fuzz_settings(short=40)
-@given(
-    chat=st.booleans(),
-    fields=st.dictionaries(st.sampled_from(FIELDS), _values(), max_size=4),
-    content=st.one_of(st.none(), st.text(max_size=8), st.sampled_from([5, [], [{"type": "text"}]])),
+_text = st.text(alphabet=st.characters(codec=None), max_size=6)  # lone surrogates included
+# Each field: mostly values of the right type (valid or out of range), sometimes anything.
+FIELDS = {
+    "max_tokens": _int(st.integers(1, 4)),
+    "top_k": _int(st.integers(-1, 5)),
+    "seed": _int(st.integers(0, 2**64 - 1)),
+    "temperature": st.floats(-1, 3, allow_nan=False),
+    "top_p": st.floats(-0.5, 1.5, allow_nan=False),
+    "stop": st.one_of(_text, st.lists(_text, max_size=3)),
+    "stop_token_ids": st.lists(_int(st.integers(0, 100)), max_size=3),
+    "stream": st.booleans(),
+}
+ANYTHING = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.text(max_size=4), st.lists(st.integers(), max_size=2)
 )
-def test_random_field_values_never_get_a_5xx(gateway, mesh, chat, fields, content):
-    body = dict(fields)
-    if chat:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": content}]
-    else:
-        path, body["prompt"] = "/v1/completions", content if content is not None else "hi"
-    # json.dumps escapes any lone surrogate hypothesis draws as \\udXXX, as a hostile client would.
+
+
+@st.composite
+def bodies(draw) -> tuple[str, dict]:
+    names = draw(st.sets(st.sampled_from(sorted(FIELDS)), max_size=4))
+    body = {n: draw(FIELDS[n] if draw(st.integers(0, 9)) else ANYTHING) for n in names}
+    prompt = draw(st.one_of(_text.filter(bool), st.lists(_int(st.integers(0, 100)), min_size=1, max_size=3)))
+    if draw(st.booleans()):
+        content = draw(st.one_of(_text, st.none(), st.sampled_from([5, [], [{"type": "text"}]])))
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": content}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+@fuzz_settings(short=60)
+@given(case=bodies())
+def test_random_field_values_never_get_a_5xx(gateway, mesh, case):
+    path, body = case
+    # json.dumps escapes any lone surrogate as \\udXXX, as a hostile client would send it.
     status, _, raw = httpio.request(gateway, "POST", path, raw=json.dumps(body).encode())
     check_answer(status, raw, json.dumps(body)[:200])
+
+
+def test_after_the_fuzzing_the_mesh_is_healthy_and_at_rest(gateway, mesh):
+    check_mesh_at_rest(gateway, mesh, BASELINE[0])
+    assert set(mesh.healthy().values()) == {"SERVING"}
