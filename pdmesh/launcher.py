@@ -26,9 +26,10 @@ from services.common.server import PARENT_PID_ENV
 from services.common.tls import TlsConfig, client_tls
 
 # Native libraries write their own plain-text lines to stderr (gRPC C-core's "I1201 ...
-# chttp2_transport.cc" lines); the services' logs are JSON. A value in the caller's
-# environment wins (GRPC_VERBOSITY=debug to see them again).
-QUIET_NATIVE_LOGS = {"GRPC_VERBOSITY": "NONE"}
+# chttp2_transport.cc" lines, NIXL's and UCX's INFO/WARN lines); the services' logs are
+# JSON, so these are off, errors excepted where the library allows. A value in the
+# caller's environment wins (GRPC_VERBOSITY=debug, NIXL_LOG_LEVEL=INFO to see them again).
+QUIET_NATIVE_LOGS = {"GRPC_VERBOSITY": "NONE", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
 
 
 class LaunchError(RuntimeError):

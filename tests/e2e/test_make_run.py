@@ -125,10 +125,7 @@ def test_up_survives_a_worker_exit_restarts_it_and_stops_on_sigint_even_if_inher
     on it. Meanwhile a decode worker that drains and exits is reported and, with --restart,
     started again; the mesh stays up."""
     workdir = tmp_path / "up"
-    up = (
-        f"{sys.executable} -m pdmesh.cli up --router-port 0 --gateway-port 0 --kv-transport grpc "
-        f"--restart --workdir {workdir}"
-    )
+    up = f"{sys.executable} -m pdmesh.cli up --router-port 0 --gateway-port 0 --restart --workdir {workdir}"
     proc = subprocess.Popen(
         ["bash", "-c", f"trap '' INT; exec {up}"],
         cwd=ROOT,
@@ -162,6 +159,11 @@ def test_up_survives_a_worker_exit_restarts_it_and_stops_on_sigint_even_if_inher
     assert stopped_by_sigint, "pdmesh up ignored SIGINT it had inherited as ignored"
     assert proc.returncode == 0 and "draining and stopping" in text()
     assert all(not _alive(pid) or _zombie(pid) for pid in service_pids(workdir))
+    # Logs are JSON lines only: no gRPC C-core, NIXL or UCX text among them.
+    for log in workdir.glob("*.log"):
+        for line in log.read_text().splitlines():
+            if line.strip():
+                assert isinstance(json.loads(line), dict), f"{log.name}: {line[:200]}"
 
 
 def _alive(pid: int) -> bool:
