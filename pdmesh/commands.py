@@ -303,9 +303,15 @@ def up(args: argparse.Namespace) -> int:
         pass
     finally:
         print("pdmesh up: draining and stopping", flush=True)
+        started_ok["yes"] = True  # from here a SIGTERM only flags: it must not interrupt the stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
         launcher.close()
     return 0
+
+
+def _interrupted(stop: dict[str, bool]) -> None:
+    if stop["now"]:  # a signal while a restarted worker starts: stop waiting for it
+        raise KeyboardInterrupt
 
 
 def _supervise(launcher: Launcher, args: argparse.Namespace, stop: dict[str, bool]) -> int:
@@ -328,11 +334,14 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, stop: dict[str, boo
             print(f"pdmesh up: {svc.spec.name} {how}; log: {svc.log_path}", file=sys.stderr, flush=True)
             if args.restart:
                 spec = dataclasses.replace(svc.spec, args=svc.spec.args + flags(port=svc.port))
+                at = launcher.services.index(svc)
                 launcher.services.remove(svc)
                 new = launcher.start(spec)
+                # Its old place, so that close() still stops the workers after the router.
+                launcher.services.insert(at, launcher.services.pop())
                 print(f"pdmesh up: restarting {spec.name} on {svc.address}", flush=True)
                 try:
-                    launcher.wait_ready(new, args.timeout)
+                    launcher.wait_ready(new, args.timeout, on_poll=lambda: _interrupted(stop))
                     print(f"pdmesh up: {spec.name} is back", flush=True)
                 except LaunchError as e:
                     print(f"pdmesh up: {spec.name} did not come back: {e}", file=sys.stderr, flush=True)
