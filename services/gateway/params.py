@@ -25,7 +25,7 @@ import msgspec
 from pdmesh.v1 import common_pb2, router_pb2
 from services.gateway.chat_template import ROLES, ChatTemplate
 from services.gateway.errors import GatewayError, bad_request
-from services.gateway.schema import ChatBody, CompletionBody, SamplingBody, decode
+from services.gateway.schema import ChatBody, CompletionBody, SamplingBody, StreamOptions, decode
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _common(body: SamplingBody, served: str, kind: str) -> dict[str, Any]:
     _refuse_unsupported(body)
     stream = bool(body.stream)
     options = body.stream_options
-    if options is not None and not stream:
+    if options is not None and not stream and options != StreamOptions():  # {} is harmless
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     return {
         "kind": kind,

@@ -207,3 +207,8 @@ def test_chat_message_without_content_or_with_a_lone_surrogate_is_refused(messag
     raw = json.dumps({"messages": [message]}).encode()  # json.dumps escapes the surrogate as \udc80
     err = refused(parse_chat, raw, MODEL, BuiltinChatTemplate())
     assert err.param == param
+
+
+def test_empty_stream_options_without_stream_are_harmless():
+    assert not parse_completion({"prompt": "x", "stream_options": {}}, MODEL).stream
+    refused(parse_completion, {"prompt": "x", "stream_options": {"include_usage": False}}, MODEL)
