@@ -2,7 +2,8 @@
 
 Every failure a client sees is `{"error": {"message", "type", "param", "code"}}`
 with a status code that says who should act: 400 for the request (malformed
-body, unknown model, unsupported parameter, or the router's INVALID_ARGUMENT),
+body, unsupported parameter, or the router's INVALID_ARGUMENT, whose leading
+"field:" becomes `param`), 404 for an unknown model (as OpenAI and vLLM answer),
 429 with `Retry-After` when the router sheds (RESOURCE_EXHAUSTED and its
 "retry-after-ms" trailer), 503 when the router is unreachable or draining
 (UNAVAILABLE), 504 on DEADLINE_EXCEEDED, 401 with `WWW-Authenticate: Bearer`
