@@ -69,12 +69,9 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # it failed while being cancelled: the client is gone, keep the cause
-                log.warning("cancelled_work_failed", exc_info=True)
+            # Wait for it to unwind without raising here: an error it ends with (instead of
+            # being cancelled) is re-raised by task.result() below, not swallowed.
+            await asyncio.wait({task})
     if task.cancelled():
         raise ClientGone()
     return task.result()

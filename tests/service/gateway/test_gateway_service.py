@@ -131,8 +131,17 @@ async def test_client_disconnect_cancels_the_router_call(gw, fake, stream):
             await asyncio.sleep(0.01)
     httpio.hang_up(sock)
     await asyncio.wait_for(fake.cancelled.wait(), 10)
-    _, _, metrics = await asyncio.to_thread(httpio.request, gw, "GET", "/metrics")
-    assert b"pdmesh_gateway_client_disconnects_total 1.0" in metrics
+
+    async def counted() -> bool:
+        _, _, metrics = await asyncio.to_thread(httpio.request, gw, "GET", "/metrics")
+        return b"pdmesh_gateway_client_disconnects_total 1.0" in metrics
+
+    # The router sees the cancel before the gateway finishes its own bookkeeping: poll.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not await counted():
+        assert loop.time() < deadline, "the disconnect was never counted"
+        await asyncio.sleep(0.01)
 
 
 async def test_the_log_of_a_stream_the_client_closed_has_its_real_counts(gw, fake):
