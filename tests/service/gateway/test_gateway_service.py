@@ -152,8 +152,12 @@ async def test_the_log_of_a_stream_the_client_closed_has_its_real_counts(gw, fak
         await asyncio.to_thread(httpio.read_until, sock, b'"text":"a"')
         httpio.hang_up(sock)
         await asyncio.wait_for(fake.cancelled.wait(), 10)
-        while not [e for e in logs if e["event"] == "request"]:
-            await asyncio.sleep(0.01)
+
+        async def logged() -> None:
+            while not [e for e in logs if e["event"] == "request"]:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(logged(), 10)
     (line,) = [e for e in logs if e["event"] == "request"]
     assert line["status"] == 499 and line["upstream_cancelled"] is True
     assert line["prompt_tokens"] == len("slow") and line["completion_tokens"] == 1
