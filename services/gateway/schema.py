@@ -120,7 +120,7 @@ class ChatBody(SamplingBody):
 
 _DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionBody, ChatBody)}
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
-_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # \uD800-\uDFFF, paired or not
 
 B = TypeVar("B", CompletionBody, ChatBody)
 
