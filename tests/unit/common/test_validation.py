@@ -111,3 +111,16 @@ def test_the_engine_and_the_services_apply_the_same_sampling_rules():
     with pytest.raises(InvalidArgument) as e:
         sampling_from_proto(sp(top_k=301), LIMITS, 300)
     assert str(e.value) == "sampling.top_k: must be in [0, 300] (0 = off; the vocabulary size), got 301"
+
+
+def test_validation_does_not_import_the_engine():
+    # Layering: services/common sits below services/engine; the rules live in services/model.
+    import ast
+    from pathlib import Path
+
+    import services.common.validation as v
+
+    tree = ast.parse(Path(v.__file__).read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m.startswith("services.engine")], imported
