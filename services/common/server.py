@@ -76,7 +76,9 @@ class ServerConfig:
         -1, "with TLS: a plaintext port serving only grpc.health.v1, for kubelet probes (0 = any, -1 = off)"
     )
     keepalive_time_ms: int = setting(
-        KEEPALIVE_TIME_MS, "keepalive ping interval of the mesh's clients, which this server accepts"
+        KEEPALIVE_TIME_MS,
+        "keepalive ping interval of this server's clients (the mesh's ping every 10000 ms); pings at half "
+        "of it are accepted, more often is GOAWAY too_many_pings: never set it above the clients'",
     )
 
     def __post_init__(self) -> None:
