@@ -42,6 +42,7 @@ def _health_args(p: argparse.ArgumentParser) -> None:
 
 @command("health", _health_args)
 def _health(args: argparse.Namespace) -> int:
+    """grpc.health.v1 check of one service (exit 0 only when SERVING)."""
     from pdmesh.client import health_check, tls_of
 
     status, detail = health_check(args.address, args.service, args.timeout, tls_of(args))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -72,6 +74,23 @@ def _up_args(p: argparse.ArgumentParser) -> None:
         "--api-keys-file", default=None, help="tenant API keys the router requires (`pdmesh keys add`)"
     )
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for each service")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus ports: service i gets BASE+i (0 = each a free port, -1 = off); printed at start",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks per worker (default: the engine's)",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="restart a prefill/decode worker that exits (on its port); without it the mesh stays up without it",
+    )
 
 
 def _tls(args: argparse.Namespace) -> MeshTls | None:
@@ -100,6 +119,7 @@ def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
         engine_model_path=args.model,
         engine_preset=None if args.model else args.preset,
         engine_num_threads=args.engine_threads,
+        engine_num_blocks=getattr(args, "kv_blocks", None),
     )
     specs = [
         ServiceSpec(
@@ -139,7 +159,11 @@ def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
                 host=args.host,
             )
         )
-    return specs
+    return _metrics_flags(specs, getattr(args, "metrics_port", -1))
+
+
+def _metrics(svc: RunningService) -> str:
+    return f"  metrics :{svc.metrics_port}" if svc.metrics_port else ""
 
 
 class StartStatus:
@@ -157,14 +181,14 @@ class StartStatus:
             line = "  ".join(f"{n} {'✓' if s == 'ok' else '…'}" for n, s in self.state.items())
             self.out.write(f"\r\033[K  {line}")
         else:
-            self.out.write(f"  {svc.spec.name:<12} {shown or svc.address}  SERVING\n")
+            self.out.write(f"  {svc.spec.name:<12} {shown or svc.address}  SERVING{_metrics(svc)}\n")
         self.out.flush()
 
     def done(self, started: dict[str, RunningService]) -> None:
         if self.tty:
             self.out.write("\n")
             for name, svc in started.items():
-                self.out.write(f"  {name:<12} {svc.address}  SERVING\n")
+                self.out.write(f"  {name:<12} {svc.address}  SERVING{_metrics(svc)}\n")
         self.out.flush()
 
 
@@ -210,6 +234,9 @@ def start_mesh(
         model_path=args.model,
         api_keys_file=getattr(args, "api_keys_file", None),
     ) + _own_cert(args, "router")
+    base = getattr(args, "metrics_port", -1)
+    if base >= 0:
+        router_flags += flags(metrics_port=base + len(specs) if base else 0)
     (router,) = group(
         [
             launcher.start(
@@ -245,15 +272,50 @@ def start_mesh(
     return started
 
 
+def _metrics_flags(specs: list[ServiceSpec], base: int) -> list[ServiceSpec]:
+    """Service i gets metrics port base+i (base 0: a free port each; -1: none)."""
+    if base < 0:
+        return specs
+    return [_with(s, metrics_port=base + i if base else 0) for i, s in enumerate(specs)]
+
+
+def ports_in_use(host: str, ports: list[int]) -> list[int]:
+    """The fixed ports (0 = any, skipped) that something already listens on."""
+    busy = []
+    for port in ports:
+        if port <= 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def _with(spec: ServiceSpec, **extra: object) -> ServiceSpec:
     return ServiceSpec(
         spec.name, spec.module, spec.args + flags(**extra), spec.env, spec.ready_service, spec.host
     )
 
 
+# Children that may come back (--restart) or be missed; the others carry the mesh.
+_WORKER_PREFIXES = ("prefill-", "decode-")
+
+
 @command("up", _up_args)
 def up(args: argparse.Namespace) -> int:
-    """Start a local mesh (kvtransfer, prefill, decode, router) and serve until Ctrl-C."""
+    """Start a local mesh (kvtransfer, prefill, decode, router, gateway) and serve until Ctrl-C."""
+    busy = ports_in_use(args.host, [args.router_port, args.gateway_port])
+    if busy:  # before anything starts: the README's message, not a traceback after 12 s
+        print(
+            f"pdmesh up: port {', '.join(map(str, busy))} on {args.host} is already in use (another mesh "
+            "running?); stop it, or pick free ports: pdmesh up --router-port 0 --gateway-port 0",
+            file=sys.stderr,
+        )
+        return 1
     tls = _tls(args)
     try:
         check_certificates(args)
@@ -265,12 +327,20 @@ def up(args: argparse.Namespace) -> int:
     stop = {"now": False}
 
     def on_signal(signum, frame):
+        # Installed explicitly for SIGINT too: a shell's background job inherits SIGINT as
+        # ignored, and Python then installs no KeyboardInterrupt handler of its own.
+        first = not stop["now"]
         stop["now"] = True
+        if first and not started_ok["yes"]:
+            raise KeyboardInterrupt  # abort the start-up waits
 
+    started_ok = {"yes": False}
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     print(f"pdmesh up: starting (logs in {launcher.workdir})", flush=True)
     try:
         started = start_mesh(launcher, args)
+        started_ok["yes"] = True
         router = started["router"]
         print(
             f"pdmesh up: serving on {router.address} (router); try: pdmesh generate --address {router.address} "
@@ -278,15 +348,7 @@ def up(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(f"pdmesh up: workers and operators (pdmesh workers) use {router.internal_address}", flush=True)
-        while not stop["now"]:
-            for svc in launcher.services:
-                if svc.proc.poll() is not None:
-                    print(
-                        f"pdmesh up: {svc.spec.name} exited ({svc.proc.returncode}); stopping\n{svc.log_tail()}",
-                        file=sys.stderr,
-                    )
-                    return 1
-            time.sleep(0.5)
+        return _supervise(launcher, args, stop)
     except LaunchError as e:
         print(f"pdmesh up: {e}", file=sys.stderr)
         return 1
@@ -294,7 +356,49 @@ def up(args: argparse.Namespace) -> int:
         pass
     finally:
         print("pdmesh up: draining and stopping", flush=True)
+        started_ok["yes"] = True  # from here a SIGTERM only flags: it must not interrupt the stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
         launcher.close()
+    return 0
+
+
+def _interrupted(stop: dict[str, bool]) -> None:
+    if stop["now"]:  # a signal while a restarted worker starts: stop waiting for it
+        raise KeyboardInterrupt
+
+
+def _supervise(launcher: Launcher, args: argparse.Namespace, stop: dict[str, bool]) -> int:
+    """Watch the children until a signal. A worker that exits (drained or crashed) is
+    reported and, with --restart, started again on its port; the mesh stays up. The
+    router, kvtransfer or gateway exiting stops the mesh: nothing is served without them."""
+    gone: set[int] = set()
+    while not stop["now"]:
+        for svc in list(launcher.services):
+            code = svc.proc.poll()
+            if code is None or id(svc) in gone:
+                continue
+            if not svc.spec.name.startswith(_WORKER_PREFIXES):
+                print(
+                    f"pdmesh up: {svc.spec.name} exited ({code}); stopping\n{svc.log_tail()}", file=sys.stderr
+                )
+                return 1
+            gone.add(id(svc))
+            how = "drained and exited" if code == 0 else f"crashed (exit {code})"
+            print(f"pdmesh up: {svc.spec.name} {how}; log: {svc.log_path}", file=sys.stderr, flush=True)
+            if args.restart:
+                spec = dataclasses.replace(svc.spec, args=svc.spec.args + flags(port=svc.port))
+                at = launcher.services.index(svc)
+                launcher.services.remove(svc)
+                new = launcher.start(spec)
+                # Its old place, so that close() still stops the workers after the router.
+                launcher.services.insert(at, launcher.services.pop())
+                print(f"pdmesh up: restarting {spec.name} on {svc.address}", flush=True)
+                try:
+                    launcher.wait_ready(new, args.timeout, on_poll=lambda: _interrupted(stop))
+                    print(f"pdmesh up: {spec.name} is back", flush=True)
+                except LaunchError as e:
+                    print(f"pdmesh up: {spec.name} did not come back: {e}", file=sys.stderr, flush=True)
+        time.sleep(0.5)  # a supervisor's poll interval, not synchronisation
     return 0
 
 

@@ -283,7 +283,7 @@ class ComposeLaunch:
         ready = self.services[name].ready
         if ready.kind == "grpc":
             return health_check(svc.address, ready.target, timeout=1.0)[0] == "SERVING"
-        from services.gateway.healthcheck import http_ready
+        from services.common.http_probe import http_ready
 
         return http_ready(f"http://{svc.address}{ready.target}", timeout=1.0)[0]
 

@@ -25,6 +25,12 @@ from pdmesh.client import health_check
 from services.common.server import PARENT_PID_ENV
 from services.common.tls import TlsConfig, client_tls
 
+# Native libraries write their own plain-text lines to stderr (gRPC C-core's "I1201 ...
+# chttp2_transport.cc" lines, NIXL's and UCX's INFO/WARN lines); the services' logs are
+# JSON, so these are off, errors excepted where the library allows. A value in the
+# caller's environment wins (GRPC_VERBOSITY=debug, NIXL_LOG_LEVEL=INFO to see them again).
+QUIET_NATIVE_LOGS = {"GRPC_VERBOSITY": "NONE", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
+
 
 class LaunchError(RuntimeError):
     """A service exited or did not become healthy in time."""
@@ -92,7 +98,13 @@ class Launcher:
         port_file = self.workdir / f"{spec.name}.port.json"
         port_file.unlink(missing_ok=True)
         log_path = self.workdir / f"{spec.name}.log"
-        env = {**self.base_env, **spec.env, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
+        env = {
+            **QUIET_NATIVE_LOGS,  # JSON logs only: gRPC C-core lines off unless the caller asks
+            **self.base_env,
+            **spec.env,
+            "PYTHONUNBUFFERED": "1",
+            PARENT_PID_ENV: str(os.getpid()),
+        }
         argv = [self.python, "-m", spec.module, *spec.args, "--port-file", str(port_file)]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(

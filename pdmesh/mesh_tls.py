@@ -65,7 +65,7 @@ class MeshTls:
 
 def wait_https(launcher: Launcher, svc: RunningService, ca_file: str, timeout_s: float) -> RunningService:
     """The gateway's readiness over HTTPS (services/gateway/launch.py polls plain HTTP)."""
-    from services.gateway.healthcheck import http_ready
+    from services.common.http_probe import http_ready
 
     deadline = time.monotonic() + timeout_s
     delay, status = 0.02, "no port file yet"

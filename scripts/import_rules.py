@@ -72,9 +72,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("pdmesh/commands.py", "services.gateway.launch"): (
         "the gateway's launch spec lives in its package; it belongs in pdmesh/ with the launcher"
     ),
-    ("pdmesh/compose_launch.py", "services.gateway.healthcheck"): (
-        "the HTTP readiness probe lives in the gateway package; the launcher needs it too"
-    ),
     ("services/gateway/launch.py", "pdmesh.launcher"): (
         "the gateway's launch spec (see above) builds on the launcher"
     ),

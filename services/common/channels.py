@@ -19,13 +19,37 @@ import grpc
 
 from services.common.tls import TlsConfig, aio_channel, client_tls
 
+# Keepalive: clients ping every KEEPALIVE_TIME_MS, also between calls, so a dead peer
+# (a killed pod, a dropped NAT entry) is noticed within seconds. A gRPC server refuses
+# pings more often than every 5 minutes without calls by default and answers the third
+# with GOAWAY "too_many_pings"; MeshServer therefore accepts what these clients send
+# (server_keepalive_options). The two sides read the same number.
+KEEPALIVE_TIME_MS = 10_000
+
+
+def client_keepalive_options(time_ms: int = KEEPALIVE_TIME_MS) -> tuple[tuple[str, int], ...]:
+    return (
+        ("grpc.keepalive_time_ms", time_ms),
+        ("grpc.keepalive_timeout_ms", max(1_000, time_ms // 2)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    )
+
+
+def server_keepalive_options(client_time_ms: int = KEEPALIVE_TIME_MS) -> tuple[tuple[str, int], ...]:
+    """What a server must allow for clients that ping every `client_time_ms` (half of it as
+    the floor: timers jitter, and a ping right after a call's data counts as without data)."""
+    return (
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", client_time_ms // 2),
+        ("grpc.http2.min_ping_interval_without_data_ms", client_time_ms // 2),
+    )
+
+
 DEFAULT_OPTIONS = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+    *client_keepalive_options(),
 )
 REPLACED_GRACE_S = 30.0
 

@@ -1,7 +1,8 @@
 """structlog JSON logging, configured once per process in `main()`.
 
 Log lines are one JSON object each on stderr with the service name, level and
-timestamp; request-scoped fields (request_id, tenant, worker, decision) are bound
+timestamp (stdlib `logging` records too, rendered by the same JSON renderer);
+request-scoped fields (request_id, tenant, worker, decision) are bound
 by the caller with `log.bind(...)` or passed as keyword arguments.
 """
 
@@ -33,9 +34,22 @@ def configure_logging(service: str, level: str = "info", json: bool = True) -> s
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(
-        level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s"
+    # Lines of libraries that use stdlib logging (grpc's Python layer, asyncio, uvicorn)
+    # come out as the same JSON objects, with their logger's name.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+        )
     )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(max(lvl, logging.WARNING))
     return structlog.get_logger(service=service)
 
 

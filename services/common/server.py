@@ -33,10 +33,12 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _async as reflection_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import CollectorRegistry
 
 from services.common.call_guards import ConnectionLimit, MeshAuthorizer
+from services.common.channels import KEEPALIVE_TIME_MS, server_keepalive_options
 from services.common.config import require, setting
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.request_guard import MalformedRequestGuard
@@ -73,6 +75,11 @@ class ServerConfig:
     health_port: int = setting(
         -1, "with TLS: a plaintext port serving only grpc.health.v1, for kubelet probes (0 = any, -1 = off)"
     )
+    keepalive_time_ms: int = setting(
+        KEEPALIVE_TIME_MS,
+        "keepalive ping interval of this server's clients (the mesh's ping every 10000 ms); pings at half "
+        "of it are accepted, more often is GOAWAY too_many_pings: never set it above the clients'",
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -86,6 +93,7 @@ class ServerConfig:
         require(
             -1 <= self.health_port <= 65535, f"health_port must be in [-1, 65535], got {self.health_port}"
         )
+        require(self.keepalive_time_ms >= 2, "keepalive_time_ms must be >= 2")
 
 
 class _DrainGate(grpc.aio.ServerInterceptor):
@@ -164,8 +172,25 @@ class _DrainGate(grpc.aio.ServerInterceptor):
         return h  # client-streaming kinds: not used by pdmesh services
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def reflection_v1_handler(names: Sequence[str]) -> grpc.GenericRpcHandler:
+    """grpc.reflection.v1 (what current grpcurl, buf curl and Postman ask first).
+
+    grpcio-reflection ships only v1alpha; v1's messages are v1alpha's with the package
+    renamed (same fields and numbers), so v1alpha's servicer answers v1 on the wire."""
+    servicer = reflection_aio.ReflectionServicer(names)
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method})
+
+
 class MeshServer:
-    """A grpc.aio server with health, reflection, drain and metrics."""
+    """A grpc.aio server with health, reflection (v1 and v1alpha), drain and metrics."""
 
     def __init__(
         self,
@@ -185,6 +210,7 @@ class MeshServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 1 if config.so_reuseport else 0),
+            *server_keepalive_options(config.keepalive_time_ms),  # else GOAWAY too_many_pings
         ]
         if config.max_concurrent_streams:
             options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
@@ -209,8 +235,10 @@ class MeshServer:
             service_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
+            REFLECTION_V1,
         ]
         reflection.enable_server_reflection(names, self.server)
+        self.server.add_generic_rpc_handlers((reflection_v1_handler(names),))
         self.port = 0
         self.health_port: int | None = None
         self.cert_watcher = None

@@ -1,21 +1,20 @@
 """Request validation shared by every service, on the wire messages.
 
-(The conversion to the engine's types, `sampling_from_proto` and friends, is in
+(The conversion to the engine's types, `check_sampling` and friends, is in
 services/worker/sampling.py: common sits below the engine and cannot import it.)
 
 Each check names the offending field in an `InvalidArgument` so the client
-sees, e.g., `INVALID_ARGUMENT: sampling.max_tokens: must be >= 1, got 0`.
+sees, e.g., `INVALID_ARGUMENT: max_tokens: must be in [1, 4096] (the serving limit), got 0`
+(public names at the router's edge; `sampling.max_tokens` inside the mesh). The
+sampling rules themselves live in services.model.sampling, shared with the engines.
 Validation happens before anything is allocated.
 """
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdmesh.v1 import common_pb2
 from services.common.config import require, setting
 from services.common.errors import InvalidArgument
 
@@ -45,73 +44,16 @@ def _check(cond: bool, field: str, message: str) -> None:
         raise InvalidArgument(f"{field}: {message}")
 
 
-def check_sampling(
-    msg: common_pb2.SamplingParams | None,
-    limits: RequestLimits,
-    vocab_size: int,
-    *,
-    assign_seed: bool = True,
-) -> common_pb2.SamplingParams:
-    """Validate and normalize: defaults filled in (max_tokens, top_p), and an
-    unseeded sampled request gets a fresh seed so every worker that samples for
-    it agrees (position-deterministic sampling). Returns a new message holding
-    only the fields the mesh uses."""
-    if msg is None:
-        msg = common_pb2.SamplingParams()
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    _check(max_tokens >= 1, "sampling.max_tokens", f"must be >= 1, got {max_tokens}")
-    _check(
-        max_tokens <= limits.max_tokens_limit,
-        "sampling.max_tokens",
-        f"must be <= {limits.max_tokens_limit} (the serving limit), got {max_tokens}",
+def check_prompt_length(n: int, max_model_len: int, limits: RequestLimits, field: str = "prompt") -> None:
+    """The prompt's length alone (callers check it on a repeated field's len() before copying it)."""
+    _check(n > 0, field, "the prompt is empty")
+    limit = min(limits.max_prompt_tokens, max_model_len - 1)
+    why = (
+        "the serving limit"
+        if limit == limits.max_prompt_tokens
+        else f"the model context of {max_model_len} tokens less one output token"
     )
-    temp = msg.temperature
-    _check(
-        math.isfinite(temp) and 0.0 <= temp <= 2.0, "sampling.temperature", f"must be in [0, 2], got {temp}"
-    )
-    top_p = msg.top_p if msg.top_p != 0.0 else 1.0
-    _check(
-        math.isfinite(top_p) and 0.0 < top_p <= 1.0, "sampling.top_p", f"must be in (0, 1], got {msg.top_p}"
-    )
-    _check(0 <= msg.top_k <= vocab_size, "sampling.top_k", f"must be in [0, {vocab_size}], got {msg.top_k}")
-    # Counts before copies: len() of a repeated field is its size; tuple() makes an object
-    # per entry of whatever the client sent.
-    _check(
-        len(msg.stop) <= limits.max_stop_strings,
-        "sampling.stop",
-        f"at most {limits.max_stop_strings} stop strings, got {len(msg.stop)}",
-    )
-    stops = tuple(msg.stop)
-    for s in stops:
-        _check(s != "", "sampling.stop", "stop strings must be non-empty")
-        _check(
-            len(s.encode()) <= limits.max_stop_string_bytes,
-            "sampling.stop",
-            f"stop strings must be <= {limits.max_stop_string_bytes} bytes",
-        )
-    _check(
-        len(msg.stop_token_ids) <= limits.max_stop_token_ids,
-        "sampling.stop_token_ids",
-        f"at most {limits.max_stop_token_ids} ids, got {len(msg.stop_token_ids)}",
-    )
-    stop_ids = tuple(msg.stop_token_ids)
-    for t in stop_ids:
-        _check(t < vocab_size, "sampling.stop_token_ids", f"token {t} is not in [0, {vocab_size})")
-    seed = msg.seed if msg.HasField("seed") else None
-    if seed is None and temp > 0.0 and assign_seed:
-        seed = random.getrandbits(63)
-    checked = common_pb2.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temp,
-        top_p=top_p,
-        top_k=msg.top_k,
-        stop=list(stops),
-        stop_token_ids=list(stop_ids),
-        ignore_eos=msg.ignore_eos,
-    )
-    if seed is not None:
-        checked.seed = seed
-    return checked
+    _check(n <= limit, field, f"{n} tokens exceed the limit of {limit} ({why})")
 
 
 def check_prompt(
@@ -121,26 +63,22 @@ def check_prompt(
     max_model_len: int,
     limits: RequestLimits,
     field: str = "prompt_token_ids",
+    max_tokens_field: str = "sampling.max_tokens",
 ) -> None:
-    """A prompt must be non-empty, in-vocabulary and fit the context with its output."""
-    _check(len(token_ids) > 0, field, "the prompt is empty")
+    """A prompt must be non-empty, in-vocabulary and fit the context with its output.
+
+    Messages state the limit that applies: the smaller of the serving limit and the
+    model context less one output token."""
+    n = len(token_ids)
+    check_prompt_length(n, max_model_len, limits, field)
     _check(
-        len(token_ids) <= limits.max_prompt_tokens,
-        field,
-        f"{len(token_ids)} tokens exceed the limit of {limits.max_prompt_tokens}",
-    )
-    _check(
-        len(token_ids) < max_model_len,
-        field,
-        f"{len(token_ids)} prompt tokens do not fit the model context of {max_model_len}",
-    )
-    _check(
-        len(token_ids) + max_tokens <= max_model_len,
-        "sampling.max_tokens",
-        f"prompt ({len(token_ids)}) + max_tokens ({max_tokens}) exceed the model context of {max_model_len}",
+        n + max_tokens <= max_model_len,
+        max_tokens_field,
+        f"the prompt ({n} tokens) + max_tokens ({max_tokens}) exceed the model context of "
+        f"{max_model_len} tokens; at most {max_model_len - n} output tokens fit",
     )
     bad = next((t for t in token_ids if t >= vocab_size), None)
-    _check(bad is None, field, f"token {bad} is not in [0, {vocab_size})")
+    _check(bad is None, field, f"token {bad} is not in [0, {vocab_size}) (the vocabulary)")
 
 
 def check_resume(resume_ids: Sequence[int], max_tokens: int, vocab_size: int) -> None:

@@ -44,7 +44,7 @@ from services.engine.api import (
     InvalidHandoffError,
     RequestOutput,
 )
-from services.worker.sampling import sampling_to_proto
+from services.model.sampling import sampling_to_proto
 
 log = structlog.get_logger()
 

@@ -33,7 +33,7 @@ from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.worker import DecodeJob, DecodeWorker, Finished, Tokens
 from services.engine.api import Engine, EngineRequest
-from services.worker.sampling import FINISH_TO_PROTO, sampling_from_proto
+from services.model.sampling import FINISH_TO_PROTO, check_sampling
 from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 _MODES = {
@@ -99,7 +99,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         check_ident(r.tenant, "tenant", self.limits.max_tenant_bytes)
         check_priority(r.priority, self.limits)
         check_enum(r.disagg_mode, decode_pb2.DisaggMode, "disagg_mode")
-        sampling = sampling_from_proto(
+        sampling = check_sampling(
             r.sampling if r.HasField("sampling") else None, self.limits, info.vocab_size
         )
         # max_tokens counts resume tokens, so prompt + max_tokens bounds the whole context.

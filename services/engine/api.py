@@ -21,6 +21,9 @@ import grpc
 
 from kvtransfer.layout import KvLayout
 
+# Re-exported: the engine boundary speaks them, the model layer owns them (one set of rules).
+from services.model.sampling import FinishReason, SamplingParams
+
 if TYPE_CHECKING:  # the router imports this module and must not load torch
     import torch
 
@@ -64,53 +67,6 @@ class UnknownRequestError(EngineError, KeyError):
 
 class InvalidHandoffError(EngineError):
     """An engine_state handed over by another worker is malformed or not this engine's."""
-
-
-class FinishReason(enum.Enum):
-    LENGTH = "length"
-    STOP = "stop"
-    ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample; validated by `validate` against the engine's model.
-
-    With a seed, the draw for output position i depends only on (seed, i)
-    (position-deterministic), so a token sampled by a prefill worker equals the
-    one the decode worker would have drawn.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError naming the first invalid field."""
-        if self.max_tokens < 1:
-            raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not (0.0 <= self.temperature <= 2.0) or self.temperature != self.temperature:
-            raise InvalidRequestError("sampling.temperature", f"must be in [0, 2], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
-        if not (0 <= self.top_k <= vocab_size):
-            raise InvalidRequestError("sampling.top_k", f"must be in [0, {vocab_size}], got {self.top_k}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise InvalidRequestError("sampling.seed", "must fit in 64 unsigned bits")
-        for t in self.stop_token_ids:
-            if not (0 <= t < vocab_size):
-                raise InvalidRequestError("sampling.stop_token_ids", f"token {t} not in [0, {vocab_size})")
-        if any(s == "" for s in self.stop):
-            raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
 
 
 @dataclass(frozen=True)

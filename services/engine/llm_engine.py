@@ -16,7 +16,6 @@ Request paths (api.py has the lifecycle):
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -43,6 +42,7 @@ from services.engine.model_runner import ModelRunner, scratch_sequence
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, SequenceStatus
 from services.engine.validation import check_token_ids, validate_request
+from services.model.sampling import draw_seed
 from services.model.tokenizer import IncrementalDetokenizer
 
 # Builds what runs a step from the spec: ModelRunner (the default), or the sim
@@ -266,7 +266,7 @@ class LLMEngine:
     def _new_sequence(self, request: EngineRequest, prefill_only: bool) -> Sequence:
         seed = request.sampling.seed
         if seed is None and not request.sampling.greedy:
-            seed = secrets.randbits(64)  # fixed from here on, across preemption and handoff
+            seed = draw_seed()  # fixed from here on, across preemption and handoff
         detok = IncrementalDetokenizer(self.tokenizer) if request.sampling.stop else None
         return Sequence(request, self.block_size, seed, prefill_only=prefill_only, detokenizer=detok)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine.api import EngineInfo, EngineRequest, InvalidRequestError
+from services.model.sampling import sampling_problem
 
 
 def validate_request(request: EngineRequest, info: EngineInfo) -> None:
@@ -28,7 +29,9 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
             f"{num_prompt} prompt + {num_resume} resumed tokens leave no room for output "
             f"in the context limit of {info.max_model_len} tokens",
         )
-    request.sampling.validate(info.vocab_size)
+    problem = sampling_problem(request.sampling, info.vocab_size)
+    if problem is not None:
+        raise InvalidRequestError(f"sampling.{problem[0]}", problem[1])
     if num_resume >= request.sampling.max_tokens:
         raise InvalidRequestError(
             "resume_token_ids",

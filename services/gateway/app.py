@@ -33,13 +33,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from services.common.metrics import add_process_metrics
 from services.common.tls import TlsConfig
 from services.gateway import responses as R
 from services.gateway.chat_template import ChatTemplate, load_chat_template
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.params import GenerationPlan, parse_chat, parse_completion, parse_json
+from services.gateway.params import GenerationPlan, parse_chat, parse_completion
 from services.gateway.upstream import RouterClient, UpstreamStream
 
 log = structlog.get_logger()
@@ -68,8 +69,9 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            # Wait for it to unwind without raising here: an error it ends with (instead of
+            # being cancelled) is re-raised by task.result() below, not swallowed.
+            await asyncio.wait({task})
     if task.cancelled():
         raise ClientGone()
     return task.result()
@@ -118,8 +120,10 @@ class EventStream(Response):
         except (ClientGone, OSError):
             gone = True
         finally:
-            with contextlib.suppress(Exception):
+            try:
                 await self._events.aclose()  # type: ignore[attr-defined]
+            except Exception:  # closing the relay must not lose the log line below; say why
+                log.warning("event_stream_close_failed", exc_info=True)
             self._on_close(gone)
 
 
@@ -172,7 +176,8 @@ class Gateway:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = add_process_metrics(self.metrics.registry)  # process_*/python_* too
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         model = {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "pdmesh"}
@@ -190,11 +195,11 @@ class Gateway:
         start = time.monotonic()
         endpoint = request.url.path
         try:
-            body = parse_json(await self._read_body(request))
+            raw = await self._read_body(request)
             if kind == "chat":
-                plan = parse_chat(body, self.config.model_id, self.template)
+                plan = parse_chat(raw, self.config.model_id, self.template)
             else:
-                plan = parse_completion(body, self.config.model_id)
+                plan = parse_completion(raw, self.config.model_id)
             credentials = forwarded_authorization(request)
         except GatewayError as e:
             self.metrics.finished(endpoint, e.status, time.monotonic() - start)
@@ -207,6 +212,8 @@ class Gateway:
         try:
             first = await until_disconnect(request.receive, _next(upstream))
             self._first_token(out, first)
+            # Known before the final message, so a stream the client closes logs it too.
+            out.prompt_tokens = await upstream.prompt_tokens() or 0
             if plan.stream:
                 return EventStream(
                     self._events(out, upstream, first),
@@ -250,6 +257,7 @@ class Gateway:
         msg = first
         while not msg.HasField("final"):
             texts.append(msg.delta.text)
+            out.completion_tokens += len(msg.delta.token_ids)
             msg = await _next(upstream)
             self._first_token(out, msg)
         self._final(out, msg.final)
@@ -264,6 +272,7 @@ class Gateway:
         try:
             while not msg.HasField("final"):
                 done += len(msg.delta.token_ids)
+                out.completion_tokens = done  # the log's count if the client hangs up
                 if msg.delta.text:
                     yield R.sse(R.chunk(plan, created, msg.delta.text, completion_tokens=done))
                 elif plan.continuous_usage and msg.delta.token_ids:  # tokens without text yet still count

@@ -36,45 +36,6 @@ class ChatPrompt:
     token_ids: tuple[int, ...] | None = None
 
 
-def message_text(message: Any, index: int) -> tuple[str, str]:
-    """(role, content text) of one chat message; raises a 400 for anything else."""
-    param = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise bad_request(f"{param}: must be an object with role and content", param)
-    role = message.get("role")
-    if role not in ROLES:
-        raise bad_request(f"{param}.role: must be one of {ROLES}, got {role!r}", f"{param}.role")
-    content = message.get("content")
-    if content is None:
-        return role, ""
-    if isinstance(content, str):
-        return role, content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise bad_request(
-                    f"{param}.content[{j}]: only text parts are supported", f"{param}.content[{j}]"
-                )
-            parts.append(part["text"])
-        return role, "".join(parts)
-    raise bad_request(f"{param}.content: must be a string or a list of text parts", f"{param}.content")
-
-
-def parse_messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages: must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        role, text = message_text(m, i)
-        out.append({"role": role, "content": text})
-    return out
-
-
 class BuiltinChatTemplate:
     """The documented template of the built-in model (see BUILTIN_TEMPLATE_DOC)."""
 

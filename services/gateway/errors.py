@@ -2,7 +2,8 @@
 
 Every failure a client sees is `{"error": {"message", "type", "param", "code"}}`
 with a status code that says who should act: 400 for the request (malformed
-body, unknown model, unsupported parameter, or the router's INVALID_ARGUMENT),
+body, unsupported parameter, or the router's INVALID_ARGUMENT, whose leading
+"field:" becomes `param`), 404 for an unknown model (as OpenAI and vLLM answer),
 429 with `Retry-After` when the router sheds (RESOURCE_EXHAUSTED and its
 "retry-after-ms" trailer), 503 when the router is unreachable or draining
 (UNAVAILABLE), 504 on DEADLINE_EXCEEDED, 401 with `WWW-Authenticate: Bearer`
@@ -12,6 +13,7 @@ on UNAUTHENTICATED (a missing or unknown API key).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,10 +70,16 @@ def retry_after_ms(trailing: object) -> int | None:
     return None
 
 
+# The router names the offending public field first: "max_tokens: must be <= 4096 ...".
+_FIELD = re.compile(r"^(?P<param>[a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*): ")
+
+
 def from_grpc(code: grpc.StatusCode, details: str, trailing: object = ()) -> GatewayError:
     """The HTTP error for a failed router call (the only gRPC -> HTTP translation)."""
     status, kind = _STATUS.get(code, (500, "internal_error"))
     err = GatewayError(status, details or code.name, kind, code=code.name.lower())
+    if status == 400 and (m := _FIELD.match(details or "")):
+        err.param = m.group("param")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         ms = retry_after_ms(trailing)
         # Retry-After is whole seconds (RFC 9110); the exact hint rides along in ms.

@@ -11,7 +11,7 @@ import json
 import time
 
 from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags
-from services.gateway.healthcheck import http_ready
+from services.common.http_probe import http_ready
 
 MODULE = "services.gateway.main"
 HEALTH_PATH = "/health"

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> `GenerationPlan`, checked field by field (plain Python).
+"""OpenAI request bodies -> `GenerationPlan` (the body is decoded by schema.py first).
 
 What is supported, and how it maps onto `pdmesh.v1.SamplingParams`:
   max_tokens (chat: max_completion_tokens first), temperature (default 1.0, as
@@ -10,22 +10,22 @@ best_of > 1, echo, logprobs, suffix, tools, logit_bias, penalties, a JSON
 response_format) are refused with a 400 instead of being silently ignored.
 Unknown fields are ignored, as OpenAI-compatible servers do. Range checks the
 router owns (max_tokens limit, context length, stop count) are left to it; its
-INVALID_ARGUMENT comes back as a 400 too.
+INVALID_ARGUMENT comes back as a 400 too. A model other than the served one is a
+404 (`model_not_found`), as OpenAI and vLLM answer.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdmesh.v1 import common_pb2, router_pb2
-from services.gateway.chat_template import ChatTemplate, parse_messages
-from services.gateway.errors import bad_request
+import msgspec
 
-UINT64_MAX = 2**64 - 1
+from pdmesh.v1 import common_pb2, router_pb2
+from services.gateway.chat_template import ROLES, ChatTemplate
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.schema import ChatBody, CompletionBody, SamplingBody, StreamOptions, decode
 
 
 @dataclass(frozen=True)
@@ -71,159 +71,126 @@ class GenerationPlan:
         return req
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
+# Parameters refused unless unset or neutral (their raw JSON, whitespace removed).
+UNSUPPORTED = ("echo", "suffix", "logprobs", "top_logprobs", "tools", "functions", "logit_bias")
+_NEUTRAL = {b"null", b"false", b"0", b"0.0", b"[]", b"{}", b'""'}
 
 
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"{name}: must be an integer, got {v!r}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad_request(f"{name}: must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}", name)
-    return v
+def _neutral(raw: msgspec.Raw) -> bool:
+    data = bytes(raw)
+    return len(data) <= 16 and b"".join(data.split()) in _NEUTRAL
 
 
-def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad_request(f"{name}: must be a number, got {v!r}", name)
-    if v > hi or v < lo or (lo_open and v == lo):
-        raise bad_request(f"{name}: must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise bad_request(f"{name}: must be true or false, got {v!r}", name)
-    return v
-
-
-def _token_list(v: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        raise bad_request(f"{name}: must be a list of token ids", name)
-    if any(t < 0 for t in v):
-        raise bad_request(f"{name}: token ids must be >= 0", name)
-    return tuple(v)
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        return (v,)
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return tuple(v)
-    raise bad_request("stop: must be a string or a list of strings", "stop")
-
-
-def _refuse_unsupported(body: dict) -> None:
-    """400 for parameters whose effect pdmesh cannot deliver."""
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise bad_request("n: only n=1 is supported", "n")
-    best_of = _int(body, "best_of")
-    if best_of is not None and best_of != 1:
-        raise bad_request("best_of: only best_of=1 is supported", "best_of")
-    for name in ("echo", "suffix", "logprobs", "top_logprobs", "tools", "functions", "logit_bias"):
-        if body.get(name) not in (None, False, 0, [], {}, ""):
+def _refuse_unsupported(body: SamplingBody) -> None:
+    """400 for parameters whose effect pdmesh cannot deliver (n and best_of: the schema)."""
+    for name in UNSUPPORTED:
+        if not _neutral(getattr(body, name)):
             raise bad_request(f"{name}: not supported by this server", name)
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        if getattr(body, name) not in (None, 0.0):
             raise bad_request(f"{name}: only 0 is supported", name)
-    if body.get("repetition_penalty") not in (None, 1, 1.0):
+    if body.repetition_penalty not in (None, 1.0):
         raise bad_request("repetition_penalty: only 1 is supported", "repetition_penalty")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
+    fmt = body.response_format
+    if fmt is not None and fmt.type not in (None, "text"):
         raise bad_request("response_format: only {'type': 'text'} is supported", "response_format")
 
 
-def _check_model(body: dict, served: str) -> str:
-    model = body.get("model")
-    if model in (None, ""):
+def _check_model(model: str | None, served: str) -> str:
+    if model in (None, "") or model == served:
         return served
-    if model != served:
-        raise bad_request(
-            f"The model `{model}` does not exist; this server serves `{served}`", "model", "model_not_found"
-        )
-    return served
-
-
-def _common(body: dict, served: str, kind: str) -> dict[str, Any]:
-    _refuse_unsupported(body)
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("stream_options: must be an object", "stream_options")
-    if options and not stream:
-        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-    include_usage = bool(options and _bool(options, "include_usage"))
-    continuous_usage = bool(options and _bool(options, "continuous_usage_stats"))
-    top_k = _int(body, "top_k", -1)
-    stop_ids = body.get("stop_token_ids")
-    return {
-        "kind": kind,
-        "request_id": f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
-        "model": _check_model(body, served),
-        "temperature": _float(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "top_k": 0 if top_k in (None, -1) else top_k,
-        "seed": _int(body, "seed", 0, UINT64_MAX),
-        "stop": _stop(body),
-        "stop_token_ids": () if stop_ids is None else _token_list(stop_ids, "stop_token_ids"),
-        "ignore_eos": _bool(body, "ignore_eos"),
-        "stream": stream,
-        "include_usage": include_usage,
-        "continuous_usage": continuous_usage,
-    }
-
-
-def parse_completion(body: dict[str, Any], served: str) -> GenerationPlan:
-    """`/v1/completions`: one prompt (a string or token ids; a list of one is accepted)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    text, ids = None, None
-    if isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        ids = _token_list(prompt, "prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request("prompt: one prompt per request (batches are not supported)", "prompt")
-    else:
-        raise bad_request("prompt: must be a string or a list of token ids", "prompt")
-    if text == "" or ids == ():
-        raise bad_request("prompt: must not be empty", "prompt")
-    return GenerationPlan(
-        prompt_text=text,
-        prompt_token_ids=ids,
-        max_tokens=_int(body, "max_tokens", 1),
-        **_common(body, served, "completion"),
+    raise GatewayError(
+        404,
+        f"The model `{model}` does not exist; this server serves `{served}`",
+        "not_found_error",
+        "model",
+        "model_not_found",
     )
 
 
-def parse_chat(body: dict[str, Any], served: str, template: ChatTemplate) -> GenerationPlan:
-    """`/v1/chat/completions`: messages rendered by the model's chat template."""
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _common(body: SamplingBody, served: str, kind: str) -> dict[str, Any]:
+    model = _check_model(body.model, served)
+    _refuse_unsupported(body)
+    stream = bool(body.stream)
+    options = body.stream_options
+    if options is not None and not stream and options != StreamOptions():  # {} is harmless
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    return {
+        "kind": kind,
+        "request_id": f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
+        "model": model,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": 0 if body.top_k in (None, -1) else body.top_k,
+        "seed": body.seed,
+        "stop": _stop(body.stop),
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+        "ignore_eos": bool(body.ignore_eos),
+        "stream": stream,
+        "include_usage": bool(options and options.include_usage),
+        "continuous_usage": bool(options and options.continuous_usage_stats),
+    }
+
+
+def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """(text, token ids) of a completion prompt: a string, token ids, or a batch of one."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise bad_request("prompt: must not be empty", "prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request("prompt: one prompt per request (batches are not supported)", "prompt")
+    if prompt == []:
+        raise bad_request("prompt: must not be empty", "prompt")
+    raise bad_request("prompt: must be a string or a list of token ids", "prompt")
+
+
+def parse_completion(raw: bytes, served: str) -> GenerationPlan:
+    """`/v1/completions` from its raw body: one prompt (a string or token ids)."""
+    body = decode(raw, CompletionBody)
+    common = _common(body, served, "completion")
+    text, ids = _prompt(body.prompt)
+    return GenerationPlan(prompt_text=text, prompt_token_ids=ids, max_tokens=body.max_tokens, **common)
+
+
+def _messages(body: ChatBody) -> list[dict[str, str]]:
+    if body.messages is None:
+        raise bad_request("messages: is required (a non-empty list)", "messages")
+    out = []
+    for i, m in enumerate(body.messages):
+        param = f"messages[{i}]"
+        if m.role not in ROLES:
+            raise bad_request(f"{param}.role: must be one of {ROLES}, got {m.role!r}", f"{param}.role")
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    where = f"{param}.content[{j}]"
+                    raise bad_request(f"{where}: only text parts are supported", where)
+                parts.append(part.text)
+            text = "".join(parts)
+        out.append({"role": m.role, "content": text})
+    return out
+
+
+def parse_chat(raw: bytes, served: str, template: ChatTemplate) -> GenerationPlan:
+    """`/v1/chat/completions` from its raw body: messages rendered by the chat template."""
+    body = decode(raw, ChatBody)
     common = _common(body, served, "chat")
-    messages = parse_messages(body.get("messages"))
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
+    messages = _messages(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prompt = template.render(messages)
     return GenerationPlan(
         prompt_text=prompt.text, prompt_token_ids=prompt.token_ids, max_tokens=max_tokens, **common

@@ -29,6 +29,7 @@ class UpstreamStream:
     def __init__(self, call: Any):
         self._call = call
         self.finished = False
+        self.cancelled = False
 
     def __aiter__(self) -> UpstreamStream:
         return self
@@ -38,6 +39,7 @@ class UpstreamStream:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as e:
             self.finished = True
+            self.cancelled = e.code() == grpc.StatusCode.CANCELLED
             raise from_grpc(e.code(), e.details() or "", e.trailing_metadata()) from e
         if msg is grpc.aio.EOF:
             self.finished = True
@@ -47,11 +49,20 @@ class UpstreamStream:
         return msg
 
     def cancel(self) -> bool:
-        """Cancel the call if it is still running; True when it was."""
+        """Cancel the call if it is still running; True when it was (or already is) cancelled
+        before its final message: a relay task cancelled mid-read cancels the call itself."""
         if self.finished:
-            return False
+            return self.cancelled
         self.finished = True
-        return bool(self._call.cancel())
+        self.cancelled = bool(self._call.cancel()) or self._call.cancelled()
+        return self.cancelled
+
+    async def prompt_tokens(self) -> int | None:
+        """The prompt's token count from the router's initial metadata (None if not sent)."""
+        for key, value in await self._call.initial_metadata() or ():
+            if key == "x-prompt-tokens" and value.isdigit():
+                return int(value)
+        return None
 
 
 class RouterClient:

@@ -35,8 +35,8 @@ from services.common.validation import (
 )
 from services.common.wait_estimator import WaitEstimator
 from services.engine.api import Engine, EngineRequest, PrefillResult
+from services.model.sampling import FINISH_TO_PROTO, check_sampling
 from services.prefill.metrics import PrefillMetrics
-from services.worker.sampling import FINISH_TO_PROTO, sampling_from_proto
 from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 log = structlog.get_logger()
@@ -169,7 +169,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         check_ident(r.requester_id, "requester_id", 256, required=True)
         check_ident(r.tenant, "tenant", self.limits.max_tenant_bytes)
         check_priority(r.priority, self.limits)
-        sampling = sampling_from_proto(
+        sampling = check_sampling(
             r.sampling if r.HasField("sampling") else None, self.limits, info.vocab_size, assign_seed=False
         )
         ids = list(r.prompt_token_ids)

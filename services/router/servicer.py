@@ -41,8 +41,9 @@ from services.common.validation import (
     check_ident,
     check_priority,
     check_prompt,
-    check_sampling,
+    check_prompt_length,
 )
+from services.model.sampling import check_sampling, sampling_to_proto
 from services.router.auth import TenantGrant
 from services.router.circuit_breaker import BreakerState
 from services.router.config import ModelSpec
@@ -79,32 +80,30 @@ def parse_generate(
         )
     if request.HasField("workflow"):
         check_ident(request.workflow.workflow_id, "workflow.workflow_id", limits.max_request_id_bytes)
-    sampling = check_sampling(
-        request.sampling if request.HasField("sampling") else None, limits, model.vocab_size
+    sampling = check_sampling(  # public field names: this is what clients (and HTTP) see
+        request.sampling if request.HasField("sampling") else None, limits, model.vocab_size, prefix=""
     )
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
-            raise InvalidArgument("text: the prompt is empty")
+            raise InvalidArgument("prompt: the prompt is empty")
         if len(request.text) > limits.max_prompt_tokens * 8:  # bound tokenizer work before tokenizing
-            raise InvalidArgument(f"text: longer than {limits.max_prompt_tokens * 8} characters")
+            raise InvalidArgument(f"prompt: longer than {limits.max_prompt_tokens * 8} characters")
         ids = model.tokenizer.encode(request.text)
-        field = "text"
     elif kind == "token_ids":
         # Count before copying: len() of a repeated field reads its size, list() would
         # make a Python int per entry of whatever the client sent.
-        n = len(request.token_ids.ids)
-        if n > limits.max_prompt_tokens:
-            raise InvalidArgument(f"token_ids.ids: at most {limits.max_prompt_tokens} tokens, got {n}")
+        check_prompt_length(len(request.token_ids.ids), model.max_model_len, limits, "prompt")
         ids = list(request.token_ids.ids)
-        field = "token_ids.ids"
     else:
         raise InvalidArgument("prompt: set text or token_ids")
-    check_prompt(ids, sampling.max_tokens, model.vocab_size, model.max_model_len, limits, field)
+    check_prompt(
+        ids, sampling.max_tokens, model.vocab_size, model.max_model_len, limits, "prompt", "max_tokens"
+    )
     return FlowRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=tuple(ids),
-        sampling=sampling,
+        sampling=sampling_to_proto(sampling),
         tenant=request.tenant,
         priority=request.priority,
         workflow=request.workflow if request.HasField("workflow") else None,
@@ -184,7 +183,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         tracing.annotate(request_id=client_id, tenant=req.tenant)
         flow = router.open_flow(req, client_id)
         try:
-            await context.send_initial_metadata((("x-request-id", client_id),))
+            # x-prompt-tokens: the HTTP door logs it for streams its client closes before the final.
+            await context.send_initial_metadata(
+                (("x-request-id", client_id), ("x-prompt-tokens", str(len(req.prompt_token_ids))))
+            )
             push = make_detokenizer(router.model.tokenizer).push_many
             stops = StopTextFilter(req.sampling.stop)
             async for item in flow.run():

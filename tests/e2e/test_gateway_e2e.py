@@ -4,7 +4,8 @@
 - completions and chat, streaming and not, return exactly what the router
   returns for the same prompt (chat: the documented built-in template);
 - seed makes sampling repeatable; stop strings end the text with "stop";
-- 400 for a malformed body, an unknown model, n > 1 and what the router refuses;
+- 400 for a malformed body, n > 1, out-of-range values and what the router refuses; 404
+  for an unknown model;
 - 429 with Retry-After when the router sheds (a router admitting one request
   and queueing none), 503 when the router is unreachable;
 - a client that hangs up mid-stream cancels the request at the router.
@@ -147,13 +148,26 @@ def test_models_lists_the_served_model(mesh):
 
 def test_bad_requests_are_400_openai_errors(mesh):
     c = client(mesh["gateway"])
-    with pytest.raises(openai.BadRequestError) as info:
+    # An unknown model is a 404, as OpenAI and vLLM answer (openai.NotFoundError).
+    with pytest.raises(openai.NotFoundError) as nf:
         c.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
-    assert info.value.status_code == 400 and info.value.code == "model_not_found"
+    assert nf.value.status_code == 404 and nf.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="n=1"):
         c.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as info:
         c.completions.create(model=MODEL, prompt="x", max_tokens=1_000_000)  # refused by the router
+    # The router's refusal names the public field and states the serving limit.
+    assert info.value.param == "max_tokens" and "(the serving limit)" in info.value.message
+    assert "sampling." not in info.value.message
+    for raw in (
+        b'{"prompt": "x", "max_tokens": 2147483648}',
+        b'{"prompt": [1, 1099511627776]}',
+        b'{"prompt": "\\ud800"}',
+        b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+    ):
+        status, _, body = httpio.request(mesh["gateway"].address, "POST", "/v1/completions", raw=raw)
+        assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error", body[:200]
+    assert "Traceback" not in mesh["gateway"].log_tail(10_000)
     status, _, body = httpio.request(
         mesh["gateway"].address, "POST", "/v1/chat/completions", raw=b'{"messages": ['
     )

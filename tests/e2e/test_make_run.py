@@ -2,17 +2,22 @@
 
 Runs the real Makefile target (the venv already exists, so it goes straight to
 `pdmesh up`) with port 0 for the public ports, then the CLI against it, then
-stops it with SIGINT (Ctrl-C) and checks every service exited.
+stops it with SIGINT (Ctrl-C) and checks every service exited. Every test that
+starts a mesh escalates to SIGTERM and SIGKILL in `finally` (stop_mesh), so a
+mesh that ignores Ctrl-C fails the test instead of outliving it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -69,12 +74,96 @@ def test_make_run_serves_pdmesh_generate(tmp_path):
         assert out.returncode == 0, out.stderr
         assert "[5 prompt + 12 output tokens" in out.stdout
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service
-        proc.wait(60)
+        # Ctrl-C: pdmesh up drains and stops every service; escalate if it does not.
+        stopped_by_sigint = stop_mesh(proc, workdir, lambda: os.killpg(proc.pid, signal.SIGINT))
         reader.join(5)
+    assert stopped_by_sigint, "pdmesh up ignored Ctrl-C"
     assert "draining and stopping" in "".join(lines)
-    pids = [int(p.read_text().split('"pid": ')[1].split("}")[0]) for p in workdir.glob("*.port.json")]
+    pids = service_pids(workdir)
     assert pids and all(not _alive(pid) for pid in pids)
+
+
+def service_pids(workdir: Path) -> list[int]:
+    """PIDs of the services a `pdmesh up` started, from their port files."""
+    return [json.loads(p.read_text())["pid"] for p in workdir.glob("*.port.json")]
+
+
+def stop_mesh(proc: subprocess.Popen, workdir: Path, first: Callable[[], None]) -> bool:
+    """Stop a `pdmesh up` we started: `first` (e.g. SIGINT), then SIGTERM, then SIGKILL, and
+    SIGKILL any of its services still alive (by the PIDs it wrote). True if `first` sufficed."""
+    if proc.poll() is None:
+        first()
+    try:
+        proc.wait(60)
+        return True
+    except subprocess.TimeoutExpired:
+        pass
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in service_pids(workdir):
+        if _alive(pid) and not _zombie(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return False
+
+
+def read_lines(proc: subprocess.Popen) -> tuple[list[str], threading.Thread]:
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    return lines, reader
+
+
+def test_up_survives_a_worker_exit_restarts_it_and_stops_on_sigint_even_if_inherited_ignored(tmp_path):
+    """A background job inherits SIGINT as ignored (`trap '' INT`); `pdmesh up` must still stop
+    on it. Meanwhile a decode worker that drains and exits is reported and, with --restart,
+    started again; the mesh stays up."""
+    workdir = tmp_path / "up"
+    up = f"{sys.executable} -m pdmesh.cli up --router-port 0 --gateway-port 0 --restart --workdir {workdir}"
+    proc = subprocess.Popen(
+        ["bash", "-c", f"trap '' INT; exec {up}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines, reader = read_lines(proc)
+    text = lambda: "".join(lines)  # noqa: E731
+    try:
+        serving = wait_until(
+            lambda: re.search(r"serving on (\S+) \(router\)", text()), timeout=240, what="pdmesh up serving"
+        )
+        router = serving.group(1)
+        # Every service prints its metrics port.
+        shown = [line for line in lines if re.match(r"\s+(kvtransfer|decode-0|prefill-0|router)\s", line)]
+        assert len(shown) == 4 and all(re.search(r"metrics :\d+", line) for line in shown), shown
+
+        decode_pid = json.loads((workdir / "decode-0.port.json").read_text())["pid"]
+        os.kill(decode_pid, signal.SIGTERM)  # a drain: the worker exits 0
+        wait_until(lambda: "decode-0 is back" in text(), timeout=240, what="decode-0 restarted")
+        assert "decode-0 drained and exited" in text()
+        assert proc.poll() is None, text()  # the mesh stayed up
+        wait_until(lambda: health_check(router, "pdmesh.v1.RouterService")[0] == "SERVING", timeout=60)
+        new_pid = json.loads((workdir / "decode-0.port.json").read_text())["pid"]
+        assert new_pid != decode_pid
+    finally:
+        stopped_by_sigint = stop_mesh(proc, workdir, lambda: proc.send_signal(signal.SIGINT))
+        reader.join(5)
+    assert stopped_by_sigint, "pdmesh up ignored SIGINT it had inherited as ignored"
+    assert proc.returncode == 0 and "draining and stopping" in text()
+    assert all(not _alive(pid) or _zombie(pid) for pid in service_pids(workdir))
+    # Logs are JSON lines only: no gRPC C-core, NIXL or UCX text among them.
+    for log in workdir.glob("*.log"):
+        for line in log.read_text().splitlines():
+            if line.strip():
+                assert isinstance(json.loads(line), dict), f"{log.name}: {line[:200]}"
 
 
 def _alive(pid: int) -> bool:

@@ -25,18 +25,19 @@ LIMITS = RequestLimits(
 
 
 def _over_limits():
-    yield "token_ids.ids", request(list(range(1, 10)), max_tokens=2), grpc.StatusCode.INVALID_ARGUMENT
-    yield "text", request("x" * 65, max_tokens=2), grpc.StatusCode.INVALID_ARGUMENT  # > 8 chars a token
-    yield "sampling.max_tokens", request("hi", max_tokens=17), grpc.StatusCode.INVALID_ARGUMENT
+    # The router names fields as clients know them (issue 15: no sampling.max_tokens, prompt_token_ids).
+    yield "prompt", request(list(range(1, 10)), max_tokens=2), grpc.StatusCode.INVALID_ARGUMENT
+    yield "prompt", request("x" * 65, max_tokens=2), grpc.StatusCode.INVALID_ARGUMENT  # > 8 chars a token
+    yield "max_tokens", request("hi", max_tokens=17), grpc.StatusCode.INVALID_ARGUMENT
     stops = request("hi", max_tokens=2)
     stops.sampling.stop.extend(["a", "b", "c"])
-    yield "sampling.stop", stops, grpc.StatusCode.INVALID_ARGUMENT
+    yield "stop", stops, grpc.StatusCode.INVALID_ARGUMENT
     long_stop = request("hi", max_tokens=2)
     long_stop.sampling.stop.append("abcde")
-    yield "sampling.stop", long_stop, grpc.StatusCode.INVALID_ARGUMENT
+    yield "stop", long_stop, grpc.StatusCode.INVALID_ARGUMENT
     stop_ids = request("hi", max_tokens=2)
     stop_ids.sampling.stop_token_ids.extend([1, 2, 3])
-    yield "sampling.stop_token_ids", stop_ids, grpc.StatusCode.INVALID_ARGUMENT
+    yield "stop_token_ids", stop_ids, grpc.StatusCode.INVALID_ARGUMENT
     yield "request_id", request("hi", max_tokens=2, request_id="r" * 9), grpc.StatusCode.INVALID_ARGUMENT
     yield "tenant", request("hi", max_tokens=2, tenant="t" * 129), grpc.StatusCode.INVALID_ARGUMENT
     yield "message", request("x" * 5000, max_tokens=2), grpc.StatusCode.RESOURCE_EXHAUSTED

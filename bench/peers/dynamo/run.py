@@ -87,9 +87,9 @@ from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, FIRST_WORD_ID, w
 from bench.stats import RequestRecord, write_records
 from bench.traces import VocabRange
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
-from services.model.timing import load_profile
 from services.gateway.launch import gateway_spec
 from services.gateway.launch import start_ready as gateway_start_ready
+from services.model.timing import load_profile
 
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "dm"

@@ -66,6 +66,8 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "cannot start in time")
         if script == "bad":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: too large")
+        # As the router does: the prompt's token count rides in the initial metadata.
+        await context.send_initial_metadata((("x-prompt-tokens", str(len(script))),))
         yield _delta("a" if script != "ok" else "Hel")
         if script == "midfail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker lost, no migration left")

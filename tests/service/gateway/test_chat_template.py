@@ -11,7 +11,6 @@ from services.gateway.chat_template import (
     HfChatTemplate,
     NoChatTemplate,
     load_chat_template,
-    parse_messages,
 )
 from services.gateway.errors import GatewayError
 
@@ -23,7 +22,7 @@ LLAMA_LIKE = (
 
 
 def test_builtin_template_is_role_lines_then_the_assistant_prefix():
-    prompt = BuiltinChatTemplate().render(parse_messages([{"role": "user", "content": "Hi"}]))
+    prompt = BuiltinChatTemplate().render([{"role": "user", "content": "Hi"}])
     assert prompt.text == "<|user|>\nHi\n<|assistant|>\n" and prompt.token_ids is None
 
 

@@ -38,3 +38,12 @@ def test_resource_exhausted_without_a_hint_still_says_when_to_retry():
     assert from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", ()).headers == {"Retry-After": "1"}
     garbled = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", (("retry-after-ms", "soon"),))
     assert garbled.headers == {"Retry-After": "1"}
+
+
+def test_the_router_field_name_fills_param():
+    err = from_grpc(
+        grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be <= 4096 (the serving limit), got 5000"
+    )
+    assert err.status == 400 and err.param == "max_tokens"
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty").param is None
+    assert from_grpc(grpc.StatusCode.UNAVAILABLE, "x: down").param is None

@@ -12,6 +12,7 @@ import contextlib
 import json
 
 import pytest
+import structlog
 import uvicorn
 
 from services.gateway.app import Gateway
@@ -131,8 +132,43 @@ async def test_client_disconnect_cancels_the_router_call(gw, fake, stream):
         await eventually(lambda: fake.requests, what="the call to reach the router")
     httpio.hang_up(sock)
     await asyncio.wait_for(fake.cancelled.wait(), 10)
-    _, _, metrics = await asyncio.to_thread(httpio.request, gw, "GET", "/metrics")
-    assert b"pdmesh_gateway_client_disconnects_total 1.0" in metrics
+
+    async def counted() -> bool:
+        _, _, metrics = await asyncio.to_thread(httpio.request, gw, "GET", "/metrics")
+        return b"pdmesh_gateway_client_disconnects_total 1.0" in metrics
+
+    # The router sees the cancel before the gateway finishes its own bookkeeping: poll.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not await counted():
+        assert loop.time() < deadline, "the disconnect was never counted"
+        await asyncio.sleep(0.01)
+
+
+async def test_the_log_of_a_stream_the_client_closed_has_its_real_counts(gw, fake):
+    with structlog.testing.capture_logs() as logs:
+        sock = await asyncio.to_thread(
+            httpio.open_request, gw, "/v1/completions", {"prompt": "slow", "stream": True}
+        )
+        await asyncio.to_thread(httpio.read_until, sock, b'"text":"a"')
+        httpio.hang_up(sock)
+        await asyncio.wait_for(fake.cancelled.wait(), 10)
+
+        async def logged() -> None:
+            while not [e for e in logs if e["event"] == "request"]:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(logged(), 10)
+    (line,) = [e for e in logs if e["event"] == "request"]
+    assert line["status"] == 499 and line["upstream_cancelled"] is True
+    assert line["prompt_tokens"] == len("slow") and line["completion_tokens"] == 1
+
+
+async def test_unknown_model_is_a_404_as_openai_answers(gw, fake):
+    status, _, raw = await post(gw, "/v1/completions", {"model": "gpt-4", "prompt": "x"})
+    err = json.loads(raw)["error"]
+    assert status == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+    assert not fake.requests  # refused before the router
 
 
 async def test_health_follows_router_readiness(gw, fake):

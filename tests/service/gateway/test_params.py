@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdmesh.v1 import router_pb2
+from services.gateway import params
 from services.gateway.chat_template import BuiltinChatTemplate
 from services.gateway.errors import GatewayError
-from services.gateway.params import parse_chat, parse_completion, parse_json
 
 MODEL = "builtin-tiny"
 
 
-def refused(fn, *args) -> GatewayError:
+def _raw(body) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+def parse_completion(body, served):
+    return params.parse_completion(_raw(body), served)
+
+
+def parse_chat(body, served, template):
+    return params.parse_chat(_raw(body), served, template)
+
+
+def refused(fn, *args, status: int = 400) -> GatewayError:
     with pytest.raises(GatewayError) as info:
         fn(*args)
-    assert info.value.status == 400
+    assert info.value.status == status
     body = info.value.body()["error"]
     assert body["type"] == "invalid_request_error" and body["message"]
     return info.value
@@ -88,16 +102,20 @@ def test_completion_refuses_what_it_cannot_honour(body, param):
     assert refused(parse_completion, body, MODEL).param == param
 
 
-def test_unknown_model_is_a_400_naming_the_served_one():
-    err = refused(parse_completion, {"model": "gpt-4", "prompt": "x"}, MODEL)
-    assert err.code == "model_not_found" and MODEL in err.message
+def test_unknown_model_is_a_404_naming_the_served_one():
+    # OpenAI and vLLM answer 404 (the SDK raises openai.NotFoundError).
+    with pytest.raises(GatewayError) as info:
+        parse_completion({"model": "gpt-4", "prompt": "x"}, MODEL)
+    err = info.value
+    assert err.status == 404 and err.type == "not_found_error"
+    assert err.code == "model_not_found" and err.param == "model" and MODEL in err.message
 
 
 def test_malformed_json_and_non_objects_are_400s():
-    refused(parse_json, b"{not json")
-    refused(parse_json, b"[1, 2]")
-    refused(parse_json, b"\xff\xfe")
-    assert parse_json(b'{"a": 1}') == {"a": 1}
+    refused(parse_completion, b"{not json", MODEL)
+    refused(parse_completion, b"[1, 2]", MODEL)
+    refused(parse_completion, b"\xff\xfe", MODEL)
+    assert parse_completion(b'{"prompt": "a"}', MODEL).prompt_text == "a"
 
 
 def test_chat_renders_messages_and_prefers_max_completion_tokens():
@@ -149,3 +167,48 @@ def test_chat_refuses_tools_and_json_mode():
     )
     ok = parse_chat({"messages": msgs, "response_format": {"type": "text"}}, MODEL, BuiltinChatTemplate())
     assert ok.kind == "chat"
+
+
+# Bodies that reached `to_proto` or `json.loads` unchecked and answered 500 (issue 13 item 5).
+HOSTILE = [
+    (b'{"prompt": "x", "max_tokens": 2147483648}', "max_tokens"),
+    (b'{"prompt": "x", "top_k": 1099511627776}', "top_k"),
+    (b'{"prompt": [1, 1099511627776]}', "prompt[1]"),
+    (b'{"prompt": "x", "stop_token_ids": [8589934592]}', "stop_token_ids[0]"),
+    (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
+    (b'{"prompt": "\\ud800"}', None),
+    (b'{"prompt": "x", "stop": ["\\udfff"]}', None),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "max_tokens"),
+    (b'{"prompt": "x", "extra": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", None),
+]
+
+
+@pytest.mark.parametrize("raw, param", HOSTILE, ids=[f"hostile{i}" for i in range(len(HOSTILE))])
+def test_out_of_range_and_malformed_values_are_400s_before_the_proto(raw, param):
+    err = refused(parse_completion, raw, MODEL)
+    assert err.param == param
+
+
+def test_limits_in_messages_do_not_contradict_the_router():
+    # The router states the serving limit; the gateway must not claim "[1, inf]".
+    err = refused(parse_completion, {"prompt": "x", "max_tokens": 0}, MODEL)
+    assert "inf" not in err.message and ">= 1" in err.message
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ({"role": "user"}, "messages[0].content"),
+        ({"role": "user", "content": None}, "messages[0].content"),
+        ({"role": "user", "content": "\udc80"}, None),
+    ],
+)
+def test_chat_message_without_content_or_with_a_lone_surrogate_is_refused(message, param):
+    raw = json.dumps({"messages": [message]}).encode()  # json.dumps escapes the surrogate as \udc80
+    err = refused(parse_chat, raw, MODEL, BuiltinChatTemplate())
+    assert err.param == param
+
+
+def test_empty_stream_options_without_stream_are_harmless():
+    assert not parse_completion({"prompt": "x", "stream_options": {}}, MODEL).stream
+    refused(parse_completion, {"prompt": "x", "stream_options": {"include_usage": False}}, MODEL)

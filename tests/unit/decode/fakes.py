@@ -31,7 +31,7 @@ from pdmesh.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.server import MeshServer, ServerConfig
 from services.common.validation import RequestLimits
 from services.engine.api import Engine, EngineRequest
-from services.worker.sampling import FINISH_TO_PROTO, sampling_from_proto
+from services.model.sampling import FINISH_TO_PROTO, check_sampling
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
@@ -72,7 +72,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(self.fail_with, "injected prefill failure")
         ids = list(request.prompt_token_ids)
         cut = len(ids) - request.output_position
-        sampling = sampling_from_proto(
+        sampling = check_sampling(
             request.sampling, RequestLimits(), self.engine.info.vocab_size, assign_seed=False
         )
         req = EngineRequest(
