@@ -55,6 +55,9 @@ class BlockHandle:
     kv_source_address: str = ""  # holder's KvSourceService (gRPC transport)
     issued_to: str = ""  # worker id allowed to read
     lease_expires_unix_ms: int = 0  # holder's wall clock; 0 = unknown
+    # Holder's digest of each block, in block_ids order (kvtransfer.digest); b"" = none.
+    block_digests: bytes = b""
+    digest_algorithm: str = ""
 
     @classmethod
     def from_proto(cls, handle: common_pb2.KvHandle) -> BlockHandle:
@@ -76,6 +79,8 @@ class BlockHandle:
             kv_source_address=d.kv_source_address,
             issued_to=handle.issued_to,
             lease_expires_unix_ms=handle.lease_expires_unix_ms,
+            block_digests=bytes(d.block_digests),
+            digest_algorithm=d.digest_algorithm,
         )
 
     def to_proto(self, model_id: str = "") -> common_pb2.KvHandle:
@@ -93,6 +98,8 @@ class BlockHandle:
                 block_ids=list(self.block_ids),
                 num_tokens=self.num_tokens,
                 kv_source_address=self.kv_source_address,
+                block_digests=self.block_digests,
+                digest_algorithm=self.digest_algorithm,
             ),
         )
 
@@ -194,6 +201,60 @@ def check_pull(
         raise KvTransferFailed(FailureKind.INVALID, "destination blocks repeat")
 
 
+# Above this many bytes the receiver hashes in a worker thread (xxhash releases
+# the GIL) so a long check does not stall the event loop.
+VERIFY_IN_THREAD_BYTES = 8 * 1024 * 1024
+
+
+class PulledBlockCheck:
+    """The receiver's integrity check of one pull: the bytes in `dst` must match
+    the holder's digests of the `src` blocks they came from. `require=False`
+    lets a handle without digests through (tests and tools that build handles
+    by hand); the services always require them (`create_transport`)."""
+
+    def __init__(self, pool: PoolView, require: bool):
+        self.pool = pool
+        self.require = require
+        self.failures = 0  # pulls whose bytes did not match (or came without digests)
+
+    def expected(self, handle: BlockHandle, src_block_ids: Sequence[int]) -> list[bytes] | None:
+        """The digests the `src` blocks must have; None = nothing to check.
+        Called before the move, so a handle that cannot pass costs no transfer."""
+        from kvtransfer.digest import split_digests
+
+        if not handle.block_digests and not handle.digest_algorithm:
+            if self.require:
+                self.failures += 1
+                raise KvTransferFailed(
+                    FailureKind.INTEGRITY, f"handle {handle.handle_id!r} carries no block digests"
+                )
+            return None
+        try:
+            per_block = split_digests(
+                handle.block_digests, handle.digest_algorithm, len(handle.block_ids), handle.handle_id
+            )
+        except KvTransferFailed:
+            self.failures += 1
+            raise
+        index = {b: i for i, b in enumerate(handle.block_ids)}
+        return [per_block[index[b]] for b in src_block_ids if b in index]
+
+    async def verify(self, handle: BlockHandle, expected: list[bytes] | None, dst: Sequence[int]) -> None:
+        from kvtransfer.digest import verify_blocks
+
+        if expected is None:
+            return
+        try:
+            if len(dst) * self.pool.block_bytes > VERIFY_IN_THREAD_BYTES:
+                await asyncio.to_thread(verify_blocks, self.pool, expected, dst, handle.handle_id)
+            else:
+                verify_blocks(self.pool, expected, dst, handle.handle_id)
+        except KvTransferFailed:
+            self.failures += 1
+            log.error("kv_pull_integrity_failed", handle_id=handle.handle_id, agent=handle.agent_name)
+            raise
+
+
 async def guarded_pull(
     kind: str,
     agent_name: str,
@@ -203,18 +264,24 @@ async def guarded_pull(
     move: Callable[[], Awaitable[None]],
     on_failure: Callable[[], None],
     reporter: TransferReporter | None,
+    verify: Callable[[], Awaitable[None]] | None = None,
 ) -> TransferStats:
-    """Run `move()` under the failure contract of `KvTransport.pull`.
+    """Run `move()` then `verify()` under the failure contract of `KvTransport.pull`.
 
     `move` checks the arguments and moves the bytes. When it raises, nothing
     may be in flight into the destination any more, so `on_failure` can free
     it; a move that could not make sure of that raises `Quarantined` instead,
-    and the destination is deliberately not freed.
+    and the destination is deliberately not freed. `verify` (the integrity
+    check) runs after a complete move; when it raises, the destination is
+    freed like after any other failure, so unverified bytes never reach the
+    caller, its sequence or its prefix cache.
     """
     t0 = time.perf_counter()
     error = ""
     try:
         await move()
+        if verify is not None:
+            await verify()
     except Quarantined as q:
         error = q.failure.reason
         log.error(

@@ -89,6 +89,7 @@ async def serve(cfg: dict[type, object]) -> None:
         worker_info=rt.info(),
         kv_source_address=rt.address,
         agent_name=rt.transport.agent_name if rt.transport else "",
+        config=prefill_cfg,
     )
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, rt.server.server)
     keeper.start()
