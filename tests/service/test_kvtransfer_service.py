@@ -16,6 +16,7 @@ from services.kvtransfer.servicer import SERVICE_NAME, KvTransferServicer
 from services.kvtransfer.stats import TransferStatistics
 
 LAYOUT = KvLayout(2, 2, 16, "float32", 4)
+SECRET = b"owner-secret-of-the-test-process"  # what AgentDirectory sends for its process
 
 
 class Clock:
@@ -72,16 +73,20 @@ async def code_of(coro):
 async def test_register_get_heartbeat_deregister(svc):
     _, _, stub, metrics, _ = svc
     resp = await stub.RegisterAgent(
-        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), lease_ms=0)
+        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), lease_ms=0, owner_secret=SECRET)
     )
     assert resp.incarnation == 1 and resp.lease_ms == 10_000
     got = AgentRecord.from_proto(
         (await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1"))).agent
     )
     assert got.metadata == b"nixl-md" and got.layout == LAYOUT and got.incarnation == 1
-    hb = await stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1))
+    hb = await stub.Heartbeat(
+        kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1, owner_secret=SECRET)
+    )
     assert hb.lease_ms == 10_000
-    bye = await stub.DeregisterAgent(kvtransfer_pb2.DeregisterAgentRequest(name="prefill-1", incarnation=1))
+    bye = await stub.DeregisterAgent(
+        kvtransfer_pb2.DeregisterAgentRequest(name="prefill-1", incarnation=1, owner_secret=SECRET)
+    )
     assert bye.removed
     code, _ = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1")))
     assert code == grpc.StatusCode.NOT_FOUND
@@ -104,7 +109,9 @@ async def test_malformed_agents_are_invalid_arguments(svc, mutate, field):
     _, _, stub, _, _ = svc
     info = record().to_proto()
     mutate(info)
-    code, details = await code_of(stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=info)))
+    code, details = await code_of(
+        stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=info, owner_secret=SECRET))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
 
 
@@ -112,18 +119,26 @@ async def test_unknown_and_stale_agents_are_not_found(svc):
     _, _, stub, _, _ = svc
     code, details = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="ghost")))
     assert code == grpc.StatusCode.NOT_FOUND and "ghost" in details
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto()))
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto()))
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), owner_secret=SECRET)
+    )
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), owner_secret=SECRET)
+    )
     code, details = await code_of(
-        stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1))
+        stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1, owner_secret=SECRET))
     )
     assert code == grpc.StatusCode.NOT_FOUND and "stale" in details
 
 
 async def test_expired_agents_disappear_and_are_counted(svc):
     clock, servicer, stub, metrics, _ = svc
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record("a").to_proto(), lease_ms=1000))
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record("b").to_proto(), lease_ms=5000))
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record("a").to_proto(), lease_ms=1000, owner_secret=SECRET)
+    )
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record("b").to_proto(), lease_ms=5000, owner_secret=SECRET)
+    )
     clock.t = 2.0
     assert servicer.expire() == 1
     code, _ = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="a")))
