@@ -246,3 +246,110 @@ async def test_reporter_keeps_records_while_the_service_is_down(svc):
     assert reporter.dropped == 1 and reporter.pending == 2
     await server.stop()
     assert await reporter.flush() == 0 and reporter.pending == 2
+
+
+# -- who may write a name (issue 13, item 1) ---------------------------------------------------
+
+
+async def test_a_hostile_reregistration_is_refused_without_tls(svc):
+    """The attack of issue 13: re-register the prefill worker's agent with its pool
+    shifted by one block. Before the fix the service took it and decode workers
+    read the wrong blocks."""
+    _, servicer, stub, _, _ = svc
+    holder = AgentDirectory(stub)
+    own = await holder.register(record())
+    hostile = record().to_proto()
+    hostile.region.address += LAYOUT.block_bytes
+    hostile.num_blocks -= 1
+    code, details = await code_of(
+        stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=hostile, owner_secret=b"x" * 32))
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "prefill-1" in details
+    code, _ = await code_of(stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=hostile)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT  # no secret, no certificate: no owner at all
+    for call in (
+        stub.DeregisterAgent(
+            kvtransfer_pb2.DeregisterAgentRequest(
+                name="prefill-1", incarnation=own.incarnation, owner_secret=b"x" * 32
+            )
+        ),
+        stub.Heartbeat(
+            kvtransfer_pb2.HeartbeatRequest(
+                name="prefill-1", incarnation=own.incarnation, owner_secret=b"x" * 32
+            )
+        ),
+    ):
+        code, _ = await code_of(call)
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    got = (await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1"))).agent
+    assert (got.region.address, got.num_blocks, got.incarnation) == (4096, 8, own.incarnation)
+    assert servicer.registry.refusals == 3
+    await holder.heartbeat_once()  # the owner is unaffected
+    assert holder.own.incarnation == own.incarnation
+
+
+@pytest.fixture(scope="module")
+def mesh_certs(tmp_path_factory):
+    from tests.service.tls_mesh import make_certs
+
+    return make_certs(
+        tmp_path_factory.mktemp("kvcerts"), workers=(("prefill", "prefill-0"), ("decode", "decode-1"))
+    )
+
+
+@pytest.fixture
+async def mtls_svc(mesh_certs):
+    servicer = KvTransferServicer(
+        AgentRegistry(default_lease_s=10), TransferStatistics(), KvServiceMetrics(CollectorRegistry())
+    )
+    server = MeshServer(ServerConfig(port=0), SERVICE_NAME, registry=None, tls=mesh_certs.tls("kvtransfer"))
+    kvtransfer_pb2_grpc.add_KvTransferServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    channels = []
+
+    def stub_as(cert: str):
+        from services.common.tls import aio_channel, client_tls
+
+        ch = aio_channel(f"localhost:{server.port}", client_tls(mesh_certs.tls(cert)))
+        channels.append(ch)
+        return kvtransfer_pb2_grpc.KvTransferServiceStub(ch)
+
+    yield servicer, stub_as
+    for ch in channels:
+        await ch.close()
+    await server.stop()
+
+
+def prefill0(name="prefill-0-11", address=4096):
+    r = record(name)
+    return AgentRecord(**{**r.__dict__, "worker_id": "prefill-0", "address": address})
+
+
+async def test_with_mtls_a_name_belongs_to_the_certified_worker(mtls_svc):
+    servicer, stub_as = mtls_svc
+    await AgentDirectory(stub_as("prefill-prefill-0")).register(prefill0())
+    hostile = prefill0(address=4096 + LAYOUT.block_bytes).to_proto()
+    # decode-1's certificate (the issue's attempt), as itself and pretending to be prefill-0.
+    decode1 = stub_as("decode-decode-1")
+    for worker_id in ("decode-1", "prefill-0"):
+        hostile.worker_id = worker_id
+        code, details = await code_of(
+            decode1.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=hostile, owner_secret=b"x" * 32))
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED, details
+    # A role-only certificate (no worker in it) and any secret: the name is bound to prefill-0's certificate.
+    hostile.worker_id = "prefill-0"
+    code, _ = await code_of(
+        stub_as("decode").RegisterAgent(
+            kvtransfer_pb2.RegisterAgentRequest(agent=hostile, owner_secret=b"x" * 32)
+        )
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    code, _ = await code_of(
+        decode1.DeregisterAgent(kvtransfer_pb2.DeregisterAgentRequest(name="prefill-0-11", incarnation=1))
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert servicer.registry.get("prefill-0-11").address == 4096
+    # prefill-0 restarted: a new process (new secret), the same certificate, takes its name back.
+    back = await AgentDirectory(stub_as("prefill-prefill-0")).register(prefill0(address=8192))
+    assert back.incarnation == 2 and servicer.registry.get("prefill-0-11").address == 8192
