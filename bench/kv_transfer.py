@@ -9,11 +9,16 @@ preset; this process is the receiver. For payloads of 1, 16, 64 and 256 MiB
 - memcpy: one `tensor.copy_` of the same bytes in one process, one thread (the limit),
 each the median of several runs, timed by the transport's own TransferStats
 (lookup, descriptor building, transfer, completion; not the lease bookkeeping
-before and after). Also: a scattered block list at 64 MiB, and the time to hand
-off the KV of a 2,048-token prompt of the `small` preset through each transport.
+before and after). Also: a scattered block list at 64 MiB, the time to hand
+off the KV of a 2,048-token prompt of the `small` preset through each transport,
+and what the integrity check costs on that handoff (issue 13): the holder's
+per-block xxh3-128 digests plus the receiver's check of the pulled blocks
+(`kvtransfer.digest`), each timed on the same bytes right after a NIXL pull,
+against the NIXL handoff time (target <= 10%).
 GB/s = 1e9 bytes per second.
 
-Last line: `kv_transfer nixl_gbps=.. grpc_gbps=.. memcpy_gbps=.. nixl_vs_memcpy=.. nixl_vs_grpc=..` at 64 MiB.
+Last line: `kv_transfer nixl_gbps=.. grpc_gbps=.. memcpy_gbps=.. nixl_vs_memcpy=.. nixl_vs_grpc=..
+digest_vs_handoff=..` (the GB/s figures at 64 MiB).
 Run: `python bench/kv_transfer.py` (full) or `python bench/kv_transfer.py --quick` (< 2 min).
 """
 
@@ -39,6 +44,7 @@ if __package__ in (None, ""):  # `python bench/kv_transfer.py`: make the repo ro
 import grpc
 import torch
 
+from kvtransfer import digest
 from kvtransfer.agents import AgentDirectory
 from kvtransfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransfer.layout import KvLayout
@@ -136,6 +142,23 @@ class Bench:
         nixl, grpc_, mem = (nbytes / statistics.median(times[k]) / 1e9 for k in ("nixl", "grpc", "memcpy"))
         return nixl, grpc_, mem
 
+    async def digest_seconds(self, ids: list[int], reps: int) -> tuple[float, float, float]:
+        """Median (NIXL pull, holder digest, receiver check) seconds of one handoff of
+        `ids`, the digests timed on the bytes the pull just wrote (as a receiver sees them)."""
+        pulls, digests, checks = [], [], []
+        for _ in range(reps):
+            pulls.append(await self.pull_once("nixl", ids, ids))
+            t0 = time.perf_counter()
+            blob = digest.digest_blocks(self.pool, ids)
+            t1 = time.perf_counter()
+            expected = digest.split_digests(blob, digest.ALGORITHM, len(ids), "bench")
+            t2 = time.perf_counter()
+            digest.verify_blocks(self.pool, expected, ids, "bench")
+            t3 = time.perf_counter()
+            digests.append(t1 - t0)
+            checks.append((t3 - t2) + (t2 - t1))
+        return statistics.median(pulls), statistics.median(digests), statistics.median(checks)
+
     @staticmethod
     def memcpy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
         """One single-threaded copy of src into dst, in this process."""
@@ -225,6 +248,13 @@ async def run(args: argparse.Namespace) -> None:
                 f"  handoff of a {PROMPT_TOKENS}-token prompt's KV ({n} blocks, {n * bb / MIB:.0f} MiB): "
                 f"nixl {ms[0]:.1f} ms, grpc {ms[1]:.1f} ms, memcpy {ms[2]:.1f} ms"
             )
+            pull_s, digest_s, check_s = await bench.digest_seconds(ids, max(5, reps_for(1, args.quick)))
+            digest_ratio = (digest_s + check_s) / pull_s
+            print(
+                f"  integrity of that handoff ({digest.ALGORITHM}, {n} blocks): holder digests "
+                f"{digest_s * 1e3:.2f} ms + receiver check {check_s * 1e3:.2f} ms = "
+                f"{digest_ratio:.0%} of the NIXL pull ({pull_s * 1e3:.2f} ms, median of the same runs)"
+            )
         finally:
             if bench is not None:
                 await bench.close()
@@ -244,10 +274,14 @@ async def run(args: argparse.Namespace) -> None:
         f"  target NIXL >= 5x gRPC at >= 16 MiB: worst {worst_grpc:.1f}x -> {'met' if worst_grpc >= 5 else 'MISSED'}"
     )
     print(f"  target gRPC >= 0.5 GB/s (64 MiB): {grpc_64:.2f} -> {'met' if grpc_64 >= 0.5 else 'MISSED'}")
+    print(
+        f"  target digest + check <= 10% of the NIXL handoff ({PROMPT_TOKENS} tokens): "
+        f"{digest_ratio:.0%} -> {'met' if digest_ratio <= 0.10 else 'MISSED'}"
+    )
     nixl, grpc_, mem = rows[64]
     print(
         f"kv_transfer nixl_gbps={nixl:.2f} grpc_gbps={grpc_:.2f} memcpy_gbps={mem:.2f} "
-        f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f}"
+        f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f} digest_vs_handoff={digest_ratio:.2f}"
     )
 
 
