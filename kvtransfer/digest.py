@@ -18,12 +18,16 @@ is on), which such a party would already have to control.
 
 Hashing reads the pool through `PoolView.read` (views, no copy, on CPU; a VRAM
 pool is staged through host memory a range at a time). xxhash releases the GIL,
-so callers may run it in a thread for large pulls.
+so `BlockHasher` spreads a long block list over a few threads (contiguous
+slices, one per thread) and its async methods keep the event loop free.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -32,6 +36,13 @@ from kvtransfer.pool import PoolView
 
 ALGORITHM = "xxh3-128"
 DIGEST_BYTES = 16
+# Below this many bytes a list is hashed on the calling thread: a thread hop costs more.
+THREADED_MIN_BYTES = 4 * 1024 * 1024
+
+
+def default_threads() -> int:
+    """Hashing threads when none are configured: up to 4, never more than the CPUs."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def block_digest(pool: PoolView, block_id: int) -> bytes:
@@ -74,7 +85,73 @@ def verify_blocks(
 ) -> None:
     """Check that our `dst_block_ids[i]` hashes to `expected[i]`; raise
     KvTransferFailed(INTEGRITY) naming how many did not."""
-    bad = [i for i, b in enumerate(dst_block_ids) if block_digest(pool, b) != expected[i]]
+    _compare(digest_blocks(pool, dst_block_ids), expected, dst_block_ids, handle_id)
+
+
+def _slices(block_ids: Sequence[int], n: int) -> list[Sequence[int]]:
+    step = -(-len(block_ids) // n)
+    return [block_ids[i : i + step] for i in range(0, len(block_ids), step)]
+
+
+class BlockHasher:
+    """Digests and checks of one pool's blocks on up to `threads` threads.
+
+    The one owner (a transport's integrity check, the prefill servicer) makes it
+    and `close`s it; its threads start on first use."""
+
+    def __init__(self, pool: PoolView, threads: int | None = None):
+        self.pool = pool
+        self.threads = threads or default_threads()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kv-digest")
+        return self._executor
+
+    def _parallel(self, block_ids: Sequence[int]) -> bool:
+        return self.threads > 1 and len(block_ids) * self.pool.block_bytes >= THREADED_MIN_BYTES
+
+    def digest_blocks(self, block_ids: Sequence[int]) -> bytes:
+        """`digest_blocks` of the pool, sliced over the threads when worth it."""
+        if not self._parallel(block_ids):
+            return digest_blocks(self.pool, block_ids)
+        parts = self._pool().map(lambda ids: digest_blocks(self.pool, ids), _slices(block_ids, self.threads))
+        return b"".join(parts)
+
+    async def digest_blocks_async(self, block_ids: Sequence[int]) -> bytes:
+        if not self._parallel(block_ids):
+            return digest_blocks(self.pool, block_ids)
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool(), digest_blocks, self.pool, ids)
+                for ids in _slices(block_ids, self.threads)
+            )
+        )
+        return b"".join(parts)
+
+    def verify_blocks(self, expected: Sequence[bytes], dst_block_ids: Sequence[int], handle_id: str) -> None:
+        """`verify_blocks`, with the digests computed over the threads when worth it."""
+        got = self.digest_blocks(dst_block_ids)
+        _compare(got, expected, dst_block_ids, handle_id)
+
+    async def verify_blocks_async(
+        self, expected: Sequence[bytes], dst_block_ids: Sequence[int], handle_id: str
+    ) -> None:
+        got = await self.digest_blocks_async(dst_block_ids)
+        _compare(got, expected, dst_block_ids, handle_id)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _compare(got: bytes, expected: Sequence[bytes], dst_block_ids: Sequence[int], handle_id: str) -> None:
+    bad = [
+        i for i in range(len(dst_block_ids)) if got[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] != expected[i]
+    ]
     if bad:
         raise KvTransferFailed(
             FailureKind.INTEGRITY,

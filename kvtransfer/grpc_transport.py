@@ -358,6 +358,7 @@ class GrpcTransport:
             pos += take
 
     async def close(self) -> None:
+        self.integrity.hasher.close()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

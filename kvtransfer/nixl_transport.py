@@ -401,6 +401,7 @@ class NixlTransport:
                 await asyncio.sleep(0.01)
 
     async def close(self) -> None:
+        self.integrity.hasher.close()
         if self._notif_task is not None:
             self._notif_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

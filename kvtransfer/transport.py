@@ -201,20 +201,18 @@ def check_pull(
         raise KvTransferFailed(FailureKind.INVALID, "destination blocks repeat")
 
 
-# Above this many bytes the receiver hashes in a worker thread (xxhash releases
-# the GIL) so a long check does not stall the event loop.
-VERIFY_IN_THREAD_BYTES = 8 * 1024 * 1024
-
-
 class PulledBlockCheck:
     """The receiver's integrity check of one pull: the bytes in `dst` must match
     the holder's digests of the `src` blocks they came from. `require=False`
     lets a handle without digests through (tests and tools that build handles
     by hand); the services always require them (`create_transport`)."""
 
-    def __init__(self, pool: PoolView, require: bool):
+    def __init__(self, pool: PoolView, require: bool, threads: int | None = None):
+        from kvtransfer.digest import BlockHasher
+
         self.pool = pool
         self.require = require
+        self.hasher = BlockHasher(pool, threads)
         self.failures = 0  # pulls whose bytes did not match (or came without digests)
 
     def expected(self, handle: BlockHandle, src_block_ids: Sequence[int]) -> list[bytes] | None:
@@ -240,15 +238,10 @@ class PulledBlockCheck:
         return [per_block[index[b]] for b in src_block_ids if b in index]
 
     async def verify(self, handle: BlockHandle, expected: list[bytes] | None, dst: Sequence[int]) -> None:
-        from kvtransfer.digest import verify_blocks
-
         if expected is None:
             return
         try:
-            if len(dst) * self.pool.block_bytes > VERIFY_IN_THREAD_BYTES:
-                await asyncio.to_thread(verify_blocks, self.pool, expected, dst, handle.handle_id)
-            else:
-                verify_blocks(self.pool, expected, dst, handle.handle_id)
+            await self.hasher.verify_blocks_async(expected, dst, handle.handle_id)
         except KvTransferFailed:
             self.failures += 1
             log.error("kv_pull_integrity_failed", handle_id=handle.handle_id, agent=handle.agent_name)

@@ -18,7 +18,6 @@ instead of held blocks: the handle then carries that state and no lease.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import time
@@ -30,7 +29,7 @@ from kvtransfer import digest
 from kvtransfer.errors import StaleHandle
 from kvtransfer.leases import LeaseManager
 from kvtransfer.pool import PoolView
-from kvtransfer.transport import VERIFY_IN_THREAD_BYTES, BlockHandle
+from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from services.common import tracing
 from services.common.errors import InvalidArgument, PermissionDenied, grpc_errors
@@ -76,7 +75,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._ids = itertools.count()
         self.config = config or PrefillConfig()
         self.budget = LeaseBudget(self.config, leases, engine.info.num_blocks)
-        self._pool: PoolView | None = None  # made on first use (the engine's pool, for digests)
+        self._hasher: digest.BlockHasher | None = None  # made on first use (over the engine's pool)
 
     @grpc_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -159,13 +158,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def _digests(self, block_ids: tuple[int, ...]) -> bytes:
         """The holder's digests of the held blocks, from the bytes in our pool."""
-        if self._pool is None:
+        if self._hasher is None:
             pool, layout = self.engine.kv_pool(), self.engine.info.layout
             assert pool is not None and layout is not None, "a held result needs the engine's KV pool"
-            self._pool = PoolView(pool, layout)
-        if len(block_ids) * self._pool.block_bytes > VERIFY_IN_THREAD_BYTES:  # xxhash frees the GIL
-            return await asyncio.to_thread(digest.digest_blocks, self._pool, block_ids)
-        return digest.digest_blocks(self._pool, block_ids)
+            self._hasher = digest.BlockHasher(PoolView(pool, layout))
+        return await self._hasher.digest_blocks_async(block_ids)
 
     def _lease(
         self,
