@@ -62,6 +62,17 @@ PAYLOADS_MIB = (1, 16, 64, 256)
 PROMPT_TOKENS = 2048
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def small_layout() -> KvLayout:
     """The KV layout the torch engine uses for the `small` preset with its default settings."""
     return EngineSpec.resolve(EngineConfig(preset="small")).layout
@@ -192,7 +203,10 @@ async def run(args: argparse.Namespace) -> None:
     layout = small_layout()
     bb = layout.block_bytes
     print("kv_transfer benchmark")
-    print(f"  date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  host: {platform.node()}  cpus: {os.cpu_count()}")
+    print(
+        f"  date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  host: {platform.node()}  cpus: {os.cpu_count()} "
+        f"({cpu_model()})  load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print(f"  python {platform.python_version()}, torch {torch.__version__}, grpcio {grpc.__version__}")
     print(
         f"  layout: `small` preset KV, {layout.num_layers} layers x 2 x {layout.block_size} tokens x "
