@@ -268,3 +268,31 @@ async def test_an_intact_handoff_passes_the_check(mesh):
     assert tokens == want and final.prefill_path == "remote"
     assert mesh.decode.transport.integrity.failures == 0
     await mesh.settled((initial[0], initial[1], 0))
+
+
+async def test_a_misdirected_nixl_read_is_refused(mesh):
+    """The attack of the issue on the NIXL path, past the registry: the prefill
+    worker's agent record points one block further into its pool (as if its owner
+    secret had leaked), so the READ fetches the neighbouring blocks. The digests
+    catch it; the answer is the local prefill's."""
+    if mesh.transport != "nixl":
+        pytest.skip("the agent record's region is what a NIXL READ follows; gRPC reads by handle")
+    from dataclasses import replace
+
+    from services.kvtransfer.registry import Owner
+
+    want = reference_tokens(PROMPT)
+    initial = mesh.free()
+    holder = mesh.prefill.directory
+    holder._heartbeat.cancel()  # its next heartbeat would re-register the true record
+    own = holder.own
+    bb = mesh.prefill_pool.block_bytes
+    hostile = replace(own, address=own.address + bb, num_blocks=own.num_blocks - 1, incarnation=0)
+    mesh.kv_servicer.registry.register(hostile, owner=Owner.of("", holder.owner_secret))
+    tokens, final = await mesh.generate("misdirected", decode_pb2.DISAGG_MODE_REMOTE)
+    assert tokens == want and final.prefill_path == "local"
+    assert mesh.fallbacks("integrity") == 1 and mesh.decode.transport.integrity.failures == 1
+    assert mesh.decode.engine.prefix_lookup(PROMPT) > 0  # cached: the local prefill's own blocks
+    tokens, _ = await mesh.generate("after", decode_pb2.DISAGG_MODE_LOCAL)
+    assert tokens == want
+    await mesh.settled((initial[0], initial[1], 0))
