@@ -137,13 +137,29 @@ class AgentDirectory:
 
     # -- own agent ---------------------------------------------------------------
     async def register(self, record: AgentRecord) -> AgentRecord:
-        """Register (or re-register) this worker's agent; returns it with its incarnation."""
-        resp = await self._stub.RegisterAgent(
-            kvtransfer_pb2.RegisterAgentRequest(
-                agent=record.to_proto(), lease_ms=self.lease_ms, owner_secret=self.owner_secret
-            ),
-            timeout=self.rpc_timeout_s,
-        )
+        """Register (or re-register) this worker's agent; returns it with its incarnation.
+
+        PERMISSION_DENIED means another owner's lease on the name still runs, e.g.
+        this worker's previous process (a container restarts under the same name)
+        crashed moments ago: wait, for at most one lease and a margin, until it
+        lapses and the name may be claimed. Beyond that the refusal is raised."""
+        give_up = time.monotonic() + self.lease_ms / 1000.0 + 2.0
+        delay = 0.1
+        while True:
+            try:
+                resp = await self._stub.RegisterAgent(
+                    kvtransfer_pb2.RegisterAgentRequest(
+                        agent=record.to_proto(), lease_ms=self.lease_ms, owner_secret=self.owner_secret
+                    ),
+                    timeout=self.rpc_timeout_s,
+                )
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() >= give_up:
+                    raise
+                log.warning("kv_agent_name_held_by_another_owner_waiting", agent=record.name)
+                await asyncio.sleep(delay)  # a retry backoff, not synchronisation
+                delay = min(delay * 2, 1.0)
         self.own = replace(record, incarnation=resp.incarnation)
         self.lease_ms = resp.lease_ms or self.lease_ms
         self.registrations += 1

@@ -1,5 +1,7 @@
 """KvTransferService in-process on port 0, with the library's directory and reporter as clients."""
 
+import asyncio
+
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -353,3 +355,21 @@ async def test_with_mtls_a_name_belongs_to_the_certified_worker(mtls_svc):
     # prefill-0 restarted: a new process (new secret), the same certificate, takes its name back.
     back = await AgentDirectory(stub_as("prefill-prefill-0")).register(prefill0(address=8192))
     assert back.incarnation == 2 and servicer.registry.get("prefill-0-11").address == 8192
+
+
+async def test_a_restarted_process_claims_its_name_once_the_old_lease_lapses(svc):
+    """Without TLS a restarted process (same agent name, e.g. pid 1 in a container) has a
+    new secret: it is refused while its predecessor's lease runs, then gets the name."""
+    clock, servicer, stub, _, _ = svc
+    await AgentDirectory(stub).register(record())  # the process that crashed
+    restarted = asyncio.create_task(AgentDirectory(stub, lease_ms=10_000).register(record(meta=b"new")))
+    deadline = asyncio.get_running_loop().time() + 10
+    while servicer.registry.refusals == 0:
+        assert asyncio.get_running_loop().time() < deadline, "the restarted process never tried"
+        await asyncio.sleep(0.01)  # polling the core's counter, with a deadline
+    assert not restarted.done()
+    clock.t += 10.5  # the crashed process's lease lapses
+    own = await asyncio.wait_for(restarted, 10)
+    assert own.incarnation == 2
+    got = (await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1"))).agent
+    assert got.metadata == b"new"
