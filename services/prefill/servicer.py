@@ -32,7 +32,7 @@ from kvtransfer.pool import PoolView
 from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from services.common import tracing
-from services.common.errors import InvalidArgument, PermissionDenied, grpc_errors
+from services.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted, grpc_errors
 from services.common.tls import certified_worker
 from services.common.validation import (
     FINISH_TO_PROTO,
@@ -87,11 +87,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if leases_kv:
             check_ident(request.requester_agent, "requester_agent", 256, required=True)
         context_len = len(req.prompt_token_ids) + len(req.resume_token_ids)
-        admission = (
-            self.budget.admit(request.requester_id, -(-context_len // self.engine.info.block_size))
-            if leases_kv
-            else None
-        )
+        admission = None
+        if leases_kv:
+            try:
+                admission = self.budget.admit(
+                    request.requester_id, -(-context_len // self.engine.info.block_size)
+                )
+            except ResourceExhausted:
+                self.metrics.finished("shed")  # pdmesh_prefill_requests{outcome="shed"}
+                raise
         try:
             return await self._prefill(req, request)
         finally:

@@ -15,6 +15,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from kvtransfer.leases import LeaseManager
 from pdmesh.v1 import prefill_pb2, prefill_pb2_grpc
@@ -120,6 +121,7 @@ async def test_new_prefills_are_shed_while_leases_hold_the_pool(prefill):
     retry_ms = int(dict(e.value.trailing_metadata())["retry-after-ms"])
     assert 0 < retry_ms <= CONFIG.max_lease_ms
     assert leases.held_blocks <= 0.75 * POOL and len(handles) == 6
+    assert 'pdmesh_prefill_requests_total{outcome="shed"} 1.0' in generate_latest(rt.registry).decode()
     assert rt.engine.stats().free_blocks >= POOL - leases.held_blocks - 8  # nothing else was pinned
     for h in handles:  # the holders' requesters release them: service resumes
         await stub.Release(prefill_pb2.ReleaseRequest(handle_id=h.handle_id), timeout=10)
