@@ -7,7 +7,11 @@ mounts on its gRPC server whatever its own transport is.
 
 Receiver side (decode worker): `pull(handle, src_block_ids, dst_block_ids,
 deadline_s=..., on_failure=...)` moves the bytes of the holder's `src` blocks
-straight into the receiver's `dst` blocks.
+straight into the receiver's `dst` blocks, then checks them against the
+holder's per-block digests in the handle (`PulledBlockCheck`, issue 13): a
+mismatch, or a handle without digests where they are required, is
+`KvTransferFailed(INTEGRITY)` and takes the failure path below, so the caller
+never receives, commits or caches unverified blocks.
 
 Who frees what when a pull fails:
   - receiver: `pull` calls `on_failure()` exactly once, after it has made sure
