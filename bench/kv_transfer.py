@@ -9,11 +9,16 @@ preset; this process is the receiver. For payloads of 1, 16, 64 and 256 MiB
 - memcpy: one `tensor.copy_` of the same bytes in one process, one thread (the limit),
 each the median of several runs, timed by the transport's own TransferStats
 (lookup, descriptor building, transfer, completion; not the lease bookkeeping
-before and after). Also: a scattered block list at 64 MiB, and the time to hand
-off the KV of a 2,048-token prompt of the `small` preset through each transport.
+before and after). Also: a scattered block list at 64 MiB, the time to hand
+off the KV of a 2,048-token prompt of the `small` preset through each transport,
+and what the integrity check costs on that handoff (issue 13): the holder's
+per-block xxh3-128 digests plus the receiver's check of the pulled blocks
+(`kvtransfer.digest`), each timed on the same bytes right after a NIXL pull,
+against the NIXL handoff time (target <= 10%).
 GB/s = 1e9 bytes per second.
 
-Last line: `kv_transfer nixl_gbps=.. grpc_gbps=.. memcpy_gbps=.. nixl_vs_memcpy=.. nixl_vs_grpc=..` at 64 MiB.
+Last line: `kv_transfer nixl_gbps=.. grpc_gbps=.. memcpy_gbps=.. nixl_vs_memcpy=.. nixl_vs_grpc=..
+digest_vs_handoff=..` (the GB/s figures at 64 MiB).
 Run: `python bench/kv_transfer.py` (full) or `python bench/kv_transfer.py --quick` (< 2 min).
 """
 
@@ -39,6 +44,7 @@ if __package__ in (None, ""):  # `python bench/kv_transfer.py`: make the repo ro
 import grpc
 import torch
 
+from kvtransfer import digest
 from kvtransfer.agents import AgentDirectory
 from kvtransfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransfer.layout import KvLayout
@@ -54,6 +60,17 @@ from tests.e2e.kv_peer import REPO, Peer
 MIB = 1024 * 1024
 PAYLOADS_MIB = (1, 16, 64, 256)
 PROMPT_TOKENS = 2048
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def small_layout() -> KvLayout:
@@ -136,6 +153,28 @@ class Bench:
         nixl, grpc_, mem = (nbytes / statistics.median(times[k]) / 1e9 for k in ("nixl", "grpc", "memcpy"))
         return nixl, grpc_, mem
 
+    async def digest_seconds(self, ids: list[int], reps: int, threads: int) -> tuple[float, float, float]:
+        """Median (NIXL pull, holder digest, receiver check) seconds of one handoff of
+        `ids` with `threads` hashing threads, the digests timed on the bytes the pull
+        just wrote (as a receiver sees them)."""
+        hasher = digest.BlockHasher(self.pool, threads)
+        hasher.digest_blocks(ids)  # start the threads
+        pulls, digests, checks = [], [], []
+        try:
+            for _ in range(reps):
+                pulls.append(await self.pull_once("nixl", ids, ids))
+                t0 = time.perf_counter()
+                blob = hasher.digest_blocks(ids)
+                t1 = time.perf_counter()
+                expected = digest.split_digests(blob, digest.ALGORITHM, len(ids), "bench")
+                hasher.verify_blocks(expected, ids, "bench")
+                t2 = time.perf_counter()
+                digests.append(t1 - t0)
+                checks.append(t2 - t1)
+        finally:
+            hasher.close()
+        return statistics.median(pulls), statistics.median(digests), statistics.median(checks)
+
     @staticmethod
     def memcpy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
         """One single-threaded copy of src into dst, in this process."""
@@ -164,7 +203,10 @@ async def run(args: argparse.Namespace) -> None:
     layout = small_layout()
     bb = layout.block_bytes
     print("kv_transfer benchmark")
-    print(f"  date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  host: {platform.node()}  cpus: {os.cpu_count()}")
+    print(
+        f"  date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  host: {platform.node()}  cpus: {os.cpu_count()} "
+        f"({cpu_model()})  load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print(f"  python {platform.python_version()}, torch {torch.__version__}, grpcio {grpc.__version__}")
     print(
         f"  layout: `small` preset KV, {layout.num_layers} layers x 2 x {layout.block_size} tokens x "
@@ -225,6 +267,17 @@ async def run(args: argparse.Namespace) -> None:
                 f"  handoff of a {PROMPT_TOKENS}-token prompt's KV ({n} blocks, {n * bb / MIB:.0f} MiB): "
                 f"nixl {ms[0]:.1f} ms, grpc {ms[1]:.1f} ms, memcpy {ms[2]:.1f} ms"
             )
+            # The ratio is taken at the default thread count (what the services use).
+            for threads in sorted({1, digest.default_threads()}):
+                pull_s, digest_s, check_s = await bench.digest_seconds(
+                    ids, max(5, reps_for(1, args.quick)), threads
+                )
+                digest_ratio = (digest_s + check_s) / pull_s
+                print(
+                    f"  integrity of that handoff ({digest.ALGORITHM}, {n} blocks, {threads} thread(s)): "
+                    f"holder digests {digest_s * 1e3:.2f} ms + receiver check {check_s * 1e3:.2f} ms = "
+                    f"{digest_ratio:.0%} of the NIXL pull ({pull_s * 1e3:.2f} ms, median of the same runs)"
+                )
         finally:
             if bench is not None:
                 await bench.close()
@@ -244,10 +297,15 @@ async def run(args: argparse.Namespace) -> None:
         f"  target NIXL >= 5x gRPC at >= 16 MiB: worst {worst_grpc:.1f}x -> {'met' if worst_grpc >= 5 else 'MISSED'}"
     )
     print(f"  target gRPC >= 0.5 GB/s (64 MiB): {grpc_64:.2f} -> {'met' if grpc_64 >= 0.5 else 'MISSED'}")
+    print(
+        f"  target digest + check <= 10% of the NIXL handoff ({PROMPT_TOKENS} tokens, "
+        f"{digest.default_threads()} thread(s)): "
+        f"{digest_ratio:.0%} -> {'met' if digest_ratio <= 0.10 else 'MISSED'}"
+    )
     nixl, grpc_, mem = rows[64]
     print(
         f"kv_transfer nixl_gbps={nixl:.2f} grpc_gbps={grpc_:.2f} memcpy_gbps={mem:.2f} "
-        f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f}"
+        f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f} digest_vs_handoff={digest_ratio:.2f}"
     )
 
 

@@ -18,12 +18,19 @@ layout and KvSource address, and an incarnation the service bumps on every
     the incarnation change, so stale metadata costs one failed attempt at
     most, never a wedged peer.
   - `is_alive(name)` for `LeaseKeeper` (holder side: is the requester alive?).
+
+Ownership: the directory makes a random `owner_secret` when it is created
+(one per process) and presents it on every register, heartbeat and deregister,
+so nobody else can overwrite or remove its agent while the agent lives (with a
+client certificate naming the worker, the certificate is the owner instead;
+see services/kvtransfer/registry.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -115,8 +122,10 @@ class AgentDirectory:
         max_age_s: float = 5.0,
         rpc_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        owner_secret: bytes | None = None,
     ):
         self._stub = stub
+        self.owner_secret = owner_secret or secrets.token_bytes(32)
         self.lease_ms = lease_ms
         self.max_age_s = max_age_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -128,11 +137,29 @@ class AgentDirectory:
 
     # -- own agent ---------------------------------------------------------------
     async def register(self, record: AgentRecord) -> AgentRecord:
-        """Register (or re-register) this worker's agent; returns it with its incarnation."""
-        resp = await self._stub.RegisterAgent(
-            kvtransfer_pb2.RegisterAgentRequest(agent=record.to_proto(), lease_ms=self.lease_ms),
-            timeout=self.rpc_timeout_s,
-        )
+        """Register (or re-register) this worker's agent; returns it with its incarnation.
+
+        PERMISSION_DENIED means another owner's lease on the name still runs, e.g.
+        this worker's previous process (a container restarts under the same name)
+        crashed moments ago: wait, for at most one lease and a margin, until it
+        lapses and the name may be claimed. Beyond that the refusal is raised."""
+        give_up = time.monotonic() + self.lease_ms / 1000.0 + 2.0
+        delay = 0.1
+        while True:
+            try:
+                resp = await self._stub.RegisterAgent(
+                    kvtransfer_pb2.RegisterAgentRequest(
+                        agent=record.to_proto(), lease_ms=self.lease_ms, owner_secret=self.owner_secret
+                    ),
+                    timeout=self.rpc_timeout_s,
+                )
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() >= give_up:
+                    raise
+                log.warning("kv_agent_name_held_by_another_owner_waiting", agent=record.name)
+                await asyncio.sleep(delay)  # a retry backoff, not synchronisation
+                delay = min(delay * 2, 1.0)
         self.own = replace(record, incarnation=resp.incarnation)
         self.lease_ms = resp.lease_ms or self.lease_ms
         self.registrations += 1
@@ -147,7 +174,9 @@ class AgentDirectory:
             raise RuntimeError("register() before heartbeats")
         try:
             resp = await self._stub.Heartbeat(
-                kvtransfer_pb2.HeartbeatRequest(name=self.own.name, incarnation=self.own.incarnation),
+                kvtransfer_pb2.HeartbeatRequest(
+                    name=self.own.name, incarnation=self.own.incarnation, owner_secret=self.owner_secret
+                ),
                 timeout=self.rpc_timeout_s,
             )
             self.lease_ms = resp.lease_ms or self.lease_ms
@@ -182,7 +211,9 @@ class AgentDirectory:
             try:
                 await self._stub.DeregisterAgent(
                     kvtransfer_pb2.DeregisterAgentRequest(
-                        name=self.own.name, incarnation=self.own.incarnation
+                        name=self.own.name,
+                        incarnation=self.own.incarnation,
+                        owner_secret=self.owner_secret,
                     ),
                     timeout=self.rpc_timeout_s,
                 )

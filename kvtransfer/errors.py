@@ -30,6 +30,7 @@ class FailureKind(enum.StrEnum):
     INVALID = "invalid"  # bad arguments (block ids out of range, length mismatch)
     TRANSPORT = "transport"  # any other failure of the transport itself
     CANCELLED = "cancelled"  # the caller cancelled the pull
+    INTEGRITY = "integrity"  # the pulled bytes do not match the holder's digests (or none came)
 
 
 _STATUS = {
@@ -43,6 +44,7 @@ _STATUS = {
     FailureKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     FailureKind.TRANSPORT: grpc.StatusCode.UNAVAILABLE,
     FailureKind.CANCELLED: grpc.StatusCode.CANCELLED,
+    FailureKind.INTEGRITY: grpc.StatusCode.DATA_LOSS,
 }
 
 # Without a `kv-failure` trailer (the peer died, a proxy answered), the status

@@ -2,7 +2,9 @@
 
 "nixl" builds a `NixlTransport` and falls back to gRPC, with a warning, when
 the NIXL bindings cannot be imported (a machine without nixl-cu12). "grpc"
-builds a `GrpcTransport`. Adding a transport means one module and one branch here.
+builds a `GrpcTransport`. Transports made here refuse a handle without
+block digests (`require_digests`): the services always get the integrity
+check; only tests and tools that build handles by hand turn it off. Adding a transport means one module and one branch here.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def create_transport(
     grpc_config: GrpcTransportConfig | None = None,
     reporter: TransferReporter | None = None,
     channel_factory: ChannelFactory | None = None,
+    require_digests: bool = True,
 ) -> KvTransport:
     if kind not in KINDS:
         raise ValueError(f"KV transport must be one of {KINDS}, got {kind!r}")
@@ -39,7 +42,13 @@ def create_transport(
             raise ValueError("the NIXL transport needs an AgentDirectory (the KV-transfer service)")
         try:
             return NixlTransport(
-                agent_name, pool, directory, worker_id=worker_id, config=nixl_config, reporter=reporter
+                agent_name,
+                pool,
+                directory,
+                worker_id=worker_id,
+                config=nixl_config,
+                reporter=reporter,
+                require_digests=require_digests,
             )
         except ImportError as e:
             log.warning("nixl_unavailable_using_grpc", error=str(e))
@@ -51,4 +60,5 @@ def create_transport(
         config=grpc_config,
         reporter=reporter,
         channel_factory=channel_factory,
+        require_digests=require_digests,
     )

@@ -36,7 +36,14 @@ from kvtransfer.grpc_wire import ReceivedChunk, SourceChunk, WireError, decode_c
 from kvtransfer.layout import LayoutMismatch, layout_from_proto, layout_to_proto
 from kvtransfer.leases import LeaseManager
 from kvtransfer.pool import PoolView
-from kvtransfer.transport import BlockHandle, TransferReporter, TransferStats, check_pull, guarded_pull
+from kvtransfer.transport import (
+    BlockHandle,
+    PulledBlockCheck,
+    TransferReporter,
+    TransferStats,
+    check_pull,
+    guarded_pull,
+)
 from pdmesh.v1 import kvtransfer_pb2
 
 log = structlog.get_logger()
@@ -193,6 +200,7 @@ class GrpcTransport:
         config: GrpcTransportConfig | None = None,
         reporter: TransferReporter | None = None,
         channel_factory: ChannelFactory | None = None,
+        require_digests: bool = False,
     ):
         self.agent_name = agent_name
         self.pool = pool
@@ -204,6 +212,7 @@ class GrpcTransport:
         # (address, options) -> channel; the worker passes one with its TLS credentials.
         self._new_channel = channel_factory or (lambda a, o: grpc.aio.insecure_channel(a, options=list(o)))
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.integrity = PulledBlockCheck(pool, require_digests)
 
     async def start(self, kv_source_address: str = "") -> None:
         """Announce this worker's agent (no NIXL metadata) so holders can tell it is alive."""
@@ -248,15 +257,22 @@ class GrpcTransport:
         deadline_s: float,
         on_failure: Callable[[], None],
     ) -> TransferStats:
+        expected: list[list[bytes] | None] = []
+
+        async def move() -> None:
+            expected.append(self.integrity.expected(handle, src_block_ids))  # before any byte moves
+            await self._move(handle, src_block_ids, dst_block_ids, deadline_s)
+
         return await guarded_pull(
             self.kind,
             self.agent_name,
             handle,
             len(src_block_ids),
             self.pool.block_bytes,
-            lambda: self._move(handle, src_block_ids, dst_block_ids, deadline_s),
+            move,
             on_failure,
             self.reporter,
+            lambda: self.integrity.verify(handle, expected[0], dst_block_ids),
         )
 
     async def _move(
@@ -342,6 +358,7 @@ class GrpcTransport:
             pos += take
 
     async def close(self) -> None:
+        self.integrity.hasher.close()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

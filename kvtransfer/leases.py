@@ -235,6 +235,12 @@ class LeaseManager:
     def held_blocks(self) -> int:
         return sum(len(x.block_ids) for x in (*self._held.values(), *self._pinned))
 
+    def held_blocks_of(self, issued_to: str) -> int:
+        """Blocks still out for leases issued to `issued_to` (pinned ended ones included)."""
+        return sum(
+            len(x.block_ids) for x in (*self._held.values(), *self._pinned) if x.issued_to == issued_to
+        )
+
     def requester_agents(self) -> set[str]:
         return {x.requester_agent for x in self._held.values() if x.requester_agent}
 

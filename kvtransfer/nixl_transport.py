@@ -46,6 +46,7 @@ from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.pool import PoolView
 from kvtransfer.transport import (
     BlockHandle,
+    PulledBlockCheck,
     Quarantined,
     TransferReporter,
     TransferStats,
@@ -117,6 +118,7 @@ class NixlTransport:
         worker_id: str = "",
         config: NixlConfig | None = None,
         reporter: TransferReporter | None = None,
+        require_digests: bool = False,
     ):
         self.agent_name = agent_name
         self.pool = pool
@@ -140,6 +142,7 @@ class NixlTransport:
         # notification, so reading them again would read reused blocks. Keyed by
         # the lease (holder, handle id, lease end), as a handle id may be reused.
         self._completed: OrderedDict[tuple[str, str, int], None] = OrderedDict()
+        self.integrity = PulledBlockCheck(pool, require_digests)
         self.reads_in_flight = 0
         self.quarantined_blocks = 0
         self.reloads = 0
@@ -211,15 +214,22 @@ class NixlTransport:
         deadline_s: float,
         on_failure: Callable[[], None],
     ) -> TransferStats:
+        expected: list[list[bytes] | None] = []
+
+        async def move() -> None:
+            expected.append(self.integrity.expected(handle, src_block_ids))  # before any byte moves
+            await self._move(handle, list(src_block_ids), list(dst_block_ids), deadline_s)
+
         return await guarded_pull(
             self.kind,
             self.agent_name,
             handle,
             len(src_block_ids),
             self.pool.block_bytes,
-            lambda: self._move(handle, list(src_block_ids), list(dst_block_ids), deadline_s),
+            move,
             on_failure,
             self.reporter,
+            lambda: self.integrity.verify(handle, expected[0], dst_block_ids),
         )
 
     async def _move(self, handle: BlockHandle, src: list[int], dst: list[int], deadline_s: float) -> None:
@@ -391,6 +401,7 @@ class NixlTransport:
                 await asyncio.sleep(0.01)
 
     async def close(self) -> None:
+        self.integrity.hasher.close()
         if self._notif_task is not None:
             self._notif_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

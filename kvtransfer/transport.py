@@ -7,7 +7,11 @@ mounts on its gRPC server whatever its own transport is.
 
 Receiver side (decode worker): `pull(handle, src_block_ids, dst_block_ids,
 deadline_s=..., on_failure=...)` moves the bytes of the holder's `src` blocks
-straight into the receiver's `dst` blocks.
+straight into the receiver's `dst` blocks, then checks them against the
+holder's per-block digests in the handle (`PulledBlockCheck`, issue 13): a
+mismatch, or a handle without digests where they are required, is
+`KvTransferFailed(INTEGRITY)` and takes the failure path below, so the caller
+never receives, commits or caches unverified blocks.
 
 Who frees what when a pull fails:
   - receiver: `pull` calls `on_failure()` exactly once, after it has made sure
@@ -55,6 +59,9 @@ class BlockHandle:
     kv_source_address: str = ""  # holder's KvSourceService (gRPC transport)
     issued_to: str = ""  # worker id allowed to read
     lease_expires_unix_ms: int = 0  # holder's wall clock; 0 = unknown
+    # Holder's digest of each block, in block_ids order (kvtransfer.digest); b"" = none.
+    block_digests: bytes = b""
+    digest_algorithm: str = ""
 
     @classmethod
     def from_proto(cls, handle: common_pb2.KvHandle) -> BlockHandle:
@@ -76,6 +83,8 @@ class BlockHandle:
             kv_source_address=d.kv_source_address,
             issued_to=handle.issued_to,
             lease_expires_unix_ms=handle.lease_expires_unix_ms,
+            block_digests=bytes(d.block_digests),
+            digest_algorithm=d.digest_algorithm,
         )
 
     def to_proto(self, model_id: str = "") -> common_pb2.KvHandle:
@@ -93,6 +102,8 @@ class BlockHandle:
                 block_ids=list(self.block_ids),
                 num_tokens=self.num_tokens,
                 kv_source_address=self.kv_source_address,
+                block_digests=self.block_digests,
+                digest_algorithm=self.digest_algorithm,
             ),
         )
 
@@ -194,6 +205,53 @@ def check_pull(
         raise KvTransferFailed(FailureKind.INVALID, "destination blocks repeat")
 
 
+class PulledBlockCheck:
+    """The receiver's integrity check of one pull: the bytes in `dst` must match
+    the holder's digests of the `src` blocks they came from. `require=False`
+    lets a handle without digests through (tests and tools that build handles
+    by hand); the services always require them (`create_transport`)."""
+
+    def __init__(self, pool: PoolView, require: bool, threads: int | None = None):
+        from kvtransfer.digest import BlockHasher
+
+        self.pool = pool
+        self.require = require
+        self.hasher = BlockHasher(pool, threads)
+        self.failures = 0  # pulls whose bytes did not match (or came without digests)
+
+    def expected(self, handle: BlockHandle, src_block_ids: Sequence[int]) -> list[bytes] | None:
+        """The digests the `src` blocks must have; None = nothing to check.
+        Called before the move, so a handle that cannot pass costs no transfer."""
+        from kvtransfer.digest import split_digests
+
+        if not handle.block_digests and not handle.digest_algorithm:
+            if self.require:
+                self.failures += 1
+                raise KvTransferFailed(
+                    FailureKind.INTEGRITY, f"handle {handle.handle_id!r} carries no block digests"
+                )
+            return None
+        try:
+            per_block = split_digests(
+                handle.block_digests, handle.digest_algorithm, len(handle.block_ids), handle.handle_id
+            )
+        except KvTransferFailed:
+            self.failures += 1
+            raise
+        index = {b: i for i, b in enumerate(handle.block_ids)}
+        return [per_block[index[b]] for b in src_block_ids if b in index]
+
+    async def verify(self, handle: BlockHandle, expected: list[bytes] | None, dst: Sequence[int]) -> None:
+        if expected is None:
+            return
+        try:
+            await self.hasher.verify_blocks_async(expected, dst, handle.handle_id)
+        except KvTransferFailed:
+            self.failures += 1
+            log.error("kv_pull_integrity_failed", handle_id=handle.handle_id, agent=handle.agent_name)
+            raise
+
+
 async def guarded_pull(
     kind: str,
     agent_name: str,
@@ -203,18 +261,24 @@ async def guarded_pull(
     move: Callable[[], Awaitable[None]],
     on_failure: Callable[[], None],
     reporter: TransferReporter | None,
+    verify: Callable[[], Awaitable[None]] | None = None,
 ) -> TransferStats:
-    """Run `move()` under the failure contract of `KvTransport.pull`.
+    """Run `move()` then `verify()` under the failure contract of `KvTransport.pull`.
 
     `move` checks the arguments and moves the bytes. When it raises, nothing
     may be in flight into the destination any more, so `on_failure` can free
     it; a move that could not make sure of that raises `Quarantined` instead,
-    and the destination is deliberately not freed.
+    and the destination is deliberately not freed. `verify` (the integrity
+    check) runs after a complete move; when it raises, the destination is
+    freed like after any other failure, so unverified bytes never reach the
+    caller, its sequence or its prefix cache.
     """
     t0 = time.perf_counter()
     error = ""
     try:
         await move()
+        if verify is not None:
+            await verify()
     except Quarantined as q:
         error = q.failure.reason
         log.error(

@@ -101,18 +101,22 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class NixlBlockDescriptors(_message.Message):
-    __slots__ = ("agent_name", "layout", "block_ids", "num_tokens", "kv_source_address")
+    __slots__ = ("agent_name", "layout", "block_ids", "num_tokens", "kv_source_address", "block_digests", "digest_algorithm")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     layout: KvLayout
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     kv_source_address: str
-    def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., kv_source_address: _Optional[str] = ...) -> None: ...
+    block_digests: bytes
+    digest_algorithm: str
+    def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., kv_source_address: _Optional[str] = ..., block_digests: _Optional[bytes] = ..., digest_algorithm: _Optional[str] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("backend", "opaque_state", "first_gen_tokens", "ctx_request_id", "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint")

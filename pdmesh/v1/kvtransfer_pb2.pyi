@@ -40,12 +40,14 @@ class AgentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ..., kv_source_address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("agent", "lease_ms")
+    __slots__ = ("agent", "lease_ms", "owner_secret")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_SECRET_FIELD_NUMBER: _ClassVar[int]
     agent: AgentInfo
     lease_ms: int
-    def __init__(self, agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    owner_secret: bytes
+    def __init__(self, agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., lease_ms: _Optional[int] = ..., owner_secret: _Optional[bytes] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("incarnation", "lease_ms")
@@ -56,12 +58,14 @@ class RegisterAgentResponse(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("name", "incarnation")
+    __slots__ = ("name", "incarnation", "owner_secret")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_SECRET_FIELD_NUMBER: _ClassVar[int]
     name: str
     incarnation: int
-    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    owner_secret: bytes
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., owner_secret: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ms",)
@@ -70,12 +74,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...
 
 class DeregisterAgentRequest(_message.Message):
-    __slots__ = ("name", "incarnation")
+    __slots__ = ("name", "incarnation", "owner_secret")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_SECRET_FIELD_NUMBER: _ClassVar[int]
     name: str
     incarnation: int
-    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    owner_secret: bytes
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., owner_secret: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterAgentResponse(_message.Message):
     __slots__ = ("removed",)

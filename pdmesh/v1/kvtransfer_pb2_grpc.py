@@ -73,6 +73,7 @@ class KvTransferServiceServicer:
 
     def RegisterAgent(self, request, context):
         """Register (or re-register) a NIXL agent; starts its liveness lease.
+        PERMISSION_DENIED when another owner holds the name (see owner_secret).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

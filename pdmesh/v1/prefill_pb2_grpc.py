@@ -65,6 +65,8 @@ class PrefillServiceServicer:
     def Prefill(self, request, context):
         """Compute the prompt's KV, sample the first token, return a handle to the
         KV. Cancelling the call before it returns frees everything.
+        RESOURCE_EXHAUSTED (with a retry hint) when held leases fill too much of the
+        pool, or the requester already holds its share of blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,7 +13,10 @@ failed transfer or a timeout still falls back to local prefill.
 
 Every failure is a `RemotePrefillFailed` raised only after this worker's
 reservation is freed and the holder has been asked to release its lease; the
-caller then falls back to a local prefill. Cancellation (client gone,
+caller then falls back to a local prefill. That includes a pull whose bytes
+fail the holder's digests (reason "integrity"): the transport checks them
+before `pull` returns, so unverified blocks are never committed to the
+sequence nor offered to the prefix cache. Cancellation (client gone,
 deadline) cleans up the same way and re-raises. The engine owns the blocks;
 this module only sequences the calls.
 """
@@ -48,7 +51,11 @@ from services.model.sampling import sampling_to_proto
 
 log = structlog.get_logger()
 
-_FINISH_FROM_PROTO = {1: FinishReason.LENGTH, 2: FinishReason.STOP, 3: FinishReason.ABORT}
+_FINISH_FROM_PROTO = {
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
 
 
 class RemotePrefillFailed(Exception):

@@ -3,7 +3,15 @@
 Each method converts the message, calls the core, mirrors the change into
 Prometheus and converts back. Domain errors become statuses in `grpc_errors`:
 unknown / expired / superseded agents are NOT_FOUND (the agent re-registers on
-that), malformed agents and records are INVALID_ARGUMENT.
+that), malformed agents and records are INVALID_ARGUMENT, a caller that is not
+the name's owner is PERMISSION_DENIED.
+
+The owner of a call (`_owner`): with a client certificate that names a worker
+(`pdmesh://<role>/<worker>`), that identity, and the agent it registers must be
+its own (`agent.worker_id` is the certified worker and the name is
+`<worker>` or `<worker>-...`, so no other certificate can squat a worker's
+names); otherwise the `owner_secret` the caller presents (required). See
+`services/kvtransfer/registry.py` for the rules.
 """
 
 from __future__ import annotations
@@ -15,15 +23,17 @@ import structlog
 
 from kvtransfer.agents import AgentRecord
 from pdmesh.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
-from services.common.errors import InvalidArgument, grpc_errors
+from services.common.errors import InvalidArgument, PermissionDenied, grpc_errors
+from services.common.tls import peer_identity
 from services.kvtransfer.metrics import KvServiceMetrics
-from services.kvtransfer.registry import AgentRegistry
+from services.kvtransfer.registry import AgentRegistry, Owner
 from services.kvtransfer.stats import TransferStatistics
 
 log = structlog.get_logger()
 
 SERVICE_NAME = "pdmesh.v1.KvTransferService"
 MAX_RECORDS_PER_REPORT = 10_000
+SECRET_BYTES = (16, 64)  # accepted owner_secret lengths
 
 
 class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServiceServicer):
@@ -49,6 +59,30 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServiceServicer):
             self.metrics.expirations.inc(new)
             self._expirations_counted += new
 
+    def _owner(
+        self, context: grpc.aio.ServicerContext, secret: bytes, agent: AgentRecord | None = None
+    ) -> Owner:
+        """Who is calling, for the registry's ownership rules."""
+        lo, hi = SECRET_BYTES
+        if secret and not lo <= len(secret) <= hi:
+            raise InvalidArgument(f"owner_secret must be {lo}..{hi} bytes, got {len(secret)}")
+        ident = peer_identity(context)
+        if ident is not None and ident.name:
+            if agent is not None:
+                if agent.worker_id != ident.name:
+                    raise PermissionDenied(
+                        f"agent.worker_id {agent.worker_id!r} is not the certified worker {ident.name!r}"
+                    )
+                if agent.name != ident.name and not agent.name.startswith(ident.name + "-"):
+                    raise PermissionDenied(
+                        f"agent.name {agent.name!r}: worker {ident.name!r} may register "
+                        f"{ident.name!r} or {ident.name + '-...'!r} only"
+                    )
+            return Owner.of(f"{ident.role}/{ident.name}", secret)
+        if not secret:
+            raise InvalidArgument("owner_secret is required without a client certificate naming a worker")
+        return Owner.of("", secret)
+
     @grpc_errors
     async def RegisterAgent(
         self, request: kvtransfer_pb2.RegisterAgentRequest, context: grpc.aio.ServicerContext
@@ -57,9 +91,14 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServiceServicer):
             record = AgentRecord.from_proto(request.agent)
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
-        stored, lease_s = self.registry.register(
-            record, request.lease_ms / 1000.0 if request.lease_ms else None
-        )
+        owner = self._owner(context, request.owner_secret, record)
+        try:
+            stored, lease_s = self.registry.register(
+                record, request.lease_ms / 1000.0 if request.lease_ms else None, owner
+            )
+        except PermissionDenied:
+            log.warning("kv_agent_registration_refused", agent=record.name, caller=repr(owner))
+            raise
         self.metrics.registrations.inc()
         self._sync_agents()
         log.info(
@@ -78,7 +117,9 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServiceServicer):
         self, request: kvtransfer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> kvtransfer_pb2.HeartbeatResponse:
         try:
-            lease_s = self.registry.heartbeat(request.name, request.incarnation)
+            lease_s = self.registry.heartbeat(
+                request.name, request.incarnation, self._owner(context, request.owner_secret)
+            )
         finally:
             self._sync_agents()
         return kvtransfer_pb2.HeartbeatResponse(lease_ms=round(lease_s * 1000))
@@ -87,7 +128,9 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServiceServicer):
     async def DeregisterAgent(
         self, request: kvtransfer_pb2.DeregisterAgentRequest, context: grpc.aio.ServicerContext
     ) -> kvtransfer_pb2.DeregisterAgentResponse:
-        removed = self.registry.deregister(request.name, request.incarnation)
+        removed = self.registry.deregister(
+            request.name, request.incarnation, self._owner(context, request.owner_secret)
+        )
         self._sync_agents()
         return kvtransfer_pb2.DeregisterAgentResponse(removed=removed)
 

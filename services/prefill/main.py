@@ -51,6 +51,7 @@ async def serve(settings: PrefillSettings) -> None:
         worker_info=rt.info(),
         kv_source_address=rt.address,
         agent_name=rt.transport.agent_name if rt.transport else "",
+        config=prefill_cfg,
     )
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, rt.server.server)
     keeper.start()

@@ -7,7 +7,12 @@ issues a lease on the held blocks to the requesting decode worker and returns
 the handle. The lease frees the blocks (engine.release) when the decode
 worker has pulled them, releases them, when the lease expires, or when the
 requester's agent is known dead. Cancelling the call before it returns frees
-everything. An engine that moves KV itself (trtllm) returns `engine_state`
+everything. What callers may pin is bounded before anything runs (`LeaseBudget`:
+lease length clamped, a requester agent required so the lease ends with it, a
+share of the pool per requester, new calls shed while the pool is held). Each
+handle carries a digest of every held block (`kvtransfer.digest`), computed
+here from the bytes this worker holds, which the receiver checks before it
+uses or caches the blocks. An engine that moves KV itself (trtllm) returns `engine_state`
 instead of held blocks: the handle then carries that state and no lease.
 """
 
@@ -20,12 +25,14 @@ import time
 import grpc
 import structlog
 
+from kvtransfer import digest
 from kvtransfer.errors import StaleHandle
 from kvtransfer.leases import LeaseManager
+from kvtransfer.pool import PoolView
 from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from services.common import tracing
-from services.common.errors import InvalidArgument, PermissionDenied, grpc_errors
+from services.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted, grpc_errors
 from services.common.tls import certified_worker
 from services.common.validation import (
     RequestLimits,
@@ -36,6 +43,8 @@ from services.common.validation import (
 from services.common.wait_estimator import WaitEstimator
 from services.engine.api import Engine, EngineRequest, PrefillResult
 from services.model.sampling import FINISH_TO_PROTO, check_sampling
+from services.prefill.config import PrefillConfig
+from services.prefill.lease_budget import LeaseBudget
 from services.prefill.metrics import PrefillMetrics
 from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
@@ -52,6 +61,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         worker_info: common_pb2.WorkerInfo,
         kv_source_address: str,
         agent_name: str,
+        config: PrefillConfig | None = None,
     ):
         self.engine = engine
         self.leases = leases
@@ -62,6 +72,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.agent_name = agent_name
         self.waits = WaitEstimator()
         self._ids = itertools.count()
+        self.config = config or PrefillConfig()
+        self.budget = LeaseBudget(self.config, leases, engine.info.num_blocks)
+        self._hasher: digest.BlockHasher | None = None  # made on first use (over the engine's pool)
 
     @grpc_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -69,6 +82,28 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         certified = certified_worker(context)
         if certified and certified != request.requester_id:
             raise PermissionDenied(f"requester_id: the client certificate is for worker {certified!r}")
+        leases_kv = not self.engine.info.capabilities.moves_kv_itself
+        if leases_kv:
+            check_ident(request.requester_agent, "requester_agent", 256, required=True)
+        context_len = len(req.prompt_token_ids) + len(req.resume_token_ids)
+        admission = None
+        if leases_kv:
+            try:
+                admission = self.budget.admit(
+                    request.requester_id, -(-context_len // self.engine.info.block_size)
+                )
+            except ResourceExhausted:
+                self.metrics.finished("shed")  # pdmesh_prefill_requests{outcome="shed"}
+                raise
+        try:
+            return await self._prefill(req, request)
+        finally:
+            if admission is not None:  # by now a lease (if any) counts the blocks
+                admission.done()
+
+    async def _prefill(
+        self, req: EngineRequest, request: prefill_pb2.PrefillRequest
+    ) -> prefill_pb2.PrefillResponse:
         started = time.monotonic()
         try:
             result = await self.engine.prefill(req)  # cancelling this frees the blocks
@@ -108,7 +143,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if result.held is None:
             return resp
         try:
-            resp.handle.CopyFrom(self._lease(req, request, result))
+            digests = await self._digests(result.held.block_ids)
+            resp.handle.CopyFrom(self._lease(req, request, result, digests))
         except BaseException:
             self.engine.release(req.request_id)
             raise
@@ -123,12 +159,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
         return resp
 
+    async def _digests(self, block_ids: tuple[int, ...]) -> bytes:
+        """The holder's digests of the held blocks, from the bytes in our pool."""
+        if self._hasher is None:
+            pool, layout = self.engine.kv_pool(), self.engine.info.layout
+            assert pool is not None and layout is not None, "a held result needs the engine's KV pool"
+            self._hasher = digest.BlockHasher(PoolView(pool, layout))
+        return await self._hasher.digest_blocks_async(block_ids)
+
     def _lease(
-        self, req: EngineRequest, request: prefill_pb2.PrefillRequest, result: PrefillResult
+        self,
+        req: EngineRequest,
+        request: prefill_pb2.PrefillRequest,
+        result: PrefillResult,
+        digests: bytes,
     ) -> common_pb2.KvHandle:
         held = result.held
         assert held is not None
-        ttl_s = request.lease_ms / 1000.0 if request.lease_ms else None
+        ttl_s = self.budget.lease_ttl_s(request.lease_ms)
         lease = self.leases.issue(
             req.request_id,
             held.block_ids,
@@ -146,6 +194,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             kv_source_address=self.kv_source_address,
             issued_to=request.requester_id,
             lease_expires_unix_ms=lease.expires_unix_ms,
+            block_digests=digests,
+            digest_algorithm=digest.ALGORITHM,
         )
         return handle.to_proto(model_id=self.engine.info.model_id)
 

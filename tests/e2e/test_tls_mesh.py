@@ -173,14 +173,17 @@ def test_workers_refuse_outsiders_and_public_certificates(mesh):
 
 def test_a_kv_handle_is_usable_only_by_the_worker_its_certificate_names(mesh):
     """Per-worker certificates: decode-1 can neither take, read nor release decode-0's handle."""
-    certs, _, _, prefill, *_ = mesh
+    certs, _, _, prefill, decode, _ = mesh
     as_0 = client_tls(role_tls(certs, "decode-decode-0"))
     as_1 = client_tls(role_tls(certs, "decode-decode-1"))
+    with sync_channel(decode.address, client_tls(role_tls(certs, "router"))) as ch:
+        agent = decode_pb2_grpc.DecodeServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10).info
     req = prefill_pb2.PrefillRequest(
         request_id="owned",
         prompt_token_ids=list(range(50, 90)),
         sampling=common_pb2.SamplingParams(max_tokens=4),
         requester_id="decode-0",
+        requester_agent=agent.kv_agent_name,  # required since issue 13: its death ends the lease
     )
     with sync_channel(prefill.address, as_1) as ch, pytest.raises(grpc.RpcError) as e:
         prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(req, timeout=60)  # asking in decode-0's name

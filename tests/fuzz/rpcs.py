@@ -115,7 +115,14 @@ RPCS = (
         endless=True,
     ),
     _rpc("decode", D, "Stats", worker_pb2.StatsRequest, worker_pb2.StatsResponse),
-    _rpc("prefill", P, "Prefill", prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse, INVALID),
+    _rpc(
+        "prefill",
+        P,
+        "Prefill",
+        prefill_pb2.PrefillRequest,
+        prefill_pb2.PrefillResponse,
+        {C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED},  # shed when leases hold the pool (issue 13)
+    ),
     _rpc("prefill", P, "Release", prefill_pb2.ReleaseRequest, prefill_pb2.ReleaseResponse, INVALID),
     _rpc(
         "prefill",
@@ -141,7 +148,8 @@ RPCS = (
         "Heartbeat",
         kvtransfer_pb2.HeartbeatRequest,
         kvtransfer_pb2.HeartbeatResponse,
-        {C.NOT_FOUND},
+        # a malformed owner_secret; a real agent's name with someone else's secret (issue 13)
+        {C.NOT_FOUND, C.INVALID_ARGUMENT, C.PERMISSION_DENIED},
     ),
     _rpc(
         "kvtransfer",
@@ -149,6 +157,7 @@ RPCS = (
         "DeregisterAgent",
         kvtransfer_pb2.DeregisterAgentRequest,
         kvtransfer_pb2.DeregisterAgentResponse,
+        {C.INVALID_ARGUMENT, C.PERMISSION_DENIED},
     ),
     _rpc(
         "kvtransfer",
@@ -238,6 +247,8 @@ def cleanup(mesh: InProcessMesh, rpc: Rpc, payload: bytes, outcome: Outcome) -> 
         stub = kvtransfer_pb2_grpc.KvTransferServiceStub(mesh.channels["kvtransfer"])
         with contextlib.suppress(grpc.RpcError):
             stub.DeregisterAgent(
-                kvtransfer_pb2.DeregisterAgentRequest(name=req.agent.name, incarnation=resp.incarnation),
+                kvtransfer_pb2.DeregisterAgentRequest(
+                    name=req.agent.name, incarnation=resp.incarnation, owner_secret=req.owner_secret
+                ),
                 timeout=5,
             )

@@ -80,7 +80,10 @@ class LiveHandle:
     def renew(self) -> None:
         stub = prefill_pb2_grpc.PrefillServiceStub(self.mesh.channels["prefill"])
         req = prefill_pb2.PrefillRequest(
-            request_id="fuzz-live", prompt_token_ids=list(range(40)), requester_id=self.mesh.decode_worker_id
+            request_id="fuzz-live",
+            prompt_token_ids=list(range(40)),
+            requester_id=self.mesh.decode_worker_id,
+            requester_agent=self.mesh.decode.transport.agent_name,
         )
         req.sampling.max_tokens = 4
         resp = stub.Prefill(req, timeout=10)

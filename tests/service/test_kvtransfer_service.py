@@ -1,5 +1,7 @@
 """KvTransferService in-process on port 0, with the library's directory and reporter as clients."""
 
+import asyncio
+
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,6 +18,7 @@ from services.kvtransfer.servicer import SERVICE_NAME, KvTransferServicer
 from services.kvtransfer.stats import TransferStatistics
 
 LAYOUT = KvLayout(2, 2, 16, "float32", 4)
+SECRET = b"owner-secret-of-the-test-process"  # what AgentDirectory sends for its process
 
 
 class Clock:
@@ -72,16 +75,20 @@ async def code_of(coro):
 async def test_register_get_heartbeat_deregister(svc):
     _, _, stub, metrics, _ = svc
     resp = await stub.RegisterAgent(
-        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), lease_ms=0)
+        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), lease_ms=0, owner_secret=SECRET)
     )
     assert resp.incarnation == 1 and resp.lease_ms == 10_000
     got = AgentRecord.from_proto(
         (await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1"))).agent
     )
     assert got.metadata == b"nixl-md" and got.layout == LAYOUT and got.incarnation == 1
-    hb = await stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1))
+    hb = await stub.Heartbeat(
+        kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1, owner_secret=SECRET)
+    )
     assert hb.lease_ms == 10_000
-    bye = await stub.DeregisterAgent(kvtransfer_pb2.DeregisterAgentRequest(name="prefill-1", incarnation=1))
+    bye = await stub.DeregisterAgent(
+        kvtransfer_pb2.DeregisterAgentRequest(name="prefill-1", incarnation=1, owner_secret=SECRET)
+    )
     assert bye.removed
     code, _ = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1")))
     assert code == grpc.StatusCode.NOT_FOUND
@@ -104,7 +111,9 @@ async def test_malformed_agents_are_invalid_arguments(svc, mutate, field):
     _, _, stub, _, _ = svc
     info = record().to_proto()
     mutate(info)
-    code, details = await code_of(stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=info)))
+    code, details = await code_of(
+        stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=info, owner_secret=SECRET))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
 
 
@@ -112,18 +121,26 @@ async def test_unknown_and_stale_agents_are_not_found(svc):
     _, _, stub, _, _ = svc
     code, details = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="ghost")))
     assert code == grpc.StatusCode.NOT_FOUND and "ghost" in details
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto()))
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto()))
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), owner_secret=SECRET)
+    )
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record().to_proto(), owner_secret=SECRET)
+    )
     code, details = await code_of(
-        stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1))
+        stub.Heartbeat(kvtransfer_pb2.HeartbeatRequest(name="prefill-1", incarnation=1, owner_secret=SECRET))
     )
     assert code == grpc.StatusCode.NOT_FOUND and "stale" in details
 
 
 async def test_expired_agents_disappear_and_are_counted(svc):
     clock, servicer, stub, metrics, _ = svc
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record("a").to_proto(), lease_ms=1000))
-    await stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=record("b").to_proto(), lease_ms=5000))
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record("a").to_proto(), lease_ms=1000, owner_secret=SECRET)
+    )
+    await stub.RegisterAgent(
+        kvtransfer_pb2.RegisterAgentRequest(agent=record("b").to_proto(), lease_ms=5000, owner_secret=SECRET)
+    )
     clock.t = 2.0
     assert servicer.expire() == 1
     code, _ = await code_of(stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="a")))
@@ -231,3 +248,128 @@ async def test_reporter_keeps_records_while_the_service_is_down(svc):
     assert reporter.dropped == 1 and reporter.pending == 2
     await server.stop()
     assert await reporter.flush() == 0 and reporter.pending == 2
+
+
+# -- who may write a name (issue 13, item 1) ---------------------------------------------------
+
+
+async def test_a_hostile_reregistration_is_refused_without_tls(svc):
+    """The attack of issue 13: re-register the prefill worker's agent with its pool
+    shifted by one block. Before the fix the service took it and decode workers
+    read the wrong blocks."""
+    _, servicer, stub, _, _ = svc
+    holder = AgentDirectory(stub)
+    own = await holder.register(record())
+    hostile = record().to_proto()
+    hostile.region.address += LAYOUT.block_bytes
+    hostile.num_blocks -= 1
+    code, details = await code_of(
+        stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=hostile, owner_secret=b"x" * 32))
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "prefill-1" in details
+    code, _ = await code_of(stub.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=hostile)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT  # no secret, no certificate: no owner at all
+    for call in (
+        stub.DeregisterAgent(
+            kvtransfer_pb2.DeregisterAgentRequest(
+                name="prefill-1", incarnation=own.incarnation, owner_secret=b"x" * 32
+            )
+        ),
+        stub.Heartbeat(
+            kvtransfer_pb2.HeartbeatRequest(
+                name="prefill-1", incarnation=own.incarnation, owner_secret=b"x" * 32
+            )
+        ),
+    ):
+        code, _ = await code_of(call)
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    got = (await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1"))).agent
+    assert (got.region.address, got.num_blocks, got.incarnation) == (4096, 8, own.incarnation)
+    assert servicer.registry.refusals == 3
+    await holder.heartbeat_once()  # the owner is unaffected
+    assert holder.own.incarnation == own.incarnation
+
+
+@pytest.fixture(scope="module")
+def mesh_certs(tmp_path_factory):
+    from tests.service.tls_mesh import make_certs
+
+    return make_certs(
+        tmp_path_factory.mktemp("kvcerts"), workers=(("prefill", "prefill-0"), ("decode", "decode-1"))
+    )
+
+
+@pytest.fixture
+async def mtls_svc(mesh_certs):
+    servicer = KvTransferServicer(
+        AgentRegistry(default_lease_s=10), TransferStatistics(), KvServiceMetrics(CollectorRegistry())
+    )
+    server = MeshServer(ServerConfig(port=0), SERVICE_NAME, registry=None, tls=mesh_certs.tls("kvtransfer"))
+    kvtransfer_pb2_grpc.add_KvTransferServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    channels = []
+
+    def stub_as(cert: str):
+        from services.common.tls import aio_channel, client_tls
+
+        ch = aio_channel(f"localhost:{server.port}", client_tls(mesh_certs.tls(cert)))
+        channels.append(ch)
+        return kvtransfer_pb2_grpc.KvTransferServiceStub(ch)
+
+    yield servicer, stub_as
+    for ch in channels:
+        await ch.close()
+    await server.stop()
+
+
+def prefill0(name="prefill-0-11", address=4096):
+    r = record(name)
+    return AgentRecord(**{**r.__dict__, "worker_id": "prefill-0", "address": address})
+
+
+async def test_with_mtls_a_name_belongs_to_the_certified_worker(mtls_svc):
+    servicer, stub_as = mtls_svc
+    await AgentDirectory(stub_as("prefill-prefill-0")).register(prefill0())
+    hostile = prefill0(address=4096 + LAYOUT.block_bytes).to_proto()
+    # decode-1's certificate (the issue's attempt), as itself and pretending to be prefill-0.
+    decode1 = stub_as("decode-decode-1")
+    for worker_id in ("decode-1", "prefill-0"):
+        hostile.worker_id = worker_id
+        code, details = await code_of(
+            decode1.RegisterAgent(kvtransfer_pb2.RegisterAgentRequest(agent=hostile, owner_secret=b"x" * 32))
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED, details
+    # A role-only certificate (no worker in it) and any secret: the name is bound to prefill-0's certificate.
+    hostile.worker_id = "prefill-0"
+    code, _ = await code_of(
+        stub_as("decode").RegisterAgent(
+            kvtransfer_pb2.RegisterAgentRequest(agent=hostile, owner_secret=b"x" * 32)
+        )
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    code, _ = await code_of(
+        decode1.DeregisterAgent(kvtransfer_pb2.DeregisterAgentRequest(name="prefill-0-11", incarnation=1))
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert servicer.registry.get("prefill-0-11").address == 4096
+    # prefill-0 restarted: a new process (new secret), the same certificate, takes its name back.
+    back = await AgentDirectory(stub_as("prefill-prefill-0")).register(prefill0(address=8192))
+    assert back.incarnation == 2 and servicer.registry.get("prefill-0-11").address == 8192
+
+
+async def test_a_restarted_process_claims_its_name_once_the_old_lease_lapses(svc):
+    """Without TLS a restarted process (same agent name, e.g. pid 1 in a container) has a
+    new secret: it is refused while its predecessor's lease runs, then gets the name."""
+    clock, servicer, stub, _, _ = svc
+    await AgentDirectory(stub).register(record())  # the process that crashed
+    restarted = asyncio.create_task(AgentDirectory(stub, lease_ms=10_000).register(record(meta=b"new")))
+    deadline = asyncio.get_running_loop().time() + 10
+    while servicer.registry.refusals == 0:
+        assert asyncio.get_running_loop().time() < deadline, "the restarted process never tried"
+        await asyncio.sleep(0.01)  # polling the core's counter, with a deadline
+    assert not restarted.done()
+    clock.t += 10.5  # the crashed process's lease lapses
+    own = await asyncio.wait_for(restarted, 10)
+    assert own.incarnation == 2
+    got = (await stub.GetAgent(kvtransfer_pb2.GetAgentRequest(name="prefill-1"))).agent
+    assert got.metadata == b"new"
