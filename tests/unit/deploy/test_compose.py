@@ -103,6 +103,14 @@ def test_start_order_cannot_deadlock(services):
     assert services["gateway"].depends_on == {"router": "service_healthy"}
 
 
+def test_cpu_services_run_with_a_read_only_root_and_no_capabilities(raw):
+    for name in ROLES:
+        svc = raw["services"][name]
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+        assert {t.split(":")[0] for t in svc["tmpfs"]} == {"/tmp", "/home/pdmesh"}, name
+
+
 def test_ports_only_on_router_and_gateway_and_one_network(raw):
     published = {name for name, svc in raw["services"].items() if svc.get("ports")}
     assert published == {"router", "gateway", "router-gpu", "gateway-gpu"}
@@ -138,8 +146,8 @@ def test_interpolation_defaults_and_overrides():
 
 def test_the_launcher_refuses_a_cycle_and_an_undeclared_dependency(tmp_path):
     text = COMPOSE.read_text().replace(
-        "  router:\n    <<: *pdmesh\n",
-        "  router:\n    <<: *pdmesh\n    depends_on:\n      decode:\n        condition: service_healthy\n",
+        "  router:\n    <<: [*pdmesh, *hardened]\n",
+        "  router:\n    <<: [*pdmesh, *hardened]\n    depends_on:\n      decode:\n        condition: service_healthy\n",
     )
     cyclic = tmp_path / "cyclic.yaml"
     cyclic.write_text(text)
