@@ -39,8 +39,22 @@ def test_one_image_built_from_docker_dir(raw):
         assert svc["image"] == (repo.image().replace("pdmesh:", "pdmesh-trtllm:") if gpu else repo.image()), (
             name
         )
-        assert svc["build"]["context"] == "."
-        assert (repo.ROOT / svc["build"]["dockerfile"]).is_file(), name
+        if gpu or "build" in svc:
+            assert svc["build"]["context"] == "."
+            assert (repo.ROOT / svc["build"]["dockerfile"]).is_file(), name
+
+
+def test_the_cpu_image_is_built_once_and_the_others_reuse_it(raw):
+    """One `build:` for the CPU image: `up --build` builds it once, not once per service."""
+    cpu = {n: s for n, s in raw["services"].items() if "gpu" not in s.get("profiles", ())}
+    builders = [n for n, s in cpu.items() if "build" in s]
+    assert builders == ["router"], builders
+    assert raw["services"]["router"]["build"]["dockerfile"] == "docker/Dockerfile"
+    # The build arguments the Dockerfile declares, passed through from the shell, no host paths.
+    dockerfile = (repo.ROOT / "docker" / "Dockerfile").read_text()
+    for arg in raw["services"]["router"]["build"]["args"]:
+        assert f"ARG {arg}" in dockerfile, arg
+    assert not {"PIP_CERT", "PIP_FIND_LINKS"} & set(raw["services"]["router"]["build"]["args"])
 
 
 def test_commands_are_real_modules_with_known_flags(services):
@@ -52,7 +66,7 @@ def test_commands_are_real_modules_with_known_flags(services):
 def test_every_variable_is_a_flag_of_that_service(services):
     for svc in services.values():
         pdmesh_vars = {k for k in svc.env if k.startswith("PDMESH_")}
-        unknown = pdmesh_vars - repo.flag_env_names(svc.module)
+        unknown = pdmesh_vars - repo.known_env_names(svc.module)
         assert not unknown, f"{svc.name}: {sorted(unknown)} are not flags of {svc.module}"
 
 
@@ -89,9 +103,21 @@ def test_start_order_cannot_deadlock(services):
     assert services["gateway"].depends_on == {"router": "service_healthy"}
 
 
+def test_cpu_services_run_with_a_read_only_root_and_no_capabilities(raw):
+    for name in ROLES:
+        svc = raw["services"][name]
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+        assert {t.split(":")[0] for t in svc["tmpfs"]} == {"/tmp", "/home/pdmesh"}, name
+
+
 def test_ports_only_on_router_and_gateway_and_one_network(raw):
     published = {name for name, svc in raw["services"].items() if svc.get("ports")}
     assert published == {"router", "gateway", "router-gpu", "gateway-gpu"}
+    for name in published:  # loopback unless PDMESH_BIND_ADDRESS says otherwise; never 50061
+        for port in raw["services"][name]["ports"]:
+            assert port.startswith("${PDMESH_BIND_ADDRESS:-127.0.0.1}:"), (name, port)
+            assert not port.endswith(":50061"), (name, port)
     assert "container_name" not in raw["services"]["decode"]  # --scale decode=N needs generated names
     networks = {tuple(svc["networks"]) for svc in raw["services"].values()}
     assert networks == {("mesh",)} and "mesh" in raw["networks"]
@@ -120,8 +146,8 @@ def test_interpolation_defaults_and_overrides():
 
 def test_the_launcher_refuses_a_cycle_and_an_undeclared_dependency(tmp_path):
     text = COMPOSE.read_text().replace(
-        "  router:\n    <<: *pdmesh\n",
-        "  router:\n    <<: *pdmesh\n    depends_on:\n      decode:\n        condition: service_healthy\n",
+        "  router:\n    <<: [*pdmesh, *hardened]\n",
+        "  router:\n    <<: [*pdmesh, *hardened]\n    depends_on:\n      decode:\n        condition: service_healthy\n",
     )
     cyclic = tmp_path / "cyclic.yaml"
     cyclic.write_text(text)

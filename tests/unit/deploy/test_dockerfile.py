@@ -41,11 +41,40 @@ def test_multi_stage_from_a_pinned_python():
     assert stages()[-1][0][1].startswith("${PYTHON_IMAGE}")
 
 
+def build_args() -> dict[str, str | None]:
+    out = {}
+    for op, rest in instructions():
+        if op == "ARG":
+            name, eq, default = rest.partition("=")
+            out[name] = default if eq else None
+    return out
+
+
 def test_torch_cpu_pinned_then_the_project_under_constraints():
+    """torch's CPU build from build arguments (an index or local wheels), then the project."""
+    args = build_args()
+    assert args["TORCH_SPEC"] == "torch==2.13.0"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     runs = " ".join(rest for op, rest in instructions() if op == "RUN")
-    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in runs
-    assert "pip install -c constraints.txt ." in runs
-    assert runs.index("torch==2.13.0") < runs.index("-c constraints.txt")
+    assert '--index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"' in runs
+    assert (
+        "-c constraints.txt -r requirements.txt" in runs
+        and "pip install --no-deps -c constraints.txt ." in runs
+    )
+    assert runs.index("$TORCH_SPEC") < runs.index("-c constraints.txt")
+
+
+def test_builds_offline_from_a_base_given_as_an_argument():
+    """No `# syntax=` line (it pulls a frontend from Docker Hub); the base, pip's index and a
+    local wheels folder are build arguments; pip's settings are unset unless given."""
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+    args = build_args()
+    assert {"PYTHON_IMAGE", "WHEELS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"} <= set(args)
+    assert args["PIP_INDEX_URL"] is None and args["PIP_EXTRA_INDEX_URL"] is None
+    assert (repo.ROOT / args["WHEELS"]).is_dir()
+    froms = [rest for op, rest in instructions() if op == "FROM"]
+    assert froms and all(f.startswith("${PYTHON_IMAGE}") for f in froms)
 
 
 def test_runtime_stage_runs_as_an_unprivileged_user():
@@ -80,10 +109,13 @@ def test_copy_sources_exist_and_are_not_dockerignored():
         if line.strip() and not line.startswith("#")
     ]
     sources = []
+    args = build_args()
     for op, rest in instructions():
         if op == "COPY" and "--from=" not in rest:
-            sources += rest.split()[:-1]
-    assert {"pyproject.toml", "constraints.txt", "pdmesh", "services", "kvtransfer"} <= set(sources)
+            sources += [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], s) for s in rest.split()[:-1]]
+    assert {"pyproject.toml", "constraints.txt", "pdmesh", "services", "kvtransfer", "docker/wheels"} <= set(
+        sources
+    )
     for src in sources:
         assert (repo.ROOT / src).exists(), src
         assert not _ignored(src, patterns), f"{src} is excluded by .dockerignore"

@@ -99,7 +99,7 @@ def test_images_commands_and_variables_exist(docs):
         module = module_of(c)
         assert repo.module_exists(module), module
         pdmesh_vars = {k for k in env_of(c) if k.startswith("PDMESH_")}
-        unknown = pdmesh_vars - repo.flag_env_names(module)
+        unknown = pdmesh_vars - repo.known_env_names(module)
         assert not unknown, f"{name}: {sorted(unknown)} are not flags of {module}"
 
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pdmesh.certs import write_mesh_certs
-from pdmesh.compose_launch import load_compose
+from pdmesh.compose_launch import interpolate, load_compose
 from services.common.config import build
 from services.common.tls import MESH_DNS_NAME, TlsConfig
 from services.router.auth import AuthConfig, append_entry, new_key
@@ -44,7 +44,7 @@ def check_builds(module: str, env: dict[str, str], mounts: dict[str, Path]) -> T
         for target, source in mounts.items():
             if v.startswith(target + "/"):
                 local[k] = str(source / v[len(target) + 1 :])
-    unknown = {k for k in env if k.startswith("PDMESH_")} - repo.flag_env_names(module)
+    unknown = {k for k in env if k.startswith("PDMESH_")} - repo.known_env_names(module)
     assert not unknown, f"{module}: {sorted(unknown)} are not flags"
     if module == "services.router.main":
         assert build(AuthConfig, None, local).enabled
@@ -65,8 +65,8 @@ def test_compose_override_gives_every_role_its_own_certificate(override, certs):
     for name, svc in override["services"].items():
         env = {**base[name].env, **{k: str(v) for k, v in svc["environment"].items()}}
         (volume,) = svc["volumes"]
-        source, target, mode = volume.split(":")
-        assert (source, mode) == ("./certs", "ro")
+        source, target, mode = interpolate(volume, {}).split(":")
+        assert (source, mode) == ("./certs", "ro")  # by default; PDMESH_CERTS_DIR names another
         assert Path(env["PDMESH_TLS_CERT_FILE"]).name == f"{name}.pem"
         assert Path(env["PDMESH_TLS_KEY_FILE"]).name == f"{name}-key.pem"
         assert Path(env["PDMESH_TLS_CA_FILE"]).name == "ca.pem"
@@ -140,7 +140,8 @@ def test_k8s_overlay_mounts_each_roles_secret_and_turns_tls_on(deployments, cert
         env = {k: e["value"] for k, e in env_of(c).items() if "value" in e}
         mounts = _secret_mounts(dep)
         assert mounts["/etc/pdmesh/tls"] == f"pdmesh-tls-{role}"
-        assert all(m.get("readOnly") for m in c["volumeMounts"])
+        # Secrets read-only; the writable emptyDirs (/tmp, $HOME) are the read-only root's only exits.
+        assert all(m.get("readOnly") for m in c["volumeMounts"] if m["mountPath"].startswith("/etc/pdmesh"))
         local = {"/etc/pdmesh/tls": tmp_path / role, "/etc/pdmesh/keys": keys}
         tls = check_builds(module_of(c), env, local)
         assert tls.serves_tls and tls.server_name == MESH_DNS_NAME
