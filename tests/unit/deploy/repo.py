@@ -74,15 +74,9 @@ def flag_env_names(module: str) -> frozenset[str]:
     return frozenset(names)
 
 
-# Variables of a contract that other branches land at the same time as these files: the
-# router's internal listener (--internal-port). The current code ignores such a variable;
-# once the flag exists this adds nothing. Delete after the merge.
-PENDING_FLAGS = {"services.router.main": frozenset({"PDMESH_INTERNAL_PORT"})}
-
-
 def known_env_names(module: str) -> frozenset[str]:
-    """Variables the deploy files may set for `module`: its flags and PENDING_FLAGS."""
-    return flag_env_names(module) | PENDING_FLAGS.get(module, frozenset())
+    """Variables the deploy files may set for `module`: its flags."""
+    return flag_env_names(module)
 
 
 def ready_name(module: str) -> str:

@@ -87,7 +87,10 @@ def test_addresses_name_services_on_their_ports_and_their_dependencies(services)
         for key, value in svc.env.items():
             for host, port in repo.ADDRESS.findall(value):
                 assert host in services, f"{svc.name}: {key} names unknown host {host}"
-                assert services[host].port == int(port), f"{svc.name}: {key} uses {host}:{port}"
+                # a service's port, or the router's internal (membership) listener
+                assert int(port) in (services[host].port, services[host].internal_port), (
+                    f"{svc.name}: {key} uses {host}:{port}"
+                )
                 assert host in svc.depends_on, f"{svc.name}: {key} uses {host} without depends_on"
 
 
@@ -99,7 +102,11 @@ def test_start_order_cannot_deadlock(services):
     for worker in ("prefill", "decode"):
         assert services[worker].depends_on["router"] == "service_started"
         assert services[worker].depends_on["kvtransfer"] == "service_healthy"
-        assert services[worker].env["PDMESH_ROUTER_ADDRESS"] == f"router:{services['router'].port}"
+        # workers join at the router's internal listener, never its public port
+        assert (
+            services["router"].internal_port and services["router"].internal_port != services["router"].port
+        )
+        assert services[worker].env["PDMESH_ROUTER_ADDRESS"] == f"router:{services['router'].internal_port}"
     assert services["gateway"].depends_on == {"router": "service_healthy"}
 
 
@@ -125,10 +132,11 @@ def test_ports_only_on_router_and_gateway_and_one_network(raw):
 
 def test_local_env_rewrites_listen_address_ports_and_peer_addresses(services):
     addresses = {"kvtransfer": ["kvtransfer-0.mesh.test:7001"], "router": ["router-0.mesh.test:7002"]}
-    env = local_env(services["decode"], services, addresses)
+    internal = {"router": ["router-0.mesh.test:7003"]}
+    env = local_env(services["decode"], services, addresses, internal)
     assert (env["PDMESH_HOST"], env["PDMESH_PORT"], env["PDMESH_METRICS_PORT"]) == ("127.0.0.1", "0", "0")
     assert env["PDMESH_KVTRANSFER_ADDRESS"] == "kvtransfer-0.mesh.test:7001"
-    assert env["PDMESH_ROUTER_ADDRESS"] == "router-0.mesh.test:7002"
+    assert env["PDMESH_ROUTER_ADDRESS"] == "router-0.mesh.test:7003"  # the internal listener
     untouched = {k: v for k, v in services["decode"].env.items() if k not in env or env[k] == v}
     assert set(services["decode"].env) - set(untouched) == {
         "PDMESH_HOST",
@@ -192,5 +200,5 @@ def test_docker_compose_config_accepts_and_resolves_the_file(raw):
     assert set(resolved["services"]) == ROLES | {
         f"{r}-gpu" for r in ("router", "prefill", "decode", "gateway")
     }
-    assert resolved["services"]["decode"]["environment"]["PDMESH_ROUTER_ADDRESS"] == "router:50051"
+    assert resolved["services"]["decode"]["environment"]["PDMESH_ROUTER_ADDRESS"] == "router:50061"
     assert resolved["services"]["gateway"]["depends_on"]["router"]["condition"] == "service_healthy"
