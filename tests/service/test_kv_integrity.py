@@ -28,7 +28,6 @@ from kvtransfer.pool import PoolView
 from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2_grpc
 from services.common.server import MeshServer, ServerConfig
 from services.common.validation import RequestLimits
-from services.worker.runtime import WorkerConfig, WorkerRuntime
 from services.decode.disagg_policy import Candidate, DisaggConfig, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import PrefillLoadProbe
@@ -44,6 +43,7 @@ from services.kvtransfer.servicer import KvTransferServicer
 from services.kvtransfer.stats import TransferStatistics
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.servicer import PrefillServicer
+from services.worker.runtime import WorkerConfig, WorkerRuntime
 
 ENGINE = EngineConfig(preset="tiny", num_threads=1, num_blocks=128, max_model_len=512)
 LIMITS = RequestLimits(max_tokens_limit=64, max_prompt_tokens=400)

@@ -21,11 +21,11 @@ from kvtransfer.leases import LeaseManager
 from pdmesh.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.server import ServerConfig
 from services.common.validation import RequestLimits
-from services.worker.runtime import WorkerConfig, WorkerRuntime
 from services.engine.config import EngineConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.servicer import PrefillServicer
+from services.worker.runtime import WorkerConfig, WorkerRuntime
 
 POOL = 64
 ENGINE = EngineConfig(preset="tiny", num_threads=1, num_blocks=POOL, max_model_len=512)
