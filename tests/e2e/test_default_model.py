@@ -51,23 +51,31 @@ def test_pdmesh_up_serves_smollm2_by_default(tmp_path):
     cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--router-port", "0", "--gateway-port", "0"]
     cmd += ["--dtype", "float32", "--workdir", str(tmp_path / "up")]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
     try:
         serving = wait_until(
-            lambda: proc.poll() is not None
-            or next((m for line in lines if (m := re.search(r"serving on (\S+) \(router\)", line))), None),
+            lambda: (
+                proc.poll() is not None
+                or next((m for line in lines if (m := re.search(r"serving on (\S+) \(router\)", line))), None)
+            ),
             timeout=300,
             what="pdmesh up to print its endpoint",
         )
         assert proc.poll() is None, "".join(lines)
         assert f"model {DEFAULT_MODEL}" in "".join(lines)
+        generate = ["generate", "--address", serving.group(1), PROMPT, "--max-tokens", "12", "--ignore-eos"]
         out = subprocess.run(
-            [sys.executable, "-m", "pdmesh.cli", "generate", "--address", serving.group(1), PROMPT]
-            + ["--max-tokens", "12", "--ignore-eos"],
+            [sys.executable, "-m", "pdmesh.cli", *generate],
             capture_output=True,
             text=True,
             timeout=120,
