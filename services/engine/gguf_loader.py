@@ -96,7 +96,7 @@ def load_gguf_weights(model: LlamaModel, path: str | Path) -> None:
             kind = n.split(".")[-2]
             if kind in heads:
                 w = _unpermute(w, heads[kind])
-            parts.append(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
+            parts.append(torch.from_numpy(np.array(w, dtype=np.float32)))  # a writable copy of the mmap
         tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
         param = params[ours]
         if tensor.shape != param.shape:

@@ -65,10 +65,20 @@ def _vocab(tokenizer_json: Path) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_gguf(
-    path: Path, tokenizer_json: Path, *, arch: str = "llama", tied: bool = False, types=TYPES
+    path: Path,
+    tokenizer_json: Path,
+    *,
+    arch: str = "llama",
+    tied: bool = False,
+    types=TYPES,
+    spm: bool = False,
 ) -> Path:
     s = SIZES
     tokens, token_types, merges = _vocab(tokenizer_json)
+    scores: list[float] = []
+    if spm:
+        tokens, token_types, scores = _spm_vocab()
+        merges = []
     head_dim = s["hidden"] // s["heads"]
     rng = np.random.default_rng(7)
     w = gguf.GGUFWriter(str(path), arch)
@@ -83,14 +93,21 @@ def write_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_add_bos_token(False)
+    if spm:  # SentencePiece: scores instead of merges, llama.cpp adds BOS and a space prefix
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(scores)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_merges(merges)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 
     def add(name: str, shape: tuple[int, ...], kind: str | None, scale: float = 0.08) -> None:
@@ -133,6 +150,35 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _spm_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A small SentencePiece BPE vocabulary: <unk>, <s>, </s>, 256 byte-fallback tokens, pieces."""
+    pieces = [
+        "▁",
+        "t",
+        "h",
+        "e",
+        "c",
+        "a",
+        "f",
+        "é",
+        "o",
+        "x",
+        "▁t",
+        "he",
+        "▁the",
+        "▁c",
+        "af",
+        "▁caf",
+        "▁café",
+    ]
+    pieces += ["▁f", "ox", "▁fox"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    # Longer pieces score higher: merges derived from scores apply them (as SentencePiece would).
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-100.0 + 10 * len(p) for p in pieces]
+    return tokens, types, scores
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +225,25 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(gguf_file):
         ids = ours.encode(text)
         assert ids == ref.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_sentencepiece_byte_fallback_tokenizer_matches_transformers(tmp_path, tokenizer_json):
+    from transformers import AutoTokenizer
+
+    path = write_gguf(tmp_path / "spm.gguf", tokenizer_json, spm=True)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    cfg = ModelConfig.from_hf_folder(path)
+    ours = HfTokenizer(path, cfg.vocab_size, cfg.eos_token_ids)
+    for text in ["the café fox", "東 the fox", "café 京"]:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text  # BOS included: llama.cpp adds it for SentencePiece
+        assert ids[0] == 1 and ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) == text
+        detok = IncrementalDetokenizer(ours)
+        pieces = [detok.push(t) for t in ids]
+        assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    # "東" has no piece: three byte-fallback tokens, text only once all three arrived.
+    ids = ours.encode("東")[1:]
+    assert [ours._tok.id_to_token(t) for t in ids][-3:] == ["<0xE6>", "<0x9D>", "<0xB1>"]
 
 
 def test_metadata_gives_config_and_chat_template(gguf_file):
