@@ -87,3 +87,17 @@ def test_router_loads_the_gguf_tokenizer_without_torch(path):
         "assert 'torch' not in sys.modules, 'the router imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_gateway_renders_the_gguf_chat_template_as_transformers_does(path):
+    from transformers import AutoTokenizer
+
+    from services.gateway.chat_template import load_chat_template
+
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = load_chat_template(str(path)).render(messages)
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.text == want
+    assert prompt.text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert list(prompt.token_ids) == ref.encode(want, add_special_tokens=False)
