@@ -36,6 +36,10 @@ from services.model.catalog import DEFAULT_MODEL, cpu_default_dtype, smollm2_pat
 ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_PY = ROOT / "bench/peers/llamacpp/.venv/bin/python"
 LLAMACPP_RUN = ROOT / "bench/peers/llamacpp/run.py"
+# Where a package assembled by hand can sit (the sdist's llama_cpp/ with the libraries a setup.sh
+# compile produced, lib/ inside it) when the full `pip install` has not finished: put first on
+# the peer's path; absent, the venv's own install is used.
+LLAMACPP_PARTIAL = ROOT / "bench/peers/llamacpp/.partial"
 
 TEXT = (
     "The history of computing is a story of ideas that took decades to become practical. "
@@ -125,6 +129,8 @@ def run_llamacpp(path: Path, prompts, n: int, streams: list[int], threads: int, 
         return None
     job = json.dumps({"prompts": prompts, "max_tokens": n, "streams": streams, "batch1_requests": b1})
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if LLAMACPP_PARTIAL.is_dir():
+        env["PYTHONPATH"] = str(LLAMACPP_PARTIAL)
     res = subprocess.run(
         [str(LLAMACPP_PY), str(LLAMACPP_RUN), "--model", str(path), "--threads", str(threads)],
         input=job,
@@ -133,6 +139,16 @@ def run_llamacpp(path: Path, prompts, n: int, streams: list[int], threads: int, 
         env=env,
         timeout=3600,
     )
+    if res.returncode == -4:  # SIGILL: AMX tiles listed in /proc/cpuinfo but not usable (VMs)
+        print("llama.cpp: SIGILL with its AMX weight repacking; rerun without extra buffer types")
+        res = subprocess.run(
+            [str(LLAMACPP_PY), str(LLAMACPP_RUN), "--model", str(path), "--threads", str(threads)],
+            input=job,
+            capture_output=True,
+            text=True,
+            env={**env, "LLAMACPP_EXTRA_BUFTS": "0"},
+            timeout=3600,
+        )
     if res.returncode != 0:
         print(f"llama.cpp: failed ({res.returncode}): {res.stderr[-2000:]}")
         return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,10 @@ class Runner:
     def __init__(self, model: str, threads: int, n_seq: int, n_ctx: int, n_batch: int):
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        if os.environ.get("LLAMACPP_EXTRA_BUFTS", "1") == "0":
+            # No weight repacking into extra buffer types (AMX, ...): on some VMs the AMX tile
+            # instructions raise SIGILL although /proc/cpuinfo lists them.
+            mp.use_extra_bufts = False
         self.model = L.llama_model_load_from_file(model.encode(), mp)
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {model}")
@@ -129,7 +134,7 @@ def main() -> None:
             "seconds": wall,
             "tok_s": tokens / wall,
             "ttft_median_s": statistics.median(ttfts),
-            "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+            "ttft_p90_s": sorted(ttfts)[max(0, -(-9 * len(ttfts) // 10) - 1)],
             "first_stream_tokens": first,
         }
     json.dump(result, sys.stdout)
