@@ -50,7 +50,9 @@ class Runner:
         cp.n_seq_max = n_seq
         cp.n_threads = threads
         cp.n_threads_batch = threads
-        cp.kv_unified = True  # one pool shared by the streams, as the engine's
+        # A KV buffer per stream: with one unified buffer every stream's attention spans all of
+        # the streams' cells (masked), which llama.h itself advises against for unrelated prompts.
+        cp.kv_unified = os.environ.get("LLAMACPP_KV_UNIFIED", "0") == "1"
         self.ctx = L.llama_init_from_model(self.model, cp)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.n_batch = n_batch
