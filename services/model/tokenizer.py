@@ -80,12 +80,17 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""
+        # Every window is decoded after one fixed ordinary token: SentencePiece decoders strip the
+        # leading space of a decoded text, which would drop the space of a continuation's first
+        # token ("▁Paris" -> "Paris"); vLLM avoids it by starting the window inside the prompt.
+        # Both decodes of a window start with the anchor, so it cancels out of the difference.
+        self._anchor = tokenizer.encode("a")[-1:]
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text it completed (possibly "")."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix = self._tok.decode(self._anchor + self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._anchor + self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         new = full[len(prefix) :]
