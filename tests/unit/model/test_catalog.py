@@ -40,3 +40,11 @@ def test_pdmesh_up_model_flags(monkeypatch):
     assert model_choice(args()).preset == "tiny"
     assert model_choice(args(preset="small")).model_id == "builtin-small"
     assert model_choice(args(model="builtin-small")).preset == "small"
+
+
+def test_pdmesh_up_with_an_unknown_model_is_a_clear_error(capsys, tmp_path):
+    from pdmesh.cli import main
+
+    assert main(["up", "--model", str(tmp_path / "missing.gguf"), "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no such file or folder" in err and "Traceback" not in err
