@@ -1,6 +1,6 @@
 """Weights from a GGUF file (llama.cpp's format) into the engine's LlamaModel.
 
-The file is read with the `gguf` package (memory-mapped). Every tensor is
+The file is memory-mapped; the `gguf` package gives the tensor types and sizes. Every tensor is
 dequantized at load (`gguf.quants.dequantize`) to float32 and then cast to the
 engine's dtype: the engine runs dense matmuls, so a 4-bit file costs the same
 memory and speed as its fp32/bf16 weights would (llama.cpp keeps them packed).
@@ -15,12 +15,14 @@ gate/up fused.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from services.engine.loader import WeightLoadError
 from services.engine.model import LlamaModel
+from services.model.gguf import read_tensor_directory
 from services.model.model_config import UnsupportedModelError
 
 # Tensor types the loader can dequantize (gguf.quants implements them in numpy).
@@ -62,14 +64,38 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _tensors(path: Path) -> dict[str, tuple[np.ndarray, Any, tuple[int, ...]]]:
+    """name -> (raw bytes as [rows, bytes per row], gguf type, dims fastest-first), memory-mapped.
+
+    The directory is parsed by services/model/gguf.py (gguf.GGUFReader builds a numpy view per
+    metadata array element: seconds for a 49k-token vocabulary); sizes and types are the gguf
+    package's.
+    """
+    import gguf
+
+    infos, data_offset = read_tensor_directory(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, (dims, code, offset) in infos.items():
+        try:
+            qtype = gguf.GGMLQuantizationType(code)
+        except ValueError:
+            raise UnsupportedModelError(f"{path}: tensor {name} has unknown GGML type {code}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        row_bytes = dims[0] // block * type_size
+        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        start = data_offset + offset
+        out[name] = (raw[start : start + rows * row_bytes].reshape(rows, row_bytes), qtype, dims)
+    return out
+
+
 def load_gguf_weights(model: LlamaModel, path: str | Path) -> None:
     """Copy the file's tensors (dequantized, un-permuted) into `model`, cast to its dtype."""
     import gguf
 
     path = Path(path)
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
-    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
+    tensors = _tensors(path)
+    bad = sorted({t[1].name for t in tensors.values()} - set(SUPPORTED_TENSOR_TYPES))
     if bad:
         raise UnsupportedModelError(
             f"{path}: GGUF tensor types {bad} are not supported; one of {SUPPORTED_TENSOR_TYPES}"
@@ -88,11 +114,9 @@ def load_gguf_weights(model: LlamaModel, path: str | Path) -> None:
             raise WeightLoadError(f"{path}: missing tensors {missing}")
         parts = []
         for n in names:
-            t = tensors[n]
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-            # GGUF lists dims fastest-first; numpy's view is [rows, cols] already, but 1-D
-            # tensors may come back as [1, n].
-            w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+            data, qtype, dims = tensors[n]
+            # Dequantized to float32 [rows, cols]; GGUF lists dims fastest-first.
+            w = gguf.quants.dequantize(data, qtype).reshape(tuple(reversed(dims)))
             kind = n.split(".")[-2]
             if kind in heads:
                 w = _unpermute(w, heads[kind])

@@ -90,7 +90,7 @@ class GgufModel:
 
 
 class _Metadata:
-    """A GGUF file's key/value metadata and tensor names, parsed directly.
+    """A GGUF file's key/value metadata and tensor directory, parsed directly.
 
     `gguf.GGUFReader` makes a numpy view per array element (~100k for a 49k-token vocabulary:
     seconds per process, and every service reads the file); the header layout is small and
@@ -146,14 +146,27 @@ class _Metadata:
                 pos += 4
                 self.fields[key] = value(kind)
             self.tensors: set[str] = set()
+            # name -> (dims fastest-first, ggml type code, byte offset from the data section)
+            self.tensor_infos: dict[str, tuple[tuple[int, ...], int, int]] = {}
             for _ in range(n_tensors):
                 name = string()
                 (n_dims,) = struct.unpack_from("<I", buf, pos)
-                pos += 4 + 8 * n_dims + 4 + 8  # dims, type, offset
+                dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+                kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+                pos += 4 + 8 * n_dims + 4 + 8
                 self.tensors.add(name)
+                self.tensor_infos[name] = (tuple(int(d) for d in dims), int(kind), int(offset))
+            align = int(self.fields.get("general.alignment", 32))
+            self.data_offset = -(-pos // align) * align
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
+
+
+def read_tensor_directory(path: str | Path) -> tuple[dict[str, tuple[tuple[int, ...], int, int]], int]:
+    """(name -> (dims fastest-first, ggml type code, offset), start of the data section)."""
+    meta = _Metadata(Path(path))
+    return meta.tensor_infos, meta.data_offset
 
 
 @functools.lru_cache(maxsize=4)
