@@ -31,6 +31,14 @@ def tok(path) -> HfTokenizer:
     return HfTokenizer(path, cfg.vocab_size, cfg.eos_token_ids)
 
 
+@pytest.fixture(scope="module")
+def ref(path):
+    """transformers' own tokenizer from the same GGUF (its GGUF loading)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 TEXTS = [
     "The capital of France is",
     "Café, naïve, señor: über 東京 and 🙂 emoji.",
@@ -39,10 +47,7 @@ TEXTS = [
 ]
 
 
-def test_encoding_matches_transformers_gguf_tokenizer(path, tok):
-    from transformers import AutoTokenizer
-
-    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def test_encoding_matches_transformers_gguf_tokenizer(tok, ref):
     for text in TEXTS:
         assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text
     assert tok.eos_token_ids == (ref.convert_tokens_to_ids("<|im_end|>"),)
@@ -89,12 +94,9 @@ def test_router_loads_the_gguf_tokenizer_without_torch(path):
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
-def test_gateway_renders_the_gguf_chat_template_as_transformers_does(path):
-    from transformers import AutoTokenizer
-
+def test_gateway_renders_the_gguf_chat_template_as_transformers_does(path, ref):
     from services.gateway.chat_template import load_chat_template
 
-    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = load_chat_template(str(path)).render(messages)
     want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
