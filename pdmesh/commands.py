@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import signal
 import socket
 import sys
@@ -15,6 +16,13 @@ from pdmesh.cli import command
 from pdmesh.client import add_security_arguments
 from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags, wait_all
 from pdmesh.mesh_tls import MeshTls, MissingCertificates, wait_https
+from services.model.catalog import (
+    DEFAULT_MODEL,
+    ModelChoice,
+    ModelNotFoundError,
+    cpu_default_dtype,
+    resolve_model,
+)
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 DEFAULT_ROUTER_INTERNAL = "127.0.0.1:50061"  # compose's and Kubernetes' --internal-port
@@ -46,8 +54,20 @@ def _up_args(p: argparse.ArgumentParser) -> None:
         default=8000,
         help="the OpenAI-compatible HTTP gateway's port (0 = any free port)",
     )
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in model)")
-    p.add_argument("--preset", default="tiny", help="built-in model preset when no --model (tiny, small)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model to serve: {DEFAULT_MODEL} (default; env PDMESH_MODEL), builtin-tiny, builtin-small "
+        "(random weights, for tests), or a Hugging Face folder / .gguf file",
+    )
+    p.add_argument(
+        "--preset", default=None, help="built-in preset (tiny, small): same as --model builtin-<preset>"
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="engine dtype (float32, bfloat16); default: bfloat16 where the CPU has native bf16, else float32",
+    )
     p.add_argument(
         "--max-local-prefill-tokens",
         type=int,
@@ -113,11 +133,23 @@ def check_certificates(args: argparse.Namespace) -> None:
         tls.check([("kvtransfer", ""), ("router", ""), ("gateway", ""), *workers])
 
 
+def model_choice(args: argparse.Namespace) -> ModelChoice:
+    """What `--model` / `--preset` / PDMESH_MODEL name (services.model.catalog)."""
+    if args.model:
+        return resolve_model(args.model)
+    if args.preset:
+        return resolve_model(f"builtin-{args.preset}")
+    return resolve_model(os.environ.get("PDMESH_MODEL") or DEFAULT_MODEL)
+
+
 def mesh_specs(args: argparse.Namespace) -> list[ServiceSpec]:
     """The topology `pdmesh up` starts, in start order (kvtransfer address filled in later)."""
+    model = model_choice(args)
     engine = flags(
-        engine_model_path=args.model,
-        engine_preset=None if args.model else args.preset,
+        engine_model_path=model.model_path,
+        engine_preset=model.preset,
+        engine_model_id=model.model_id,
+        engine_dtype=args.dtype or cpu_default_dtype(),
         engine_num_threads=args.engine_threads,
         engine_num_blocks=getattr(args, "kv_blocks", None),
     )
@@ -230,8 +262,9 @@ def start_mesh(
         decode_workers=[d.address for d in decodes],
         prefill_workers=prefill_addrs or None,
         policy=args.policy,
-        preset=None if args.model else args.preset,
-        model_path=args.model,
+        preset=model_choice(args).preset,
+        model_path=model_choice(args).model_path,
+        model_id=model_choice(args).model_id,
         api_keys_file=getattr(args, "api_keys_file", None),
     ) + _own_cert(args, "router")
     base = getattr(args, "metrics_port", -1)
@@ -257,9 +290,9 @@ def start_mesh(
             router.address,
             host=args.host,
             port=args.gateway_port,
-            model_path=args.model,
-            preset=None if args.model else args.preset,
-            extra=_own_cert(args, "gateway"),
+            model_path=model_choice(args).model_path,
+            preset=model_choice(args).preset,
+            extra=flags(served_model_name=model_choice(args).model_id) + _own_cert(args, "gateway"),
         )
         tls = _tls(args)
         if tls is None:
@@ -308,6 +341,11 @@ _WORKER_PREFIXES = ("prefill-", "decode-")
 @command("up", _up_args)
 def up(args: argparse.Namespace) -> int:
     """Start a local mesh (kvtransfer, prefill, decode, router, gateway) and serve until Ctrl-C."""
+    try:
+        print(f"pdmesh up: model {model_choice(args).model_id}", flush=True)
+    except ModelNotFoundError as e:
+        print(f"pdmesh up: {e}", file=sys.stderr)
+        return 2
     busy = ports_in_use(args.host, [args.router_port, args.gateway_port])
     if busy:  # before anything starts: the README's message, not a traceback after 12 s
         print(

@@ -23,7 +23,8 @@ class EngineConfig:
     backend: str = setting("torch", f"engine backend, one of {BACKENDS}")
     model_path: str | None = setting(
         None,
-        "Hugging Face model folder (config.json, *.safetensors, tokenizer.json); unset = built-in preset",
+        "Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or a Llama .gguf file; "
+        "unset = built-in preset",
     )
     preset: str = setting("tiny", f"built-in model when no model_path, one of {tuple(PRESETS)}")
     model_id: str | None = setting(None, "model id to report; default: preset or folder name")

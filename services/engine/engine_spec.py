@@ -8,12 +8,12 @@ LLMEngine and ModelRunner are built from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtransfer.layout import KvLayout
 from services.engine.api import EngineCapabilities, EngineInfo, Tokenizer
 from services.engine.config import EngineConfig
-from services.model.model_config import ModelConfig
+from services.model.model_config import ModelConfig, RopeScaling
 from services.model.tokenizer import ByteTokenizer, HfTokenizer
 
 
@@ -36,6 +36,7 @@ class EngineSpec:
         else:
             model = ModelConfig.from_preset(config.preset)
             tokenizer = ByteTokenizer()
+        model = _resolve_rope(config, model)
         eos = model.eos_token_ids or tuple(tokenizer.eos_token_ids)
         layout = KvLayout(
             num_layers=model.num_layers,
@@ -66,12 +67,34 @@ class EngineSpec:
         return cls(config, model, tokenizer, layout, num_blocks, max_len, info)
 
 
+def _dynamic_limit(model: ModelConfig) -> int:
+    s = model.rope_scaling
+    return int((s.original_max_position_embeddings or model.max_position_embeddings) * s.factor)
+
+
+def _resolve_rope(config: EngineConfig, model: ModelConfig) -> ModelConfig:
+    """Dynamic NTK only when the configured context exceeds the original one (see rope.py).
+
+    Decided from the configured limit, not the pool-capped one, so the frequencies never
+    depend on the KV pool size. Within the original context, plain RoPE is what transformers
+    computes too.
+    """
+    s = model.rope_scaling
+    if s.rope_type != "dynamic":
+        return model
+    original = s.original_max_position_embeddings or model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > original:
+        return replace(model, rope_scaling=replace(s, original_max_position_embeddings=original))
+    return replace(model, rope_scaling=RopeScaling())
+
+
 def _context_limit(config: EngineConfig, model: ModelConfig) -> int:
     limit = model.max_position_embeddings
+    if model.rope_scaling.rope_type == "dynamic":  # only dynamic NTK extends it: to original x factor
+        limit = _dynamic_limit(model)
     if config.max_model_len is None:
         return limit
-    # Only dynamic NTK extends the context (see rope.py); other configs already state theirs.
-    if config.max_model_len > limit and model.rope_scaling.rope_type != "dynamic":
+    if config.max_model_len > limit:
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's context of {limit} tokens"
         )

@@ -250,6 +250,11 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits [S, V] of every prompt position (scratch blocks, not cached)."""
         check_token_ids("prompt_token_ids", token_ids, self.info.vocab_size)
+        if len(token_ids) > self.info.max_model_len:  # RoPE tables stop at the context limit
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"{len(token_ids)} tokens exceed the context limit of {self.info.max_model_len}",
+            )
         seq = scratch_sequence(token_ids, self.block_size)
         if not self.block_manager.allocate_slots(seq, len(token_ids)):
             raise EngineCapacityError(f"{len(token_ids)} tokens do not fit in the free KV blocks")

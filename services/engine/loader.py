@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from services.engine.engine_spec import EngineSpec
 from services.engine.model import LlamaModel
+from services.model.model_config import UnsupportedModelError
 
 _LAYER_PARTS = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -39,6 +40,20 @@ _TOP = {
 }
 
 
+# Names quantized checkpoints give their scale / zero-point tensors (compressed-tensors, fp8, AWQ, GPTQ).
+_SCALE_SUFFIXES = (
+    "weight_scale",
+    "input_scale",
+    "weight_scale_inv",
+    "weight_zero_point",
+    ".scales",
+    ".qzeros",
+    ".g_idx",
+)
+# Buffers some exporters save that the model recomputes (RoPE inverse frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
 class WeightLoadError(ValueError):
     """The safetensors do not match the model (missing, unexpected or misshapen tensors)."""
 
@@ -47,7 +62,11 @@ def load_model(spec: EngineSpec) -> LlamaModel:
     """The spec's model in eval mode on its device and dtype: HF weights, or the seeded built-in ones."""
     cfg = spec.config
     model = LlamaModel(spec.model, spec.max_model_len)
-    if cfg.model_path is not None:
+    if cfg.model_path is not None and cfg.model_path.lower().endswith(".gguf"):
+        from services.engine.gguf_loader import load_gguf_weights  # imports loader (WeightLoadError)
+
+        load_gguf_weights(model, cfg.model_path)
+    elif cfg.model_path is not None:
         load_hf_weights(model, cfg.model_path)
     else:
         model.init_random(cfg.seed)
@@ -87,11 +106,30 @@ def load_hf_weights(model: LlamaModel, folder: str | Path) -> None:
     where = _open_tensors(folder)
     params = dict(model.named_parameters())
     files = {path: safe_open(str(path), framework="pt") for path, _ in where.values()}
-    for ours, hf_names in _hf_names(model).items():
+    wanted = _hf_names(model)
+    used = {n for names in wanted.values() for n in names}
+    # Quantized checkpoints carry scales next to their weights (weight_scale, input_scale, ...):
+    # casting those weights and dropping the scales would run, and produce garbage.
+    scales = sorted(n for n in where if n.endswith(_SCALE_SUFFIXES))
+    if scales:
+        raise UnsupportedModelError(
+            f"{folder}: quantized checkpoint (scale tensors {scales[:4]}) is not supported"
+        )
+    unexpected = sorted(n for n in set(where) - used if not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise WeightLoadError(f"{folder}: unexpected tensors {unexpected[:8]}")
+    for ours, hf_names in wanted.items():
         missing = [n for n in hf_names if n not in where]
         if missing:
             raise WeightLoadError(f"{folder}: missing tensors {missing}")
         parts = [files[where[n][0]].get_tensor(n) for n in hf_names]
+        float8 = [
+            n
+            for n, t in zip(hf_names, parts, strict=True)
+            if t.dtype.is_floating_point and t.element_size() == 1
+        ]
+        if float8:
+            raise UnsupportedModelError(f"{folder}: float8 tensors {float8[:4]} are not supported")
         tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
         param = params[ours]
         if tensor.shape != param.shape:

@@ -4,9 +4,12 @@ Frequencies follow transformers' `modeling_rope_utils` (default, linear,
 dynamic NTK, llama3); cos/sin are computed in float32 once for every position
 up to the context limit and indexed by position at run time.
 
-Dynamic NTK is applied statically (as vLLM does): the base is scaled for the
-engine's whole context limit when it exceeds the original one, instead of per
-forward pass. Within the original context it equals the unscaled RoPE.
+Dynamic NTK is applied statically, as vLLM does: the base is scaled once for a
+fixed length, original max positions x factor, instead of per forward pass with
+the current length (transformers). So the frequencies depend only on the
+checkpoint, never on the engine's context limit or KV pool size. EngineSpec
+turns the scaling off (plain RoPE, equal to transformers) unless the configured
+context exceeds the original one.
 """
 
 from __future__ import annotations
@@ -24,17 +27,24 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling, max_len: 
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = scaling.rope_type
     if kind == "dynamic":
-        original = scaling.original_max_position_embeddings or max_len
-        if max_len > original:
-            theta = theta * ((scaling.factor * max_len / original) - (scaling.factor - 1)) ** (
-                head_dim / (head_dim - 2)
-            )
+        theta = dynamic_ntk_theta(head_dim, theta, scaling)
     inv_freq = 1.0 / (theta**exponents)
     if kind == "linear":
         return inv_freq / scaling.factor
     if kind == "llama3":
         return _llama3(inv_freq, scaling)
     return inv_freq
+
+
+def dynamic_ntk_theta(head_dim: int, theta: float, scaling: RopeScaling) -> float:
+    """The base vLLM's DynamicNTKScalingRotaryEmbedding uses: scaled for original x factor positions."""
+    original = scaling.original_max_position_embeddings
+    if original is None:
+        raise ValueError("dynamic rope scaling needs original_max_position_embeddings")
+    length = original * scaling.factor
+    return theta * ((scaling.factor * length / original) - (scaling.factor - 1)) ** (
+        head_dim / (head_dim - 2)
+    )
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

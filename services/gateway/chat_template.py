@@ -11,6 +11,8 @@ renders it: a sandboxed jinja2 environment with `messages`,
 `add_generation_prompt=True`, `bos_token` and `eos_token`. When the folder has
 `tokenizer.json` the rendered text is tokenized here without special tokens
 (the template already placed them), so the router does not add a second BOS.
+A GGUF file brings it in its metadata (`tokenizer.chat_template`), with the
+tokenizer rebuilt from the file (services/model/gguf.py).
 A folder without a template, or no jinja2, refuses chat with a clear 400.
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from services.gateway.errors import bad_request
+from services.model.gguf import is_gguf, read_gguf
 
 BUILTIN_TEMPLATE_DOC = "<|role|>\\ncontent\\n per message, then <|assistant|>\\n"
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -112,10 +115,29 @@ def _template_source(folder: Path, config: dict[str, Any]) -> str | None:
     return source if isinstance(source, str) and source else None
 
 
+def _gguf_template(model_path: str) -> ChatTemplate:
+    """A GGUF file's `tokenizer.chat_template`, encoded with the tokenizer rebuilt from the file."""
+    model = read_gguf(model_path)
+    if not model.chat_template:
+        return NoChatTemplate(f"{model_path} has no tokenizer.chat_template in its metadata")
+    try:
+        import jinja2  # noqa: F401
+    except ImportError:
+        return NoChatTemplate("rendering its chat_template needs jinja2, which is not installed")
+    tokenizer = model.build_tokenizer()
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return HfChatTemplate(model.chat_template, model.special_tokens, encode)
+
+
 def load_chat_template(model_path: str | None) -> ChatTemplate:
     """The template for the served model: built-in without a folder, else the folder's."""
     if model_path is None:
         return BuiltinChatTemplate()
+    if is_gguf(model_path):
+        return _gguf_template(model_path)
     folder = Path(model_path)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}

@@ -24,7 +24,7 @@ class GatewayConfig:
         "", "model id clients must name; default builtin-<preset> or the model folder's name"
     )
     model_path: str | None = setting(
-        None, "Hugging Face model folder: its tokenizer_config.json chat_template renders chat prompts"
+        None, "Hugging Face model folder or .gguf file: its chat_template renders chat prompts"
     )
     preset: str = setting("tiny", f"built-in model when no model_path, one of {tuple(PRESETS)}")
     request_timeout_s: float = setting(600.0, "gRPC deadline of one request to the router")

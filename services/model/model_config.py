@@ -1,8 +1,8 @@
 """ModelConfig: the shape of a Llama-family decoder, as data.
 
 Built from a named preset (`tiny` for tests, `small` ~51M parameters for
-benchmarks) or from a Hugging Face `config.json` (Llama, Qwen2, Mistral without
-sliding window). `model.py` builds the network from it, `loader.py` fills it.
+benchmarks), from a Hugging Face `config.json` (Llama, Qwen2, Mistral without
+sliding window) or from a GGUF file's metadata (`services/model/gguf.py`). `model.py` builds the network from it, `loader.py` fills it.
 """
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> ModelConfig:
+        """From a Hugging Face folder's config.json, or from a `.gguf` file's metadata."""
+        if str(folder).lower().endswith(".gguf"):
+            from services.model.gguf import read_gguf  # imports this module
+
+            return read_gguf(folder).config
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {folder}")
@@ -103,6 +108,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type", "")
+        quant = d.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise UnsupportedModelError(
+                f"quantized checkpoints are not supported (quantization_config, quant_method {method!r})"
+            )
         if model_type not in ("llama", "qwen2", "mistral"):
             raise UnsupportedModelError(f"model_type {model_type!r} is not a Llama-family decoder")
         if d.get("hidden_act", "silu") != "silu":

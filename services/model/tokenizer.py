@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.model.gguf import is_gguf, read_gguf
 from services.model.model_config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
 
@@ -29,18 +30,23 @@ class ByteTokenizer:
 
 
 class HfTokenizer:
-    """A Hugging Face `tokenizers` tokenizer loaded offline from `tokenizer.json`."""
+    """A Hugging Face `tokenizers` tokenizer: `tokenizer.json` of a folder, or rebuilt from a GGUF file."""
 
     def __init__(self, folder: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        from tokenizers import Tokenizer as _Tokenizer
+        if is_gguf(folder):
+            # The GGUF's vocabulary, merges and special tokens (services/model/gguf.py).
+            self._tok = read_gguf(folder).build_tokenizer()
+        else:
+            from tokenizers import Tokenizer as _Tokenizer
 
-        path = Path(folder) / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
-        self._tok = _Tokenizer.from_file(str(path))
+            path = Path(folder) / "tokenizer.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
+            self._tok = _Tokenizer.from_file(str(path))
+            eos_token_ids = eos_token_ids or _eos_from_tokenizer_config(Path(folder), self._tok)
         # The model's vocabulary (embedding rows) may be padded beyond the tokenizer's.
         self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids or _eos_from_tokenizer_config(Path(folder), self._tok)
+        self.eos_token_ids = eos_token_ids
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -74,12 +80,17 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""
+        # Every window is decoded after one fixed ordinary token: SentencePiece decoders strip the
+        # leading space of a decoded text, which would drop the space of a continuation's first
+        # token ("▁Paris" -> "Paris"); vLLM avoids it by starting the window inside the prompt.
+        # Both decodes of a window start with the anchor, so it cancels out of the difference.
+        self._anchor = tokenizer.encode("a")[-1:]
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text it completed (possibly "")."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix = self._tok.decode(self._anchor + self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._anchor + self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         new = full[len(prefix) :]

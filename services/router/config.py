@@ -47,7 +47,9 @@ class RouterConfig:
         (), "static decode workers, host:port,... (a DNS name with several addresses = several workers)"
     )
     prefill_workers: tuple[str, ...] = setting((), "static prefill workers, host:port,...")
-    model_path: str | None = setting(None, "Hugging Face model folder (config.json, tokenizer.json)")
+    model_path: str | None = setting(
+        None, "Hugging Face model folder (config.json, tokenizer.json) or .gguf file"
+    )
     preset: str = setting("tiny", f"built-in model when no model_path, one of {tuple(PRESETS)}")
     model_id: str | None = setting(None, "served model id; default builtin-<preset> or the folder name")
     block_size: int = setting(16, "KV block size every worker must use")

@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_make_run_serves_pdmesh_generate(tmp_path):
     workdir = tmp_path / "up"
-    cmd = ["make", "-s", "run", f"ARGS=--router-port 0 --gateway-port 0 --workdir {workdir}"]
+    # The built-in model: this test is about `make run` itself (test_default_model.py covers SmolLM2).
+    args = f"--model builtin-tiny --router-port 0 --gateway-port 0 --workdir {workdir}"
+    cmd = ["make", "-s", "run", f"ARGS={args}"]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

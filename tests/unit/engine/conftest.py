@@ -82,8 +82,14 @@ def train_tokenizer_json(path: Path) -> None:
     tok.save(str(path))
 
 
-def make_hf_checkpoint(folder: Path, model_type: str, tokenizer_json: Path, **overrides):
-    """Save a random tiny Llama / Qwen2 with save_pretrained; return the HF model (eval, fp32)."""
+def make_hf_checkpoint(
+    folder: Path, model_type: str, tokenizer_json: Path, random_norms: bool = False, **overrides
+):
+    """Save a random tiny Llama / Qwen2 with save_pretrained; return the HF model (eval, fp32).
+
+    `random_norms`: RMSNorm weights drawn around 1 instead of all ones (which would hide a
+    swapped or missing norm).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -97,6 +103,8 @@ def make_hf_checkpoint(folder: Path, model_type: str, tokenizer_json: Path, **ov
                 p.normal_(0.0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.05)
+            elif random_norms and name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
