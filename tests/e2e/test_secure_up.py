@@ -52,6 +52,8 @@ def secure_up(tmp_path_factory):
         "-m",
         "pdmesh.cli",
         "up",
+        "--model",
+        "builtin-tiny",
         "--router-port",
         "0",
         "--gateway-port",
