@@ -37,8 +37,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     # benchmarks may use anything, tests' fakes included
     "bench": frozenset({"*"}),
     # client, CLI, local launcher: the contract and the helpers it shares with the
-    # servers (TLS, config flags, the API-key format); services only as processes
-    "pdmesh": frozenset({CONTRACT, COMMON}),
+    # servers (TLS, config flags, the API-key format); services only as processes, but
+    # the planner's plain cores, which `pdmesh up --planner` runs beside the processes it owns
+    "pdmesh": frozenset({CONTRACT, COMMON, "services.planner"}),
     # one package per service; workers do not import each other or the router,
     # and only workers hold an engine
     "services.router": _SERVICE_BASE,
