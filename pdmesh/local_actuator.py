@@ -125,6 +125,8 @@ class LocalActuator:
             order = sorted(ws, key=lambda w: (w.static, -w.started_at))
             for w in order[: len(ws) - replicas]:
                 ws.remove(w)
+                if w.handle is not None:  # at once: the supervisor's next look must not see a crash
+                    self.retiring[id(w.handle)] = w.handle
                 self._spawn(self._retire(w))
         log.info("planner.local_scale", role=role, replicas=replicas)
 
