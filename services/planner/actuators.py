@@ -6,7 +6,7 @@ factory (`make_actuator`). Implementations:
 - `kubernetes`: the `scale` subresource of each role's Deployment through the
   official `kubernetes` client (GET and PATCH
   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale, an autoscaling/v1
-  `Scale`); needs the Role in deploy/k8s/base/planner-rbac.yaml. The client is
+  `Scale`); needs the Role in deploy/k8s/overlays/planner/planner-rbac.yaml. The client is
   synchronous, so calls run in a thread.
 - `metrics-only`: sets `pdmesh_planner_desired_replicas{role}` for HPA/KEDA and
   changes nothing itself.
