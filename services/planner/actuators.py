@@ -12,8 +12,8 @@ factory (`make_actuator`). Implementations:
   changes nothing itself.
 - `dry-run`: logs what it would do.
 - `local`: lives with the launcher that owns the processes (`pdmesh up
-  --planner`), which implements `Actuator` over its own processes; this package
-  names no launcher (the planner sits below the CLI).
+  --planner`, pdmesh/local_actuator.py), which implements `Actuator` over its
+  own processes; this package names no launcher (the planner sits below the CLI).
 
 Roles are "prefill" and "decode".
 """
