@@ -141,7 +141,7 @@ class LocalActuator:
             w.handle = await asyncio.to_thread(self.processes.launch, w.role)
             await asyncio.to_thread(self.processes.wait_ready, w.handle)
             await self._until(lambda: self.processes.routed(w.handle), self.ready_timeout_s, "routed")
-        except (OSError, RuntimeError) as e:  # LaunchError is a RuntimeError
+        except (OSError, RuntimeError, ActuatorError) as e:  # LaunchError is a RuntimeError
             self.failed_starts += 1
             log.warning("planner.start_failed", role=w.role, error=str(e))
             if w in self.workers[w.role]:

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -67,6 +68,11 @@ def check_planner_args(args: argparse.Namespace) -> str | None:
         return f"--decode {args.decode} must lie in [--min-decode {args.min_decode}, --max-decode {args.max_decode}]"
     if args.min_decode < 1:
         return "--min-decode must be >= 1"
+    try:  # the SLOs, cooldowns and the profile: refused now, not after the mesh started
+        planner_config(args, os.environ)
+        profile_model(args.planner_profile, args.planner_profile_file)
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        return f"planner: {e}"
     return None
 
 
@@ -113,8 +119,9 @@ class LocalPlanner:
     def _run(self) -> None:
         try:
             asyncio.run(self._main())
-        except BaseException as e:  # reported by stop(); the mesh keeps serving at its size
+        except Exception as e:  # the mesh keeps serving at its size; say so once
             self.error = e
+            print(f"pdmesh up: the planner stopped: {e!r}; the pools keep their size", file=sys.stderr)
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()

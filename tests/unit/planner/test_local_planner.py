@@ -35,6 +35,7 @@ def test_bad_planner_flags_are_refused_before_anything_starts():
     assert check_planner_args(parse("--decode", "5")) is None  # no --planner: nothing to check
     assert "--max-decode" in check_planner_args(parse("--planner", "--decode", "5", "--max-decode", "3"))
     assert "--min-decode" in check_planner_args(parse("--planner", "--decode", "0", "--min-decode", "0"))
+    assert "unknown sim profile" in check_planner_args(parse("--planner", "--planner-profile", "nope"))
 
 
 def test_workers_shows_the_last_decision_and_why(tmp_path):
