@@ -16,7 +16,9 @@ Each tick:
 2. size both pools jointly from that forecast (`sizing.size_pools`), for
    `headroom` x the SLOs (the model is a model);
 3. refit the sizing's queueing coefficient from the TTFT measured at the
-   utilisation the pool had, then correct with what was measured: a role whose measured latency quantile
+   utilisation the pool had (not in a bursty window: a burst's backlog is a
+   transient, and learning from it sized 3x the pools the bursts need), then
+   correct with what was measured: a role whose measured latency quantile
    broke its SLO last interval gets at least one more worker than it has,
    whatever the model says (the model may be wrong; the SLO is not);
 4. apply the hysteresis per role, and record the decision with its inputs.
@@ -138,7 +140,9 @@ class Planner:
             osl=sig["osl"].predict(lead),
             hit_rate=min(max(sig["hit"].predict(1), 0.0), 1.0),
         )
-        self._refit_wait(obs, rate_now)
+        bursty = self._burst_rate() > 0
+        if not bursty:  # a burst's queue is a transient, not the steady state the coefficient is of
+            self._refit_wait(obs, rate_now)
         decode_only = self.config.max_prefill == 0
         # Decode-only (no prefill workers at all): the budget is decode's alone, so prefill's
         # wish must not squeeze it (decode workers prefill themselves).
