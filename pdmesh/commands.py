@@ -366,7 +366,8 @@ def up(args: argparse.Namespace) -> int:
             )
             planner.start()
             print(
-                f"pdmesh up: planner on; its decisions: pdmesh workers --planner-state {planner.state_file}"
+                f"pdmesh up: planner on; its decisions: pdmesh workers --planner-state {planner.state_file}",
+                flush=True,
             )
         return _supervise(launcher, args, stop, planner.owns if planner is not None else None)
     except LaunchError as e:
