@@ -28,14 +28,20 @@ Scale down, per removed worker (the newest started first; the static ones
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import grpc
 import structlog
 
+from pdmesh.launcher import LaunchError
+from pdmesh.v1 import router_pb2, router_pb2_grpc
+from services.common.tls import sync_channel
 from services.planner.actuators import ROLES, ActuatorError
 
 log = structlog.get_logger()
@@ -67,6 +73,10 @@ class WorkerProcesses(Protocol):
         ...
 
     def forget(self, worker: Any) -> None: ...
+
+    def abort_waits(self) -> None:
+        """Make `wait_ready` calls in progress give up (the mesh is stopping)."""
+        ...
 
 
 @dataclass
@@ -176,7 +186,9 @@ class LocalActuator:
             await asyncio.sleep(self.poll_s)  # polling the router's view, not synchronisation
 
     async def close(self) -> None:
-        """Let starts and drains in progress finish (pdmesh up is stopping)."""
+        """Let drains in progress finish and starts give up (pdmesh up is stopping; a worker
+        half started is then drained like any other)."""
+        self.processes.abort_waits()
         if self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
@@ -213,6 +225,7 @@ class LauncherWorkers:
         self.ready_timeout_s = ready_timeout_s
         self._next = {role: 0 for role in ROLES}
         self._lock = threading.Lock()  # launches run in threads: one name, one start at a time
+        self._aborted = threading.Event()
 
     def _name(self, role: str) -> str:
         taken = {s.spec.name for s in self.launcher.services}
@@ -223,8 +236,6 @@ class LauncherWorkers:
         return name
 
     def launch(self, role: str) -> Any:
-        import dataclasses
-
         template = self.templates.get(role)
         if template is None:
             raise ActuatorError(f"no {role} worker to copy (start pdmesh up with at least one)")
@@ -244,14 +255,16 @@ class LauncherWorkers:
         return args
 
     def wait_ready(self, worker: Any) -> None:
-        self.launcher.wait_ready(worker, self.ready_timeout_s)
+        def check() -> None:
+            if self._aborted.is_set():
+                raise LaunchError(f"{worker.spec.name}: start abandoned, the mesh is stopping")
+
+        self.launcher.wait_ready(worker, self.ready_timeout_s, on_poll=check)
+
+    def abort_waits(self) -> None:
+        self._aborted.set()
 
     def routed(self, worker: Any) -> bool:
-        import grpc
-
-        from pdmesh.v1 import router_pb2, router_pb2_grpc
-        from services.common.tls import sync_channel
-
         with sync_channel(self.router_internal, self.tls) as channel:
             try:
                 listed = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(
@@ -268,8 +281,6 @@ class LauncherWorkers:
         return worker.proc.poll() is None
 
     def terminate(self, worker: Any) -> None:
-        import signal
-
         if worker.proc.poll() is None:
             worker.proc.send_signal(signal.SIGTERM)
 

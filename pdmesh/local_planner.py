@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -142,10 +144,6 @@ class LocalPlanner:
 
 def print_planner_state(path: str, out: Any = None) -> int:
     """`pdmesh workers --planner-state F`: the last decision, its reason and inputs."""
-    import json
-    import sys
-    import time
-
     out = out or sys.stdout
     try:
         state = json.loads(Path(path).read_text())

@@ -66,6 +66,9 @@ class FakeProcesses:
     def forget(self, p):
         self.events.append(("forget", p.name))
 
+    def abort_waits(self):
+        self.events.append(("abort_waits", ""))
+
 
 def static(name):
     return FakeProc(name, serving=True, routed=True)
@@ -150,3 +153,12 @@ def test_set_flag_replaces_or_appends():
         "h",
     )
     assert set_flag(("--host", "h"), "--router-address", "r:1") == ("--host", "h", "--router-address", "r:1")
+
+
+async def test_close_abandons_starts_and_lets_drains_finish():
+    procs = FakeProcesses()
+    act = LocalActuator(procs, {"decode": [static("decode-0"), static("decode-1")]}, poll_s=0.001)
+    await act.scale("decode", 1)
+    await act.close()
+    assert ("abort_waits", "") in procs.events and ("forget", "decode-1") in procs.events
+    assert not act.tasks
