@@ -189,7 +189,7 @@ class LocalActuator:
         """Let drains in progress finish and starts give up (pdmesh up is stopping; a worker
         half started is then drained like any other)."""
         self.processes.abort_waits()
-        if self.tasks:
+        while self.tasks:  # an abandoned start spawns its drain: wait for that too
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
 
