@@ -75,3 +75,40 @@ async def test_planner_process_decides_exports_and_drains(mesh, tmp_path):  # no
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     decisions = [x for x in lines if x.get("event") == "planner.decision"]
     assert decisions and {"reason", "decode", "forecast_rate", "observed_rate"} <= set(decisions[-1])
+
+
+async def test_planner_process_scales_a_deployment_through_the_api_server(mesh, tmp_path):  # noqa: F811
+    """The kubernetes actuator end to end: the process reads the router, decides that 3 decode
+    replicas are 2 too many for no load, and PATCHes the decode Deployment's scale subresource on
+    the API-server stand-in of tests/unit/planner/test_k8s_actuator.py (no API server runs here)."""
+    from tests.unit.planner.test_k8s_actuator import TOKEN, FakeApiServer
+
+    d1 = await mesh.decode("d1")
+    h = await mesh.router([d1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_")}
+    with FakeApiServer({("mesh", "prefill"): 0, ("mesh", "decode"): 3}) as api:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.planner.main",
+            "--router-address", h.listeners.internal_address, "--actuator", "kubernetes",
+            "--k8s-api-host", api.url, "--k8s-api-token", TOKEN, "--k8s-namespace", "mesh",
+            "--k8s-prefill-deployment", "prefill", "--k8s-decode-deployment", "decode",
+            "--interval-s", "0.2", "--min-prefill", "0", "--max-prefill", "0", "--max-decode", "3",
+            "--down-after", "1", "--down-cooldown-s", "0", "--port", "0",
+            env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            await eventually(
+                lambda: api.replicas[("mesh", "decode")] == 1, timeout=60, what="decode scaled to 1"
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+    patches = [r for r in api.requests if r[0] == "PATCH"]
+    assert patches and patches[0][1] == "/apis/apps/v1/namespaces/mesh/deployments/decode/scale"
+    assert api.replicas[("mesh", "prefill")] == 0  # decode-only: prefill never touched
+    assert proc.returncode == 0

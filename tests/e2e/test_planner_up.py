@@ -170,6 +170,7 @@ def planner_up(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         reader.join(5)
+    assert proc.returncode == 0, "".join(lines)[-3000:]  # drained and stopped, not killed
 
 
 async def _wait(pred, timeout: float, what: str):
