@@ -26,7 +26,10 @@ Policies, each on the same arrivals:
 - `static_peak`: the smallest fixed (prefill, decode) pools that attain 0.95 on
   the same arrivals, found with hindsight by searching (what an operator who
   provisions for the peak, and knew it exactly, would run);
-  `static_mean`: pdmesh's sizing at the run's mean rate, fixed.
+  `static_mean`: pdmesh's sizing at the run's mean rate, fixed;
+- `oracle` (a reference, not a policy anyone can run): the static_peak pools
+  scaled by the workload's true rate, read ahead over the next interval and a
+  start-up; a bound on what any load-tracking policy can save on this fleet.
 
 Reported per policy: worker-seconds, SLO attainment (TTFT <= --ttft-slo and
 mean ITL <= --itl-slo), worker-seconds per successful request (the cost per
@@ -91,9 +94,8 @@ def poisson(rate_at, duration_s: float, peak: float, rng: np.random.Generator) -
             out.append(t)
 
 
-def workload(kind: str, duration_s: float, peak: float, seed: int) -> list[SimRequest]:
-    rng = np.random.default_rng(seed)
-    lengths = [(r.input_len, r.output_len) for r in load_azure(default_trace_path("azure"))]
+def rate_function(kind: str, duration_s: float, peak: float):
+    """The arrival rate (requests/s) at time t of a workload shape."""
     if kind == "diurnal":
         trough = 0.2
 
@@ -108,6 +110,13 @@ def workload(kind: str, duration_s: float, peak: float, seed: int) -> list[SimRe
 
     else:
         raise ValueError(kind)
+    return rate_at
+
+
+def workload(kind: str, duration_s: float, peak: float, seed: int) -> list[SimRequest]:
+    rng = np.random.default_rng(seed)
+    lengths = [(r.input_len, r.output_len) for r in load_azure(default_trace_path("azure"))]
+    rate_at = rate_function(kind, duration_s, peak)
     times = poisson(rate_at, duration_s, peak, rng)
     return [SimRequest(t, *lengths[i % len(lengths)]) for i, t in enumerate(times)]
 
@@ -163,6 +172,20 @@ def run_policy(name: str, reqs: list[SimRequest], a: argparse.Namespace, learned
             return s.prefill, s.decode
 
         initial = static(len([r for r in reqs if r.arrival_s < INTERVAL_S]) / INTERVAL_S)
+    elif name == "oracle":
+        # Not a policy anyone can run: it reads the workload's true rate function ahead. The
+        # hindsight-smallest static pools, scaled by the busiest rate until the next decision's
+        # new workers are ready: a bound on what tracking the load can save here.
+        rate_at = rate_function(a.kind, a.day_s, a.peak_rate)
+        top = max(rate_at(t) for t in np.arange(0.0, a.day_s, 1.0))
+        p0, d0 = learned["static_peak"]
+        ahead = INTERVAL_S + a.startup_s
+
+        def policy(obs: Observation, now: float) -> tuple[int, int]:
+            r = max(rate_at(now + k) for k in np.arange(0.0, ahead + 1e-9, 5.0))
+            return max(1, math.ceil(p0 * r / top - 1e-9)), max(1, math.ceil(d0 * r / top - 1e-9))
+
+        initial = policy(None, 0.0)  # type: ignore[arg-type]
     elif name in ("static_peak", "static_mean"):
         fixed = learned["static_peak"] if name == "static_peak" else static(mean_rate)
 
@@ -198,7 +221,7 @@ def smallest_static(reqs: list[SimRequest], a: argparse.Namespace, goal: float =
     return p, d
 
 
-POLICIES = ("planner", "dynamo_formula", "static_peak", "static_mean")
+POLICIES = ("planner", "dynamo_formula", "static_peak", "static_mean", "oracle")
 
 
 def plot(kind: str, results: dict[str, SimResult]) -> Path:
@@ -229,6 +252,7 @@ def plot(kind: str, results: dict[str, SimResult]) -> Path:
 
 
 def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
+    a.kind = kind
     reqs = workload(kind, a.day_s, a.peak_rate, a.seed)
     print(
         f"\n== {kind}: {len(reqs)} requests over {a.day_s:.0f} s, peak 60-s rate {peak_rate(reqs):.1f}/s, "
@@ -256,13 +280,24 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
             f"{r.failed_scaling:6d}   ({time.perf_counter() - t0:.1f} s)"
         )
     print(f"plot: {plot(kind, results)}")
-    p, dyn, peak = results["planner"], results["dynamo_formula"], results["static_peak"]
+    p, dyn, peak, oracle = (
+        results["planner"],
+        results["dynamo_formula"],
+        results["static_peak"],
+        results["oracle"],
+    )
+    print(
+        f"oracle (knows the future rate; not a real policy): {oracle.worker_s / peak.worker_s:.2f}x static "
+        f"peak's worker-seconds at attainment {oracle.attainment(a.ttft_slo, a.itl_slo):.3f}"
+    )
     return {
         "attainment": f"{p.attainment(a.ttft_slo, a.itl_slo):.3f}",
         "worker_s_vs_peak": f"{p.worker_s / peak.worker_s:.2f}",
         "worker_s_vs_dynamo_formula": f"{p.worker_s / dyn.worker_s:.2f}",
         "attainment_dynamo_formula": f"{dyn.attainment(a.ttft_slo, a.itl_slo):.3f}",
         "failed_scaling": str(p.failed_scaling),
+        "oracle_worker_s_vs_peak": f"{oracle.worker_s / peak.worker_s:.2f}",
+        "oracle_attainment": f"{oracle.attainment(a.ttft_slo, a.itl_slo):.3f}",
     }
 
 

@@ -10,12 +10,15 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pdmesh.cli import command
 from pdmesh.client import add_security_arguments
 from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags, wait_all
+from pdmesh.local_planner import LocalPlanner, add_planner_arguments, check_planner_args
 from pdmesh.mesh_tls import MeshTls, MissingCertificates, wait_https
+from services.common.tls import client_tls
 from services.model.catalog import (
     DEFAULT_MODEL,
     ModelChoice,
@@ -111,6 +114,7 @@ def _up_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="restart a prefill/decode worker that exits (on its port); without it the mesh stays up without it",
     )
+    add_planner_arguments(p)
 
 
 def _tls(args: argparse.Namespace) -> MeshTls | None:
@@ -354,6 +358,9 @@ def up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if problem := check_planner_args(args):
+        print(f"pdmesh up: {problem}", file=sys.stderr)
+        return 2
     tls = _tls(args)
     try:
         check_certificates(args)
@@ -376,6 +383,7 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"pdmesh up: starting (logs in {launcher.workdir})", flush=True)
+    planner: LocalPlanner | None = None
     try:
         started = start_mesh(launcher, args)
         started_ok["yes"] = True
@@ -386,7 +394,20 @@ def up(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(f"pdmesh up: workers and operators (pdmesh workers) use {router.internal_address}", flush=True)
-        return _supervise(launcher, args, stop)
+        if args.planner:
+            planner = LocalPlanner(
+                launcher,
+                args,
+                started,
+                tls=client_tls(tls.config("router")) if tls is not None else None,
+                cert_flags=lambda role, name: _own_cert(args, role, name),
+            )
+            planner.start()
+            print(
+                f"pdmesh up: planner on; its decisions: pdmesh workers --planner-state {planner.state_file}",
+                flush=True,
+            )
+        return _supervise(launcher, args, stop, planner.owns if planner is not None else None)
     except LaunchError as e:
         print(f"pdmesh up: {e}", file=sys.stderr)
         return 1
@@ -396,6 +417,8 @@ def up(args: argparse.Namespace) -> int:
         print("pdmesh up: draining and stopping", flush=True)
         started_ok["yes"] = True  # from here a SIGTERM only flags: it must not interrupt the stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
+        if planner is not None:  # no scaling while the mesh stops; its drains in progress finish
+            planner.stop()
         launcher.close()
     return 0
 
@@ -405,7 +428,12 @@ def _interrupted(stop: dict[str, bool]) -> None:
         raise KeyboardInterrupt
 
 
-def _supervise(launcher: Launcher, args: argparse.Namespace, stop: dict[str, bool]) -> int:
+def _supervise(
+    launcher: Launcher,
+    args: argparse.Namespace,
+    stop: dict[str, bool],
+    planned: Callable[[RunningService], bool] | None = None,
+) -> int:
     """Watch the children until a signal. A worker that exits (drained or crashed) is
     reported and, with --restart, started again on its port; the mesh stays up. The
     router, kvtransfer or gateway exiting stops the mesh: nothing is served without them."""
@@ -413,8 +441,8 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, stop: dict[str, boo
     while not stop["now"]:
         for svc in list(launcher.services):
             code = svc.proc.poll()
-            if code is None or id(svc) in gone:
-                continue
+            if code is None or id(svc) in gone or (planned is not None and planned(svc)):
+                continue  # running, seen, or the planner is draining it
             if not svc.spec.name.startswith(_WORKER_PREFIXES):
                 print(
                     f"pdmesh up: {svc.spec.name} exited ({code}); stopping\n{svc.log_tail()}", file=sys.stderr
@@ -470,15 +498,24 @@ def _workers_args(p: argparse.ArgumentParser) -> None:
         "--address", default=DEFAULT_ROUTER, help="the router's internal host:port (--internal-port)"
     )
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument(
+        "--planner-state",
+        default=None,
+        help="also show the planner's last decision and why (the file `pdmesh up --planner` prints)",
+    )
     add_security_arguments(p)
 
 
 @command("workers", _workers_args)
 def workers(args: argparse.Namespace) -> int:
-    """List the router's workers: role, address, health, load, cached blocks."""
+    """List the router's workers: role, address, health, load, cached blocks (and the planner's decision)."""
     from pdmesh.client import auth_metadata, print_workers, tls_of
+    from pdmesh.local_planner import print_planner_state
 
-    return print_workers(args.address, args.timeout, tls_of(args), auth_metadata(args))
+    code = print_workers(args.address, args.timeout, tls_of(args), auth_metadata(args))
+    if args.planner_state:
+        code = print_planner_state(args.planner_state) or code
+    return code
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

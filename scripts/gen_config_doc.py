@@ -30,6 +30,7 @@ SERVICES = (
     ("prefill", "services.prefill.main"),
     ("kvtransfer", "services.kvtransfer.main"),
     ("gateway", "services.gateway.main"),
+    ("planner", "services.planner.main"),
 )
 
 HEADER = """\

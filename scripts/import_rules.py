@@ -37,9 +37,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     # benchmarks may use anything, tests' fakes included
     "bench": frozenset({"*"}),
     # client, CLI, local launcher: the contract and the helpers it shares with the
-    # servers (TLS, config flags, the API-key format), and the model layer for the
-    # catalog of servable models (`pdmesh up --model`); services only as processes
-    "pdmesh": frozenset({CONTRACT, COMMON, MODEL}),
+    # servers (TLS, config flags, the API-key format), the model layer for the catalog
+    # of servable models (`pdmesh up --model`), and the planner's plain cores, which
+    # `pdmesh up --planner` runs beside the processes it owns; services only as processes
+    "pdmesh": frozenset({CONTRACT, COMMON, MODEL, "services.planner"}),
     # one package per service; workers do not import each other or the router,
     # and only workers hold an engine
     "services.router": _SERVICE_BASE,

@@ -166,7 +166,7 @@ class RouterServiceStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterServiceStatsResponse(_message.Message):
-    __slots__ = ("requests_total", "requests_succeeded", "requests_failed", "requests_cancelled", "requests_shed", "retries", "retries_denied", "migrations", "tokens_per_successful_request", "wasted_tokens", "computed_tokens", "inflight", "queued")
+    __slots__ = ("requests_total", "requests_succeeded", "requests_failed", "requests_cancelled", "requests_shed", "retries", "retries_denied", "migrations", "tokens_per_successful_request", "wasted_tokens", "computed_tokens", "inflight", "queued", "prompt_tokens", "completion_tokens", "ttft", "itl")
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,10 @@ class RouterServiceStatsResponse(_message.Message):
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    ITL_FIELD_NUMBER: _ClassVar[int]
     requests_total: int
     requests_succeeded: int
     requests_failed: int
@@ -193,4 +197,18 @@ class RouterServiceStatsResponse(_message.Message):
     computed_tokens: int
     inflight: int
     queued: int
-    def __init__(self, requests_total: _Optional[int] = ..., requests_succeeded: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_shed: _Optional[int] = ..., retries: _Optional[int] = ..., retries_denied: _Optional[int] = ..., migrations: _Optional[int] = ..., tokens_per_successful_request: _Optional[float] = ..., wasted_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    completion_tokens: int
+    ttft: LatencyHistogram
+    itl: LatencyHistogram
+    def __init__(self, requests_total: _Optional[int] = ..., requests_succeeded: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_shed: _Optional[int] = ..., retries: _Optional[int] = ..., retries_denied: _Optional[int] = ..., migrations: _Optional[int] = ..., tokens_per_successful_request: _Optional[float] = ..., wasted_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft: _Optional[_Union[LatencyHistogram, _Mapping]] = ..., itl: _Optional[_Union[LatencyHistogram, _Mapping]] = ...) -> None: ...
+
+class LatencyHistogram(_message.Message):
+    __slots__ = ("upper_bounds_s", "counts", "sum_s")
+    UPPER_BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_S_FIELD_NUMBER: _ClassVar[int]
+    upper_bounds_s: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum_s: float
+    def __init__(self, upper_bounds_s: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum_s: _Optional[float] = ...) -> None: ...

@@ -33,7 +33,9 @@ from services.common.tls import is_tls_call, peer_identity
 
 PUBLIC_ROLES = frozenset({"client", "gateway"})
 INTERNAL_ROLES = frozenset({"router", "decode", "prefill", "kvtransfer"})
-# An operator's certificate (`pdmesh certs` issues any role name): ListWorkers, Stats.
+# An operator's certificate (`pdmesh certs` issues any role name): ListWorkers, Stats. The
+# planner (services/planner) reads exactly those, so it runs with an admin certificate
+# (`pdmesh up --planner` uses the router's, whose process it supervises).
 ADMIN_ROLES = frozenset({"admin", "router"})
 ROLES = PUBLIC_ROLES | INTERNAL_ROLES | {"admin"}
 WORKER_ROLES = frozenset({"decode", "prefill"})

@@ -6,14 +6,14 @@ factory (`make_actuator`). Implementations:
 - `kubernetes`: the `scale` subresource of each role's Deployment through the
   official `kubernetes` client (GET and PATCH
   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale, an autoscaling/v1
-  `Scale`); needs the Role in deploy/k8s/base/planner-rbac.yaml. The client is
+  `Scale`); needs the Role in deploy/k8s/overlays/planner/planner-rbac.yaml. The client is
   synchronous, so calls run in a thread.
 - `metrics-only`: sets `pdmesh_planner_desired_replicas{role}` for HPA/KEDA and
   changes nothing itself.
 - `dry-run`: logs what it would do.
 - `local`: lives with the launcher that owns the processes (`pdmesh up
-  --planner`), which implements `Actuator` over its own processes; this package
-  names no launcher (the planner sits below the CLI).
+  --planner`, pdmesh/local_actuator.py), which implements `Actuator` over its
+  own processes; this package names no launcher (the planner sits below the CLI).
 
 Roles are "prefill" and "decode".
 """

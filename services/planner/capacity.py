@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
-from services.model.timing import TimingProfile
+from services.model.timing import PROFILES_PATH, TimingProfile, load_profile
 
 
 class WorkerModel(Protocol):
@@ -65,6 +66,11 @@ class ProfileModel:
 
     def transfer_s(self, tokens: int) -> float:
         return self.profile.transfer_s(tokens)
+
+
+def profile_model(name: str, path: str | None = None) -> ProfileModel:
+    """The named sim profile (services/model/profiles.json, or the JSON file at `path`)."""
+    return ProfileModel(load_profile(name, Path(path) if path else PROFILES_PATH))
 
 
 class MeasuredModel:

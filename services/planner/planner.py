@@ -16,7 +16,9 @@ Each tick:
 2. size both pools jointly from that forecast (`sizing.size_pools`), for
    `headroom` x the SLOs (the model is a model);
 3. refit the sizing's queueing coefficient from the TTFT measured at the
-   utilisation the pool had, then correct with what was measured: a role whose measured latency quantile
+   utilisation the pool had (not in a bursty window: a burst's backlog is a
+   transient, and learning from it sized 3x the pools the bursts need), then
+   correct with what was measured: a role whose measured latency quantile
    broke its SLO last interval gets at least one more worker than it has,
    whatever the model says (the model may be wrong; the SLO is not);
 4. apply the hysteresis per role, and record the decision with its inputs.
@@ -46,18 +48,26 @@ class PlannerConfig:
     min_prefill: int = setting(1, "planner: fewest prefill workers (0 = decode workers may prefill alone)")
     min_decode: int = setting(1, "planner: fewest decode workers")
     max_workers: int = setting(8, "planner: most workers of both roles together (the budget)")
+    max_prefill: int = setting(
+        -1, "planner: most prefill workers (-1 = the budget's; 0 = decode prefills alone)"
+    )
+    max_decode: int = setting(-1, "planner: most decode workers (-1 = the budget's)")
     startup_s: float = setting(30.0, "planner: a new worker's start-up time until it first measures one")
     peak_window_s: float = setting(300.0, "planner: window in which bursts are recognised")
     burst_ratio: float = setting(
         2.5, "planner: a window whose busiest interval exceeds this x its median is bursty: keep its peak"
     )
-    hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig)
+    hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         require(self.interval_s > 0, "interval_s must be > 0")
         require(self.forecaster in FORECASTERS, f"forecaster must be one of {FORECASTERS}")
         require(self.startup_s >= 0, "startup_s must be >= 0")
         require(0 < self.headroom <= 1, "headroom must be in (0, 1]")
+        require(self.max_prefill >= -1 and self.max_decode >= -1, "max_prefill/max_decode must be >= -1")
+        require(self.max_decode != 0, "max_decode must not be 0 (at least one decode worker)")
+        require(self.max_prefill == -1 or self.max_prefill >= self.min_prefill, "max_prefill < min_prefill")
+        require(self.max_decode == -1 or self.max_decode >= self.min_decode, "max_decode < min_decode")
 
 
 @dataclass(frozen=True)
@@ -130,9 +140,17 @@ class Planner:
             osl=sig["osl"].predict(lead),
             hit_rate=min(max(sig["hit"].predict(1), 0.0), 1.0),
         )
-        self._refit_wait(obs, rate_now)
-        sizing = size_pools(forecast, self.model, self._target, self.budget, self.wait_coeff)
-        want_p, want_d = sizing.prefill, sizing.decode
+        bursty = self._burst_rate() > 0
+        if not bursty:  # a burst's queue is a transient, not the steady state the coefficient is of
+            self._refit_wait(obs, rate_now)
+        decode_only = self.config.max_prefill == 0
+        # Decode-only (no prefill workers at all): the budget is decode's alone, so prefill's
+        # wish must not squeeze it (decode workers prefill themselves).
+        budget = (
+            Budget(2 * self.budget.max_workers, 0, self.budget.min_decode) if decode_only else self.budget
+        )
+        sizing = size_pools(forecast, self.model, self._target, budget, self.wait_coeff)
+        want_p, want_d = (0, sizing.decode) if decode_only else (sizing.prefill, sizing.decode)
         reasons = [sizing.reason]
         if obs.ttft_q_s is not None and obs.ttft_q_s > self.slo.ttft_s and want_p <= obs.prefill_workers:
             want_p = obs.prefill_workers + 1
@@ -141,6 +159,10 @@ class Planner:
             want_d = obs.decode_workers + 1
             reasons.append("itl_measured_over_slo")
         room = self.budget.max_workers
+        if self.config.max_prefill >= 0:
+            want_p = min(want_p, self.config.max_prefill)
+        if self.config.max_decode > 0:
+            want_d = min(want_d, self.config.max_decode)
         want_p = min(want_p, room - self.budget.min_decode)
         want_d = min(want_d, room - want_p)
         p = self.hysteresis.apply("prefill", obs.prefill_workers, want_p, now)

@@ -55,6 +55,8 @@ class CostStats:
     wasted_tokens: int
     retries: int
     migrations: int
+    prompt_tokens: int = 0  # of finished requests (the planner's ISL)
+    completion_tokens: int = 0  # delivered, of finished requests (the planner's OSL)
 
     @property
     def requests_finished(self) -> int:
@@ -80,6 +82,8 @@ class CostLedger:
         self._wasted = 0
         self._retries = 0
         self._migrations = 0
+        self._prompt = 0
+        self._completion = 0
 
     def record(self, cost: RequestCost) -> None:
         """Fold in one finished request (call exactly once per request)."""
@@ -90,6 +94,8 @@ class CostLedger:
             self._successful_computed += cost.computed_tokens
         self._retries += cost.retries
         self._migrations += cost.migrations
+        self._prompt += cost.prompt_tokens
+        self._completion += cost.completion_tokens
 
     def record_shed(self) -> None:
         """A request refused at admission (it computed nothing)."""
@@ -106,4 +112,6 @@ class CostLedger:
             wasted_tokens=self._wasted,
             retries=self._retries,
             migrations=self._migrations,
+            prompt_tokens=self._prompt,
+            completion_tokens=self._completion,
         )

@@ -164,6 +164,20 @@ class RouterMetrics:
         for _ in range(tokens):
             self._itl.observe(per_token)
 
+    def latency_histograms(self) -> dict[str, tuple[tuple[float, ...], tuple[int, ...], float]]:
+        """{"ttft", "itl"}: (upper bounds with +Inf last, cumulative counts, sum) since start (Stats)."""
+        out = {}
+        for name, hist in (("ttft", self._ttft), ("itl", self._itl)):
+            bounds, counts, total = [], [], 0.0
+            for sample in next(iter(hist.collect())).samples:
+                if sample.name.endswith("_bucket"):
+                    bounds.append(float(sample.labels["le"]))
+                    counts.append(int(sample.value))
+                elif sample.name.endswith("_sum"):
+                    total = float(sample.value)
+            out[name] = (tuple(bounds), tuple(counts), total)
+        return out
+
     def shed(self, reason: str) -> None:
         self._shed.labels(reason).inc()
 

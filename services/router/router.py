@@ -18,7 +18,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -76,6 +76,10 @@ class RouterStats:
     computed_tokens: int
     inflight: int
     queued: int
+    prompt_tokens: int = 0  # of finished requests (the planner's ISL)
+    completion_tokens: int = 0
+    # "ttft"/"itl": (upper bounds, cumulative counts, sum) since start (RouterMetrics.latency_histograms)
+    latency: dict[str, tuple[tuple[float, ...], tuple[int, ...], float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -362,6 +366,9 @@ class Router:
             computed_tokens=c.computed_tokens,
             inflight=self.admission.inflight,
             queued=self.admission.queued,
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens,
+            latency=self.metrics.latency_histograms(),
         )
 
 

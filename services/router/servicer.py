@@ -298,7 +298,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             computed_tokens=s.computed_tokens,
             inflight=s.inflight,
             queued=s.queued,
+            prompt_tokens=s.prompt_tokens,
+            completion_tokens=s.completion_tokens,
+            **{name: _histogram(*h) for name, h in s.latency.items()},
         )
+
+
+def _histogram(
+    bounds: tuple[float, ...], counts: tuple[int, ...], total: float
+) -> router_pb2.LatencyHistogram:
+    return router_pb2.LatencyHistogram(upper_bounds_s=bounds, counts=counts, sum_s=total)
 
 
 class _HandlerCapture:

@@ -73,3 +73,19 @@ async def test_shed_and_invalid_requests_are_counted(mesh):
     assert m["pdmesh_router_invalid_requests_total"] == 1
     s = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
     assert s.requests_shed == 1 and s.requests_total == 1
+
+
+async def test_stats_carry_what_the_planner_needs(mesh):
+    """Token totals of finished requests and cumulative TTFT/ITL histograms (services/planner)."""
+    d = await mesh.decode("d1")
+    h = await mesh.router([d])
+    before = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
+    assert before.prompt_tokens == 0 and before.ttft.counts[-1] == 0
+    await h.generate("abcd", max_tokens=6)
+    await h.generate("abcdefgh", max_tokens=3)
+    s = await h.internal.Stats(router_pb2.RouterServiceStatsRequest())
+    assert (s.prompt_tokens, s.completion_tokens) == (4 + 8, 6 + 3)
+    assert s.ttft.upper_bounds_s[-1] == float("inf") and s.ttft.counts[-1] == 2
+    assert list(s.ttft.counts) == sorted(s.ttft.counts)  # cumulative
+    assert 0 < s.itl.counts[-1] <= (6 - 1) + (3 - 1)  # tokens sent together share one gap
+    assert s.ttft.sum_s > 0

@@ -222,3 +222,20 @@ def test_a_bursty_window_keeps_capacity_for_the_burst():
     for i in range(10):
         dec = smooth.tick(_obs(int((5 + 0.5 * i) * 30), 4, 4), now=30.0 * i)
     assert dec.forecast.rate < 12  # a smooth ramp is tracked, not held at its top
+
+
+def test_a_bursts_queue_does_not_refit_the_queueing_coefficient():
+    """The backlog a burst leaves is a transient: learning A from it sized 20 prefill workers
+    where 7 serve the bursts (bench/planner.py, bursty); steady load still refits A."""
+    cfg = PlannerConfig(interval_s=30, peak_window_s=300)
+    bursty = Planner(cfg, H100)
+    for i in range(6):
+        rps, ttft = (25, 30.0) if i == 2 else (5, 0.5)
+        bursty.tick(_obs(int(rps * 30), 4, 4, ttft_q_s=ttft), now=30.0 * i)
+    steady = Planner(cfg, H100)
+    steady.tick(_obs(5 * 30, 4, 4, ttft_q_s=0.5), now=0.0)
+    assert steady.wait_coeff is not None
+    fitted = bursty.wait_coeff
+    assert fitted is not None  # the intervals before the burst refit it
+    bursty.tick(_obs(5 * 30, 4, 4, ttft_q_s=40.0), now=200.0)  # the backlog still draining
+    assert bursty.wait_coeff == fitted
