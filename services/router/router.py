@@ -41,6 +41,7 @@ from services.router.generate import (
     RoutingContext,
     check_capacity,
 )
+from services.router.load_view import LoadView
 from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.policy import WorkerLoad, make_policy
 from services.router.prefix_index import EventSequencer, PrefixIndex
@@ -126,6 +127,7 @@ class Router:
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self.breakers.is_available)
         self.index = PrefixIndex(settings.index)
         self.sequencer = EventSequencer()
+        self.load_view = LoadView() if cfg.load_view else None
         self.budget = RetryBudget(settings.retry_budget, clock)
         self.ledger = CostLedger()
         self.auth = ApiKeyStore(settings.auth) if settings.auth.enabled else None
@@ -144,6 +146,7 @@ class Router:
             resolver,
             tls=settings.tls,
             interceptors=interceptors,  # tracing: the trace context goes to the workers
+            load_view=self.load_view,
         )
         self.pool.drain_grace_s = settings.server.drain_grace_s
         self.ctx = RoutingContext(
@@ -161,6 +164,7 @@ class Router:
             clock=clock,
             metrics=self.metrics,
             notify=self.changed,
+            load_view=self.load_view,
         )
         self.flows: dict[str, RequestFlow] = {}
         self.requests_total = 0
@@ -284,6 +288,8 @@ class Router:
         return result
 
     def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        if self.load_view is not None:
+            self.load_view.report(worker_id)
         return self.registry.heartbeat(worker_id, load)
 
     async def deregister(self, worker_id: str) -> bool:
