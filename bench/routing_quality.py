@@ -220,13 +220,24 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
     return workers
 
 
+# Ablation variants (issue 17): "<policy>@<variant>" runs the router with these flags.
+VARIANTS = {
+    "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (before issue 17)
+    "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view
+    "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 5.0},  # + optimistic prefixes (the default)
+}
+
+
 def start_router(launcher: Launcher, study: Study, policy: str, workers: list[RunningService]):
-    """`policy` is a router policy name, or "kv_aware:W" for kv_aware with --prefill-weight W."""
+    """`policy` is a router policy name, or "kv_aware:W" for kv_aware with --prefill-weight W,
+    optionally with "@variant" (VARIANTS) appended."""
+    policy, _, variant = policy.partition("@")
     name, _, weight = policy.partition(":")
     args = flags(
         decode_workers=[w.address for w in workers],
         policy=name,
         prefill_weight=float(weight) if weight else None,
+        **VARIANTS.get(variant, {}),
         preset="tiny",
         block_size=study.block_size,
         max_model_len=study.num_blocks * study.block_size,
@@ -241,7 +252,10 @@ def start_router(launcher: Launcher, study: Study, policy: str, workers: list[Ru
     )
     return launcher.start_ready(
         ServiceSpec(
-            f"router-{name}{weight}", "services.router.main", args, ready_service="pdmesh.v1.RouterService"
+            f"router-{name}{weight}{variant}",
+            "services.router.main",
+            args,
+            ready_service="pdmesh.v1.RouterService",
         ),
         300,
     )
@@ -332,14 +346,14 @@ def describe(study: Study) -> str:
 
 def table(results: list[PolicyResult]) -> list[str]:
     head = (
-        f"  {'policy':<13}{'ok':>6}{'hit':>7}{'hit_w':>7}{'ttft_mean':>11}{'ttft_p50':>10}{'ttft_p99':>10}"
+        f"  {'policy':<16}{'ok':>6}{'hit':>7}{'hit_w':>7}{'ttft_mean':>11}{'ttft_p50':>10}{'ttft_p99':>10}"
         f"{'tpot_p50':>10}{'out_tok/s':>11}{'req/s':>7}{'goodput':>9}{'spread':>8}{'preempt':>9}"
     )
     lines = [head]
     for r in results:
         t = r.ttft_ms
         lines.append(
-            f"  {r.policy:<13}{r.summary.ok:>6}{r.hit:>7.3f}{r.worker_hit:>7.3f}{t['mean']:>11.0f}"
+            f"  {r.policy:<16}{r.summary.ok:>6}{r.hit:>7.3f}{r.worker_hit:>7.3f}{t['mean']:>11.0f}"
             f"{t['p50']:>10.0f}{t['p99']:>10.0f}{r.tpot_p50_ms:>10.1f}{r.output_tok_s:>11.0f}"
             f"{r.request_rps:>7.2f}{r.goodput_rps:>9.2f}{r.spread:>8.2f}{r.preemptions:>9}"
         )
@@ -360,10 +374,12 @@ def print_study(study: Study, results: list[PolicyResult], ideal: float) -> None
     for line in table(results):
         print(line)
     p = by_policy(results)
-    if "kv_aware" in p and "round_robin" in p:
-        kv, rr = p["kv_aware"], p["round_robin"]
+    rr = p.get("round_robin")
+    for name, kv in p.items():
+        if rr is None or name == "round_robin":
+            continue
         print(
-            f"  kv_aware vs round_robin: mean TTFT x{kv.ttft_ms['mean'] / rr.ttft_ms['mean']:.2f}, "
+            f"  {name} vs round_robin: mean TTFT x{kv.ttft_ms['mean'] / rr.ttft_ms['mean']:.2f}, "
             f"p50 x{kv.ttft_ms['p50'] / rr.ttft_ms['p50']:.2f}, p99 x{kv.ttft_ms['p99'] / rr.ttft_ms['p99']:.2f}, "
             f"hit {kv.hit:.3f} vs {rr.hit:.3f}, throughput x{kv.output_tok_s / rr.output_tok_s:.2f} "
             "(target: mean TTFT <= 0.5x at equal throughput)"
