@@ -37,7 +37,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.model.hashing import block_hashes
+from services.model.hashing import BlockHashChain
 from services.router.admission import AdmissionRejected, DeadlineUnreachable, InvalidAdmission, Ticket, Waiter
 from services.router.admission_gate import AdmissionGate
 from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
@@ -335,7 +335,7 @@ class RequestFlow:
         """Pick a decode worker for the next attempt and start the call."""
         ctx, cfg, plan = self.ctx, self.ctx.config, self.journey.next_attempt()
         input_ids = plan.prompt_token_ids + plan.resume_token_ids
-        hashes = block_hashes(input_ids, cfg.block_size)
+        hashes = BlockHashChain(input_ids, cfg.block_size)  # hashed as far as the match reads
         now = ctx.clock()
         ctx.index.expire(now)  # optimistic entries nobody confirmed in time
         overlaps = ctx.index.match(hashes) if hashes else {}

@@ -106,7 +106,10 @@ class LoadView:
         """A load report of `worker_id` arrived: what this router has routed there
         now is what the report may already include."""
         t = self._totals.get(worker_id)
-        self._at_report[worker_id] = (t.prefill_tokens, t.decode_blocks) if t else (0, 0)
+        if t is None:  # nothing of ours in it: no entry, so `blend` skips the worker quickly
+            self._at_report.pop(worker_id, None)
+        else:
+            self._at_report[worker_id] = (t.prefill_tokens, t.decode_blocks)
 
     def forget(self, worker_id: str) -> None:
         """The worker left: drop its report baseline (attempts still end normally)."""
@@ -118,10 +121,15 @@ class LoadView:
         """`candidates` with the blended load (see the module docstring) in
         `tokens_waiting` and `active_decode_blocks`, and own requests in `inflight`."""
         out = []
+        totals, at_report = self._totals, self._at_report
         for c in candidates:
-            t = self._totals.get(c.worker_id)
+            t = totals.get(c.worker_id)
+            base = at_report.get(c.worker_id)
+            if t is None and base is None:  # nothing of ours outstanding or in the report
+                out.append(c)
+                continue
             own_p, own_d = (t.prefill_tokens, t.decode_blocks) if t else (0, 0)
-            base_p, base_d = self._at_report.get(c.worker_id, (0, 0))
+            base_p, base_d = base or (0, 0)
             load = c.load
             prefill = max(load.tokens_waiting - base_p, 0) + own_p
             decode = max(load.active_decode_blocks - base_d, 0) + own_d

@@ -37,7 +37,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from services.common.config import require, setting
 
@@ -66,8 +66,9 @@ class Candidate:
     inflight: int = 0
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
+    """A ranked worker (a named tuple: one is built per candidate per decision)."""
+
     worker_id: str
     cost: float
     overlap_blocks: int
@@ -147,6 +148,10 @@ def _queued_prefill_blocks(load: WorkerLoad, block_size: int) -> int:
     return -(-load.tokens_waiting // block_size)
 
 
+def _cost_and_tiebreak(k: tuple[float, float, Choice]) -> tuple[float, float]:
+    return k[0], k[1]
+
+
 class RoundRobinPolicy:
     name = "round_robin"
 
@@ -205,17 +210,28 @@ class KvAwarePolicy:
         """As `Policy.rank`; `credits`: worker id -> overlap credit over every tier
         (`overlap_credit`), used in the cost in place of that worker's device overlap."""
         overlaps = overlaps or {}
-        credits = credits or {}
+        cfg = self.config
+        weight, bs = cfg.prefill_weight, cfg.block_size
         scored = []
-        for c in _healthy(candidates):
-            overlap = min(overlaps.get(c.worker_id, 0), prompt_blocks)
-            credit = min(credits.get(c.worker_id, overlap), prompt_blocks)
-            scored.append(Choice(c.worker_id, self.cost(c, prompt_blocks, credit), overlap))
-        if self.config.temperature > 0 and len(scored) > 1:
+        # self.cost inlined: this loop runs once per candidate per decision (hot path).
+        for c in candidates:
+            if not c.healthy:
+                continue
+            wid = c.worker_id
+            overlap = overlaps.get(wid, 0)
+            if overlap > prompt_blocks:
+                overlap = prompt_blocks
+            credit = min(credits.get(wid, overlap), prompt_blocks) if credits else overlap
+            load = c.load
+            queued = -(-load.tokens_waiting // bs)
+            cost = weight * (max(prompt_blocks - credit, 0) + queued) + load.active_decode_blocks
+            scored.append(Choice(wid, cost, overlap))
+        if cfg.temperature > 0 and len(scored) > 1:
             return self._sample(scored)
-        keyed = [(ch.cost, self._rng.random(), ch) for ch in scored]
-        keyed.sort(key=lambda k: k[:2])
-        return [ch for _, _, ch in keyed]
+        rnd = self._rng.random
+        keyed = [(ch.cost, rnd(), ch) for ch in scored]
+        keyed.sort(key=_cost_and_tiebreak)
+        return [k[2] for k in keyed]
 
     def _sample(self, scored: list[Choice]) -> list[Choice]:
         """Sequential sampling without replacement from softmax(-norm cost / T)."""

@@ -217,17 +217,21 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of `block_hashes` each worker has cached, contiguously
         from the first block; workers with no match are absent."""
-        if not block_hashes:
+        # Iterates (never indexes past what it needs): a lazy BlockHashChain hashes only
+        # the blocks walked, up to the first one no worker holds.
+        it = iter(block_hashes)
+        prev = next(it, None)
+        if prev is None:
             return {}
-        first = self._nodes.get(block_hashes[0])
+        first = self._nodes.get(prev)
         if first is None or first.parent is not None or not first.reachable:
             return {}
         result: dict[str, int] = {}
         active: set[str] | frozenset[str] = first.reachable
-        prev = block_hashes[0]
-        for i in range(1, len(block_hashes)):
-            h = block_hashes[i]
-            node = self._nodes.get(h)
+        nodes = self._nodes
+        i = 0
+        for i, h in enumerate(it, 1):
+            node = nodes.get(h)
             # A parent mismatch can only come from a hash collision: treat as absent.
             nxt = node.reachable if node is not None and node.parent == prev else _EMPTY
             if len(nxt) != len(active):  # equal sizes mean equal sets: nxt is a subset of active
@@ -238,7 +242,7 @@ class PrefixIndex:
                 active = nxt
             prev = h
         for w in active:
-            result[w] = len(block_hashes)
+            result[w] = i + 1  # every block: the loop ended on the last one
         return result
 
     def blocks(self, worker_id: str) -> int:

@@ -180,3 +180,17 @@ def test_random_streams_with_provisional_entries_match_a_naive_model():
         assert idx.match(q) == expected
         assert idx.provisional(w) == len(prov[w])
         assert idx.blocks(w) == len(confirmed[w] | set(prov[w]))
+
+
+def test_a_lazy_chain_matches_like_a_list_and_hashes_only_what_the_walk_reads():
+    from services.model.hashing import BlockHashChain
+
+    tokens = list(range(64 * BS))  # 64 blocks; A is its first 8
+    idx = PrefixIndex()
+    idx.apply_stored("w1", None, A[:3])
+    lazy = BlockHashChain(tokens, BS)
+    assert idx.match(lazy) == idx.match(A) == {"w1": 3}
+    assert lazy.computed < 16 < len(lazy)  # the tail after the first miss was not hashed
+    idx.apply_stored("w1", A[2], A[3:])
+    assert idx.match(BlockHashChain(tokens[: 8 * BS], BS)) == {"w1": 8}
+    assert idx.match(BlockHashChain(tokens[: BS - 1], BS)) == {}
