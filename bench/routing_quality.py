@@ -55,7 +55,7 @@ from bench.loadgen import WorkItem, build_workload, run_load
 from bench.stats import RequestRecord, Summary, summarize, write_records
 from bench.traces import VocabRange
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
-from pdmesh.v1 import decode_pb2_grpc, worker_pb2
+from pdmesh.v1 import decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
 from services.model.hashing import block_hashes
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
@@ -224,7 +224,7 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
 VARIANTS = {
     "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (before issue 17)
     "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view
-    "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 5.0},  # + optimistic prefixes (the default)
+    "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes (the default)
 }
 
 
@@ -275,12 +275,47 @@ def worker_counters(workers: list[RunningService]) -> dict[str, dict[str, int]]:
     return out
 
 
+def wait_index_synced(
+    router: RunningService, workers: list[RunningService], timeout_s: float = 300.0
+) -> float:
+    """Wait until the new router's prefix index holds every worker's cached blocks (its
+    KV-event snapshots are applied); returns the seconds waited.
+
+    Without this, a router started on workers whose caches the previous policy filled
+    spends its first seconds applying 4 x 65k-block snapshots while the first requests
+    of the trace wait: every policy after the first paid ~10 s on its first requests.
+    """
+    t0 = time.perf_counter()
+    want = {}
+    for w in workers:
+        with grpc.insecure_channel(w.address) as ch:
+            s = decode_pb2_grpc.DecodeServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=30)
+        want[s.info.worker_id] = s.cached_blocks
+    with grpc.insecure_channel(router.address) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        while True:
+            try:
+                resp = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=30)
+            except grpc.RpcError as e:  # e.g. ListWorkers moved to an internal port: go on unsynced
+                print(f"  (router index sync not checked: {e.code().name})")
+                return time.perf_counter() - t0
+            have = {ws.info.worker_id: ws.indexed_blocks for ws in resp.workers}
+            if all(have.get(w, -1) >= n for w, n in want.items()):
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"router index not synced after {timeout_s:.0f} s: {have} vs {want}")
+            time.sleep(0.2)
+
+
 def run_policy(
     launcher: Launcher, study: Study, policy: str, workers: list[RunningService], items: list[WorkItem]
 ) -> PolicyResult:
     router = start_router(launcher, study, policy, workers)
     pids = [w.proc.pid for w in workers] + [router.proc.pid]
     try:
+        synced = wait_index_synced(router, workers)
+        if synced > 1:
+            print(f"  {policy}: router index synced with the workers' caches in {synced:.0f} s")
         before = worker_counters(workers)
         cpu0 = sum(proc_cpu_s(pid) for pid in pids) + time.process_time()
         t0 = time.perf_counter()

@@ -57,7 +57,7 @@ class RouterConfig:
         True, "score on the router's own account of what it routed (blended with load reports)"
     )
     optimistic_prefix_ttl_s: float = setting(
-        5.0,
+        10.0,
         "a routed prompt's blocks count as cached on its worker until a KV event confirms them, "
         "for at most this long (0 = off: only KV events)",
     )
