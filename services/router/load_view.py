@@ -5,9 +5,8 @@ its prefill tokens (the prompt tokens the worker still has to compute) count
 from routing until the worker's first token, its decode blocks (the KV blocks
 the request will add on the worker) until the attempt ends (finish, failure,
 cancel). The request flow (services/router/generate.py) calls `begin` when it
-routes, `first_token`, `end`; the worker pool calls `report` when a load
-report (Stats poll or heartbeat) arrives; `blend` turns the registry's
-candidates into candidates whose load the policy scores.
+routes, `first_token`, `end`, and `blend` to turn the registry's candidates
+(load as last reported) into the ones the policy scores.
 
 Why: a heartbeat is stale by up to one interval and the worker's
 `tokens_waiting` misses the unfinished chunks of a prompt already running, so
@@ -15,21 +14,24 @@ a burst of requests routed between two reports all see the same "idle"
 worker. The own view is exact for this router's traffic from the moment it
 routes.
 
-Blending with reports, so other routers' traffic is still seen:
+Blending with load reports (heartbeat or Stats poll), per component:
 
-    others = max(reported - own_at_report, 0)      per component
-    load   = others + own_now
+    load = max(own, reported)
 
-`own_at_report` is this router's own total when the report arrived: what of
-the report is this router's own traffic. Taking it out and adding the live
-own total counts the own traffic once (never twice, as `reported + own`
-would) and still counts what other routers sent (which `max(own, reported)`
-would hide whenever own is larger, e.g. right after a burst). Clamping at 0:
-the report undercounts own prefill (running chunks) and own decode blocks are
-reserved up front (prompt + max_tokens), so the difference is often negative
-for a worker only this router feeds; then the own view alone is the load.
-With one router this is Dynamo's behaviour (own view only); with several it
-adds the others' last reported load.
+so other routers' traffic is still seen. Why max and not `reported + own`
+(counts our own traffic twice once the report includes it) or `reported -
+own_at_report + own` (exact only if both were in the same units, and they are
+not: the worker's `tokens_waiting` counts a waiting prompt's cached tokens too
+and misses running chunks, its decode blocks count each running sequence's
+whole block table, cached prefix included, while the own view counts uncached
+prompt tokens and the blocks a request adds; the difference would land on
+exactly the workers holding prefixes, as phantom "other" load). max() never
+double counts, is the own view whenever that is larger (a burst since the
+last report, a long prompt still in prefill) and the report whenever that is
+(other routers' traffic, or traffic this router process no longer tracks); it
+undercounts only when both this router's unreported traffic and another's are
+large, by at most half. With one router it is Dynamo's view (own only) wherever
+ours is the larger.
 """
 
 from __future__ import annotations
@@ -61,8 +63,6 @@ class LoadView:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
         self._totals: dict[str, _Totals] = {}
-        # worker -> (own prefill tokens, own decode blocks) when its last report arrived
-        self._at_report: dict[str, tuple[int, int]] = {}
         self._next = 0
 
     # ---- the request flow ---------------------------------------------------
@@ -100,41 +100,25 @@ class LoadView:
         if t.requests == 0:
             del self._totals[e.worker_id]
 
-    # ---- load reports -------------------------------------------------------
-
-    def report(self, worker_id: str) -> None:
-        """A load report of `worker_id` arrived: what this router has routed there
-        now is what the report may already include."""
-        t = self._totals.get(worker_id)
-        if t is None:  # nothing of ours in it: no entry, so `blend` skips the worker quickly
-            self._at_report.pop(worker_id, None)
-        else:
-            self._at_report[worker_id] = (t.prefill_tokens, t.decode_blocks)
-
-    def forget(self, worker_id: str) -> None:
-        """The worker left: drop its report baseline (attempts still end normally)."""
-        self._at_report.pop(worker_id, None)
-
     # ---- the policy's view --------------------------------------------------
 
     def blend(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        """`candidates` with the blended load (see the module docstring) in
-        `tokens_waiting` and `active_decode_blocks`, and own requests in `inflight`."""
+        """`candidates` with max(own, reported) (see the module docstring) in
+        `tokens_waiting` and `active_decode_blocks`."""
         out = []
-        totals, at_report = self._totals, self._at_report
+        totals = self._totals
         for c in candidates:
             t = totals.get(c.worker_id)
-            base = at_report.get(c.worker_id)
-            if t is None and base is None:  # nothing of ours outstanding or in the report
+            if t is None:  # nothing of ours outstanding there: the report alone
                 out.append(c)
                 continue
-            own_p, own_d = (t.prefill_tokens, t.decode_blocks) if t else (0, 0)
-            base_p, base_d = base or (0, 0)
             load = c.load
-            prefill = max(load.tokens_waiting - base_p, 0) + own_p
-            decode = max(load.active_decode_blocks - base_d, 0) + own_d
-            if prefill != load.tokens_waiting or decode != load.active_decode_blocks:
-                load = dataclasses.replace(load, tokens_waiting=prefill, active_decode_blocks=decode)
+            if t.prefill_tokens > load.tokens_waiting or t.decode_blocks > load.active_decode_blocks:
+                load = dataclasses.replace(
+                    load,
+                    tokens_waiting=max(load.tokens_waiting, t.prefill_tokens),
+                    active_decode_blocks=max(load.active_decode_blocks, t.decode_blocks),
+                )
                 c = dataclasses.replace(c, load=load)
             out.append(c)
         return out

@@ -146,7 +146,6 @@ class Router:
             resolver,
             tls=settings.tls,
             interceptors=interceptors,  # tracing: the trace context goes to the workers
-            load_view=self.load_view,
         )
         self.pool.drain_grace_s = settings.server.drain_grace_s
         self.ctx = RoutingContext(
@@ -288,8 +287,6 @@ class Router:
         return result
 
     def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
-        if self.load_view is not None:
-            self.load_view.report(worker_id)
         return self.registry.heartbeat(worker_id, load)
 
     async def deregister(self, worker_id: str) -> bool:

@@ -37,7 +37,6 @@ from services.common.tls import TlsConfig, aio_channel, client_tls
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.convert import KvResync, apply_kv_message, info_from_proto, load_from_proto
-from services.router.load_view import LoadView
 from services.router.prefix_index import EventSequencer, IndexOverflow, PrefixIndex
 from services.router.registry import (
     JoinRefused,
@@ -212,8 +211,6 @@ class WorkerConnection:
                     self._kv = asyncio.create_task(self._kv_loop(), name=f"kv:{self.address}")
                 continue
             if self.worker_id is not None:
-                if self.pool.load_view is not None:
-                    self.pool.load_view.report(self.worker_id)
                 self.pool.registry.update_load(self.worker_id, load_from_proto(resp.load))
                 self.pool.changed()
 
@@ -264,7 +261,6 @@ class WorkerPool:
         resolver: Callable[[str], Sequence[str]] = system_resolver,
         tls: TlsConfig | None = None,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-        load_view: LoadView | None = None,
     ):
         self.config = config
         # With TLS a worker must present a certificate of the mesh CA, or it never joins.
@@ -274,7 +270,6 @@ class WorkerPool:
         self.index = index
         self.sequencer = sequencer
         self.breakers = breakers
-        self.load_view = load_view  # told when a load report arrives
         self.changed = changed
         self.subscriber = subscriber
         self._resolver = resolver
@@ -352,8 +347,6 @@ class WorkerPool:
         self.index.clear(worker_id)
         self.sequencer.forget(worker_id)
         self.breakers.remove(worker_id)
-        if self.load_view is not None:
-            self.load_view.forget(worker_id)
 
     async def close(self) -> None:
         if self._dns_task is not None:

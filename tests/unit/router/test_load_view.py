@@ -47,42 +47,35 @@ def test_without_reports_the_own_view_is_the_load():
     assert loads(v, [cand("a"), cand("b")]) == {"a": (64, 4), "b": (0, 0)}
 
 
-def test_a_report_taken_before_the_burst_does_not_hide_it():
-    # The stale report says idle; everything routed since is still counted.
+def test_a_stale_report_does_not_hide_what_was_routed_since():
     v = LoadView()
-    v.report("a")
     v.begin("a", 64, 4)
     v.begin("a", 64, 4)
     assert loads(v, [cand("a", 0, 0)]) == {"a": (128, 8)}
 
 
-def test_own_traffic_already_in_a_report_is_not_counted_twice():
+def test_own_traffic_in_a_report_is_not_counted_twice():
     v = LoadView()
     v.begin("a", 64, 4)
-    v.report("a")  # the worker reports our request: 64 waiting, 4 blocks
     assert loads(v, [cand("a", 64, 4)]) == {"a": (64, 4)}
 
 
-def test_other_routers_traffic_in_a_report_is_added():
+def test_a_report_above_the_own_view_shows_other_routers_traffic():
     v = LoadView()
     v.begin("a", 64, 4)
-    v.report("a")  # the report shows ours (64, 4) plus another router's (200, 20)
-    assert loads(v, [cand("a", 264, 24)]) == {"a": (264, 24)}
-    v.begin("a", 10, 1)  # routed after the report: on top
-    assert loads(v, [cand("a", 264, 24)]) == {"a": (274, 25)}
+    assert loads(v, [cand("a", 264, 24), cand("b", 50, 0)]) == {"a": (264, 24), "b": (50, 0)}
 
 
-def test_a_report_below_the_own_view_leaves_the_own_view():
-    # The worker undercounts running prefill chunks; own decode is reserved up front.
+def test_each_component_takes_the_larger_of_the_two():
+    # The worker undercounts a long prompt's running chunks but sees more decode blocks.
     v = LoadView()
     v.begin("a", 1000, 70)
-    v.report("a")
-    assert loads(v, [cand("a", 200, 10)]) == {"a": (1000, 70)}
+    assert loads(v, [cand("a", 200, 90)]) == {"a": (1000, 90)}
 
 
-def test_forget_drops_the_report_baseline():
+def test_candidates_keep_everything_else():
     v = LoadView()
-    v.begin("a", 64, 4)
-    v.report("a")
-    v.forget("a")
-    assert loads(v, [cand("a", 64, 4)]) == {"a": (128, 8)}
+    v.begin("a", 10, 1)
+    c = Candidate("a", WorkerLoad(running=3, free_blocks=7), healthy=True, inflight=2)
+    (out,) = v.blend([c])
+    assert (out.load.running, out.load.free_blocks, out.inflight) == (3, 7, 2)

@@ -108,8 +108,6 @@ class Mesh:
     def stale_reports(self):
         """Every worker reports idle load (as measured before the burst reached it)."""
         for w in WORKERS:
-            if self.view is not None:
-                self.view.report(w)
             self.registry.update_load(w, WorkerLoad())
 
     async def route(self, i: int) -> str:
