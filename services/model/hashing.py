@@ -127,13 +127,14 @@ class BlockHashChain(Sequence[int]):
         return self._hashes[i]
 
     def __iter__(self) -> Iterator[int]:
-        hashes = self._hashes
+        hashes, n = self._hashes, self._n
         i = 0
-        while i < self._n:
+        while i < n:
             if i == len(hashes):
-                self._extend(min(self._n, i + 8))  # 8 at a time: fewer calls, little waste
-            yield hashes[i]
-            i += 1
+                self._extend(min(n, i + 16))  # 16 at a time: fewer calls, little waste
+            j = len(hashes)
+            yield from hashes[i:j]  # the C-level list iterator: no Python step per hash
+            i = j
 
     def all(self) -> list[int]:
         """Every hash (computing the rest)."""

@@ -190,7 +190,7 @@ def test_a_lazy_chain_matches_like_a_list_and_hashes_only_what_the_walk_reads():
     idx.apply_stored("w1", None, A[:3])
     lazy = BlockHashChain(tokens, BS)
     assert idx.match(lazy) == idx.match(A) == {"w1": 3}
-    assert lazy.computed < 16 < len(lazy)  # the tail after the first miss was not hashed
+    assert lazy.computed <= 16 < len(lazy)  # the tail after the first miss was not hashed
     idx.apply_stored("w1", A[2], A[3:])
     assert idx.match(BlockHashChain(tokens[: 8 * BS], BS)) == {"w1": 8}
     assert idx.match(BlockHashChain(tokens[: BS - 1], BS)) == {}
