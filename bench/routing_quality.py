@@ -222,9 +222,9 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
 
 # Ablation variants (issue 17): "<policy>@<variant>" runs the router with these flags.
 VARIANTS = {
-    "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (before issue 17)
+    "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (the default)
     "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view
-    "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes (the default)
+    "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes
 }
 
 

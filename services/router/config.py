@@ -53,11 +53,13 @@ class RouterConfig:
     policy: str = setting("kv_aware", f"routing policy, one of {POLICY_NAMES}")
     prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
     temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
+    # Both off by default: in bench/routing_quality.py replays (BENCHMARKS.md, issue 17) they did not
+    # beat heartbeat load at 4 and 8 workers and were far worse at 16 (one run).
     load_view: bool = setting(
-        True, "score on the router's own account of what it routed (blended with load reports)"
+        False, "score on the router's own account of what it routed (blended with load reports)"
     )
     optimistic_prefix_ttl_s: float = setting(
-        10.0,
+        0.0,
         "a routed prompt's blocks count as cached on its worker until a KV event confirms them, "
         "for at most this long (0 = off: only KV events)",
     )
