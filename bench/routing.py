@@ -30,9 +30,9 @@ the scale ratio is bounded well below 2 there. Each rate is printed with the
 client's CPU share.
 
 Part 1 also runs the headline study at 8 workers (`--sizes`, offered load per
-worker fixed); `--ablation` adds kv_aware@hb (heartbeat load only: the router
-before issue 17) and kv_aware@lv (its own load view, no optimistic prefixes) to
-every study. On a busy machine, `--slowdown K` runs the simulated GPUs K times
+worker fixed); `--ablation` adds kv_aware@lv (the router's own load view) and
+kv_aware@opt (+ optimistic prefixes) to every study; plain kv_aware is the
+default router (heartbeat load, no optimistic prefixes). On a busy machine, `--slowdown K` runs the simulated GPUs K times
 slower (model-time figures stay comparable; the wall-clock request rate and so
 the CPU need drop K times) and `--requests N` shortens the trace.
 
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ablation",
         action="store_true",
-        help="part 1 also runs kv_aware@hb (heartbeat load only) and kv_aware@lv (own load view only)",
+        help="part 1 also runs kv_aware@lv (own load view) and kv_aware@opt (+ optimistic prefixes)",
     )
     p.add_argument(
         "--sizes", default="8", help="part 1 also at these worker counts (comma-separated; '' = none)"
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             for tf in FULL_LOADS
         ]
     )
-    policies = POLICIES + (("kv_aware@hb", "kv_aware@lv") if args.ablation else ())
+    policies = POLICIES + (("kv_aware@lv", "kv_aware@opt") if args.ablation else ())
     studies = [
         replace(
             s,
