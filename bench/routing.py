@@ -29,13 +29,27 @@ machine the fake and the client take CPU the routers would otherwise get, so
 the scale ratio is bounded well below 2 there. Each rate is printed with the
 client's CPU share.
 
-Run: `python bench/routing.py` (full: ~12 min) or `--quick` (< 3 min, make
-bench), `--part 1|2` for one part, `--scale` for the scale study (~20 min).
+Part 1 also runs the headline study at 8 workers (`--sizes`, offered load per
+worker fixed); `--ablation` adds kv_aware@lv (the router's own load view) and
+kv_aware@opt (+ optimistic prefixes) to every study; plain kv_aware is the
+default router (heartbeat load, no optimistic prefixes). On a busy machine, `--slowdown K` runs the simulated GPUs K times
+slower (model-time figures stay comparable; the wall-clock request rate and so
+the CPU need drop K times) and `--requests N` shortens the trace.
+
+Part 3 (bench/routing_decision.py, also `--decision` alone): the cost of one
+routing decision at 32 workers x 10,000 cached prefixes, 4,096-token prompt.
+
+Run: `python bench/routing.py` (full: ~25 min) or `--quick` (< 6 min, make
+bench), `--part 1|2|3` for one part, `--scale` for the scale study (~20 min).
 The last line is `routing hit_kv=.. hit_rr=.. ttft_kv_vs_rr=..
 router_overhead_ms_p50=.. ttft_p50_ms=.. ttft_p99_ms=.. router_msgs_per_s=..
-router_tokens_per_s=.. scale_2proc=.. hit_ll=.. ttft_ll_vs_rr=..` (hit = cached
-/ prompt tokens; ttft_*_vs_rr = ratio of mean TTFTs, target kv <= 0.5; the
-ttft_p50/p99 fields are part 2's router-hop TTFTs).
+router_tokens_per_s=.. scale_2proc=.. hit_ll=.. ttft_ll_vs_rr=..
+ttft_p99_kv_vs_rr=.. hit_kv_8=.. ttft_kv_vs_rr_8=.. ttft_p99_kv_vs_rr_8=..
+hit_vs_ideal=.. decision_ms_p50=.. pull_share=0` (hit = cached / prompt
+tokens; ttft_*_vs_rr = ratio of mean TTFTs, target kv <= 0.5; the ttft_p50/p99
+fields are part 2's router-hop TTFTs; hit_vs_ideal = kv_aware's hit rate over
+one unbounded cache's at the largest size run, target >= 0.9 at 32 workers;
+pull_share = requests served with a pulled prefix: 0, pulls are not built).
 """
 
 from __future__ import annotations
@@ -57,6 +71,7 @@ import grpc
 from bench.routing_quality import (
     FULL,
     FULL_LOADS,
+    POLICIES,
     QUICK,
     SCALE_WORKERS,
     PolicyResult,
@@ -296,15 +311,18 @@ def plot_scale(runs: list[tuple[Study, list[PolicyResult], float]], folder: Path
     return path
 
 
-def part1(studies: list[Study]) -> dict[str, str]:
+def part1(studies: list[Study], sizes: tuple[int, ...] = ()) -> dict[str, str]:
     """Each study (one per offered load); the last line's fields come from the heaviest
-    load at which round_robin still achieved >= 95% of kv_aware's throughput."""
+    load at which round_robin still achieved >= 95% of kv_aware's throughput. Then the
+    headline study at each of `sizes` workers (offered load per worker fixed)."""
     runs = []
+    ideals = {}
     for study in studies:
         print(f"part 1: routing quality, {study.name} study, model time_factor {study.time_factor:g}")
         results, ideal = run_study(study)
         print_study(study, results, ideal)
         runs.append((study, by_policy(results)))
+        ideals[study.name] = ideal
     print("load sweep (model time; offered = requests / model-time span of the trace):")
     head = None
     for study, p in runs:
@@ -321,7 +339,22 @@ def part1(studies: list[Study]) -> dict[str, str]:
     study, p = head or runs[-1]
     kv, rr, ll = p["kv_aware"], p["round_robin"], p["least_loaded"]
     print(f"headline: time_factor {study.time_factor:g}")
-    return {
+    out = {}
+    hit_vs_ideal = kv.hit / ideals[study.name]
+    for n in sizes:
+        scaled = scale_study(n, study)
+        print(f"part 1: routing quality at {n} workers (the headline study, load per worker fixed)")
+        results, ideal = run_study(scaled)
+        print_study(scaled, results, ideal)
+        q = by_policy(results)
+        out |= {
+            f"hit_kv_{n}": f"{q['kv_aware'].hit:.3f}",
+            f"ttft_kv_vs_rr_{n}": f"{q['kv_aware'].ttft_ms['mean'] / q['round_robin'].ttft_ms['mean']:.2f}",
+            f"ttft_p99_kv_vs_rr_{n}": f"{q['kv_aware'].ttft_ms['p99'] / q['round_robin'].ttft_ms['p99']:.2f}",
+        }
+        hit_vs_ideal = q["kv_aware"].hit / ideal  # at the largest size run
+    return out | {
+        "hit_vs_ideal": f"{hit_vs_ideal:.2f}",
         "hit_kv": f"{kv.hit:.3f}",
         "hit_rr": f"{rr.hit:.3f}",
         "ttft_kv_vs_rr": f"{kv.ttft_ms['mean'] / rr.ttft_ms['mean']:.2f}",
@@ -376,8 +409,26 @@ def run_scale() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="shorter runs (< 3 min in all)")
-    p.add_argument("--part", choices=("1", "2", "all"), default="all")
+    p.add_argument("--part", choices=("1", "2", "3", "all"), default="all")
     p.add_argument("--scale", action="store_true", help="part 1 at 8, 16 and 32 workers, with plots")
+    p.add_argument("--decision", action="store_true", help="only part 3: the cost of one routing decision")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="part 1 also runs kv_aware@lv (own load view) and kv_aware@opt (+ optimistic prefixes)",
+    )
+    p.add_argument(
+        "--sizes", default="8", help="part 1 also at these worker counts (comma-separated; '' = none)"
+    )
+    p.add_argument(
+        "--requests", type=int, help="part 1: first N requests of the trace (default: the study's)"
+    )
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="part 1: run the simulated GPUs this many times slower, for a busy machine (model figures stay)",
+    )
     p.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -388,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.scale:
         return run_scale()
+    if args.decision:
+        r = run_decision()
+        print("routing_decision " + " ".join(f"{k}={v}" for k, v in r.items()))
+        return 0
     studies = (
         [QUICK]
         if args.quick
@@ -396,14 +451,41 @@ def main(argv: list[str] | None = None) -> int:
             for tf in FULL_LOADS
         ]
     )
-    quality = part1(studies) if args.part in ("1", "all") else {}
+    policies = POLICIES + (("kv_aware@lv", "kv_aware@opt") if args.ablation else ())
+    studies = [
+        replace(
+            s,
+            requests=args.requests or s.requests,
+            speedup=s.speedup / args.slowdown,
+            policies=policies,
+        )
+        for s in studies
+    ]
+    sizes = tuple(int(n) for n in args.sizes.split(",") if n.strip())
+    quality = part1(studies, sizes) if args.part in ("1", "all") else {}
     cost = part2(args.quick) if args.part in ("2", "all") else {}
+    decision = run_decision() if args.part in ("3", "all") else {}
     order = ("hit_kv", "hit_rr", "ttft_kv_vs_rr", "router_overhead_ms_p50", "ttft_p50_ms", "ttft_p99_ms")
     order += ("router_msgs_per_s", "router_tokens_per_s", "scale_2proc", "hit_ll", "ttft_ll_vs_rr")
     order += ("ttft_p99_kv_vs_rr",)
-    kv = {k: (quality | cost)[k] for k in order if k in quality | cost}
+    order += tuple(f"{k}_{n}" for n in sizes for k in ("hit_kv", "ttft_kv_vs_rr", "ttft_p99_kv_vs_rr"))
+    order += ("hit_vs_ideal", "decision_ms_p50", "pull_share")
+    fields = quality | cost | decision | {"pull_share": "0"}  # pulls (issue 17 item 3) not built yet
+    kv = {k: fields[k] for k in order if k in fields}
     print("routing " + " ".join(f"{k}={v}" for k, v in kv.items()))
     return 0
+
+
+def run_decision() -> dict[str, str]:
+    """Part 3 (bench/routing_decision.py): one routing decision at 32 workers x 10,000 prefixes."""
+    from bench.routing_decision import run
+
+    print("part 3: one routing decision")
+    r = run()
+    return {
+        "decision_ms_p50": f"{r['decision_ms_p50']:.3f}",
+        "decision_cpu_ms_p50": f"{r['decision_cpu_ms_p50']:.3f}",
+    }
 
 
 def report(r: dict[str, dict[str, float]]) -> dict[str, str]:

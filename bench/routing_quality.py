@@ -55,7 +55,7 @@ from bench.loadgen import WorkItem, build_workload, run_load
 from bench.stats import RequestRecord, Summary, summarize, write_records
 from bench.traces import VocabRange
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
-from pdmesh.v1 import decode_pb2_grpc, worker_pb2
+from pdmesh.v1 import decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
 from services.model.hashing import block_hashes
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
@@ -220,13 +220,24 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
     return workers
 
 
+# Ablation variants (issue 17): "<policy>@<variant>" runs the router with these flags.
+VARIANTS = {
+    "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (the default)
+    "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view
+    "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes
+}
+
+
 def start_router(launcher: Launcher, study: Study, policy: str, workers: list[RunningService]):
-    """`policy` is a router policy name, or "kv_aware:W" for kv_aware with --prefill-weight W."""
+    """`policy` is a router policy name, or "kv_aware:W" for kv_aware with --prefill-weight W,
+    optionally with "@variant" (VARIANTS) appended."""
+    policy, _, variant = policy.partition("@")
     name, _, weight = policy.partition(":")
     args = flags(
         decode_workers=[w.address for w in workers],
         policy=name,
         prefill_weight=float(weight) if weight else None,
+        **VARIANTS.get(variant, {}),
         preset="tiny",
         block_size=study.block_size,
         max_model_len=study.num_blocks * study.block_size,
@@ -241,7 +252,10 @@ def start_router(launcher: Launcher, study: Study, policy: str, workers: list[Ru
     )
     return launcher.start_ready(
         ServiceSpec(
-            f"router-{name}{weight}", "services.router.main", args, ready_service="pdmesh.v1.RouterService"
+            f"router-{name}{weight}{variant}",
+            "services.router.main",
+            args,
+            ready_service="pdmesh.v1.RouterService",
         ),
         300,
     )
@@ -261,12 +275,48 @@ def worker_counters(workers: list[RunningService]) -> dict[str, dict[str, int]]:
     return out
 
 
+def wait_index_synced(
+    router: RunningService, workers: list[RunningService], timeout_s: float = 300.0
+) -> float:
+    """Wait until the new router's prefix index holds every worker's cached blocks (its
+    KV-event snapshots are applied); returns the seconds waited.
+
+    Without this, a router started on workers whose caches the previous policy filled
+    spends its first seconds applying 4 x 65k-block snapshots while the first requests
+    of the trace wait: every policy after the first paid ~10 s on its first requests.
+    """
+    t0 = time.perf_counter()
+    want = {}
+    for w in workers:
+        with grpc.insecure_channel(w.address) as ch:
+            s = decode_pb2_grpc.DecodeServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=30)
+        want[s.info.worker_id] = s.cached_blocks
+    # ListWorkers is an operator RPC: the router's internal listener serves it
+    with grpc.insecure_channel(router.internal_address) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        while True:
+            try:
+                resp = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=30)
+            except grpc.RpcError as e:  # e.g. ListWorkers moved to an internal port: go on unsynced
+                print(f"  (router index sync not checked: {e.code().name})")
+                return time.perf_counter() - t0
+            have = {ws.info.worker_id: ws.indexed_blocks for ws in resp.workers}
+            if all(have.get(w, -1) >= n for w, n in want.items()):
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"router index not synced after {timeout_s:.0f} s: {have} vs {want}")
+            time.sleep(0.2)
+
+
 def run_policy(
     launcher: Launcher, study: Study, policy: str, workers: list[RunningService], items: list[WorkItem]
 ) -> PolicyResult:
     router = start_router(launcher, study, policy, workers)
     pids = [w.proc.pid for w in workers] + [router.proc.pid]
     try:
+        synced = wait_index_synced(router, workers)
+        if synced > 1:
+            print(f"  {policy}: router index synced with the workers' caches in {synced:.0f} s")
         before = worker_counters(workers)
         cpu0 = sum(proc_cpu_s(pid) for pid in pids) + time.process_time()
         t0 = time.perf_counter()
@@ -332,14 +382,14 @@ def describe(study: Study) -> str:
 
 def table(results: list[PolicyResult]) -> list[str]:
     head = (
-        f"  {'policy':<13}{'ok':>6}{'hit':>7}{'hit_w':>7}{'ttft_mean':>11}{'ttft_p50':>10}{'ttft_p99':>10}"
+        f"  {'policy':<16}{'ok':>6}{'hit':>7}{'hit_w':>7}{'ttft_mean':>11}{'ttft_p50':>10}{'ttft_p99':>10}"
         f"{'tpot_p50':>10}{'out_tok/s':>11}{'req/s':>7}{'goodput':>9}{'spread':>8}{'preempt':>9}"
     )
     lines = [head]
     for r in results:
         t = r.ttft_ms
         lines.append(
-            f"  {r.policy:<13}{r.summary.ok:>6}{r.hit:>7.3f}{r.worker_hit:>7.3f}{t['mean']:>11.0f}"
+            f"  {r.policy:<16}{r.summary.ok:>6}{r.hit:>7.3f}{r.worker_hit:>7.3f}{t['mean']:>11.0f}"
             f"{t['p50']:>10.0f}{t['p99']:>10.0f}{r.tpot_p50_ms:>10.1f}{r.output_tok_s:>11.0f}"
             f"{r.request_rps:>7.2f}{r.goodput_rps:>9.2f}{r.spread:>8.2f}{r.preemptions:>9}"
         )
@@ -360,10 +410,12 @@ def print_study(study: Study, results: list[PolicyResult], ideal: float) -> None
     for line in table(results):
         print(line)
     p = by_policy(results)
-    if "kv_aware" in p and "round_robin" in p:
-        kv, rr = p["kv_aware"], p["round_robin"]
+    rr = p.get("round_robin")
+    for name, kv in p.items():
+        if rr is None or name == "round_robin":
+            continue
         print(
-            f"  kv_aware vs round_robin: mean TTFT x{kv.ttft_ms['mean'] / rr.ttft_ms['mean']:.2f}, "
+            f"  {name} vs round_robin: mean TTFT x{kv.ttft_ms['mean'] / rr.ttft_ms['mean']:.2f}, "
             f"p50 x{kv.ttft_ms['p50'] / rr.ttft_ms['p50']:.2f}, p99 x{kv.ttft_ms['p99'] / rr.ttft_ms['p99']:.2f}, "
             f"hit {kv.hit:.3f} vs {rr.hit:.3f}, throughput x{kv.output_tok_s / rr.output_tok_s:.2f} "
             "(target: mean TTFT <= 0.5x at equal throughput)"

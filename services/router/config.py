@@ -57,6 +57,16 @@ class RouterConfig:
     policy: str = setting("kv_aware", f"routing policy, one of {POLICY_NAMES}")
     prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
     temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
+    # Both off by default: in bench/routing_quality.py replays (BENCHMARKS.md, issue 17) they did not
+    # beat heartbeat load at 4 and 8 workers and were far worse at 16 (one run).
+    load_view: bool = setting(
+        False, "score on the router's own account of what it routed (blended with load reports)"
+    )
+    optimistic_prefix_ttl_s: float = setting(
+        0.0,
+        "a routed prompt's blocks count as cached on its worker until a KV event confirms them, "
+        "for at most this long (0 = off: only KV events)",
+    )
     max_prefill_candidates: int = setting(4, "ranked prefill workers passed with each decode request")
     first_token_timeout_s: float = setting(
         120.0, "an attempt with no first message after this long is failed over (0 = only the deadline)"
@@ -94,6 +104,7 @@ class RouterConfig:
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         require(self.policy in POLICY_NAMES, f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         require(self.max_prefill_candidates >= 0, "max_prefill_candidates must be >= 0")
+        require(self.optimistic_prefix_ttl_s >= 0, "optimistic_prefix_ttl_s must be >= 0")
         for name in ("first_token_timeout_s", "stall_timeout_s", "dns_refresh_s", "saturated_retry_after_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
         for name in (

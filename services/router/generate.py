@@ -38,13 +38,14 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.model.hashing import block_hashes
+from services.model.hashing import BlockHashChain
 from services.router.admission import AdmissionRejected, DeadlineUnreachable, InvalidAdmission, Ticket, Waiter
 from services.router.admission_gate import AdmissionGate
 from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
+from services.router.load_view import LoadView
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
 from services.router.policy import Candidate, Policy
 from services.router.prefix_index import PrefixIndex
@@ -109,6 +110,7 @@ class RoutingContext:
     clock: Callable[[], float] = time.monotonic
     metrics: Any = None  # RouterMetrics or None
     notify: Callable[[], None] = lambda: None  # state changed (a request queued), for waiters
+    load_view: LoadView | None = None  # the router's own load account; None: heartbeats only
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -147,6 +149,7 @@ class RequestFlow:
         self._last_sent = self._started  # when the last tokens left (inter-token latency)
         self._deadline = None if req.timeout_s is None else self._started + req.timeout_s
         self.worker_id = ""
+        self._routed: int | None = None  # this attempt's LoadView key
         self._last_error: tuple[str, AttemptError] | None = None
 
     def cancel(self, why: str = "cancelled by Router.Cancel") -> None:
@@ -229,6 +232,8 @@ class RequestFlow:
                             ids = ids[:remaining]
                         remaining -= len(ids)
                         journey.record_tokens(ids)
+                        if self._routed is not None:  # the attempt's prefill is done
+                            ctx.load_view.first_token(self._routed)  # type: ignore[union-attr]
                         now = self._loop.time()
                         if ctx.metrics is not None:
                             if first:
@@ -246,6 +251,9 @@ class RequestFlow:
                     self._wake.clear()
             finally:
                 ctx.registry.end_request(worker)
+                if self._routed is not None:
+                    ctx.load_view.end(self._routed)  # type: ignore[union-attr]
+                    self._routed = None
                 if not settled:  # cancelled or closed mid-attempt: no verdict on the worker
                     ctx.breakers.record_ignored(worker)
             self._attempt = None
@@ -330,13 +338,17 @@ class RequestFlow:
         """Pick a decode worker for the next attempt and start the call."""
         ctx, cfg, plan = self.ctx, self.ctx.config, self.journey.next_attempt()
         input_ids = plan.prompt_token_ids + plan.resume_token_ids
-        hashes = block_hashes(input_ids, cfg.block_size)
+        hashes = BlockHashChain(input_ids, cfg.block_size)  # hashed as far as the match reads
+        now = ctx.clock()
+        ctx.index.expire(now)  # optimistic entries nobody confirmed in time
         overlaps = ctx.index.match(hashes) if hashes else {}
         cands = [
             c
             for c in ctx.registry.eligible(WorkerRole.DECODE)
             if c.worker_id not in plan.exclude_workers and not saturated(c, cfg)
         ]
+        if ctx.load_view is not None:
+            cands = ctx.load_view.blend(cands)
         choice = None
         for ch in ctx.decode_policy.rank(cands, len(hashes), overlaps):
             if ctx.breakers.allow_request(ch.worker_id):
@@ -367,9 +379,16 @@ class RequestFlow:
         )
         self.journey.start_attempt(choice.worker_id, cached_tokens=choice.overlap_blocks * cfg.block_size)
         total_blocks = -(-(len(input_ids) + plan.max_tokens_remaining) // cfg.block_size)
-        ctx.registry.begin_request(choice.worker_id, total_blocks - choice.overlap_blocks)
+        new_blocks = total_blocks - choice.overlap_blocks
+        # With the load view the registry's pending blocks would count the request twice.
+        ctx.registry.begin_request(choice.worker_id, 0 if ctx.load_view is not None else new_blocks)
+        if cfg.optimistic_prefix_ttl_s > 0:
+            ctx.index.apply_provisional(choice.worker_id, hashes, now + cfg.optimistic_prefix_ttl_s)
         self.worker_id = choice.worker_id
         call = ctx.call_decode(choice.worker_id, request, timeout)
+        if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
+            to_prefill = len(input_ids) - choice.overlap_blocks * cfg.block_size
+            self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
         self._attempt = DecodeAttempt(
             choice.worker_id, call, self._wake, cfg.first_token_timeout_s, cfg.stall_timeout_s
         )

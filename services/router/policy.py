@@ -21,6 +21,13 @@ worker's breaker lets the request through.
   the ranking is sampled (without replacement) from softmax(-normalized cost /
   temperature), normalized to [0, 1] by the spread of costs, as Dynamo does.
 
+Overlap credit from more than one KV tier (`overlap_credit`): a block held in
+device memory saves its whole prefill; one held in a slower tier (host memory,
+later) saves the prefill minus its restore, so its weight is
+`tier_weight(restore_s, recompute_s)` = 1 - restore / recompute (0 when
+restoring is no faster), from measured times, not a constant. kv_aware takes
+per-worker credits in place of device overlaps when the caller passes them.
+
 Unhealthy candidates are dropped even though the caller should not pass them.
 """
 
@@ -30,7 +37,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from services.common.config import require, setting
 
@@ -59,8 +66,9 @@ class Candidate:
     inflight: int = 0
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
+    """A ranked worker (a named tuple: one is built per candidate per decision)."""
+
     worker_id: str
     cost: float
     overlap_blocks: int
@@ -78,6 +86,41 @@ class PolicyConfig:
             self.prefill_weight >= 0 and math.isfinite(self.prefill_weight), "prefill_weight must be >= 0"
         )
         require(self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0")
+
+
+def tier_weight(restore_s: float, recompute_s: float) -> float:
+    """Credit of a cached block in a tier, as a fraction of a device-resident block's:
+    the share of its recompute time that restoring it saves (in [0, 1]).
+
+    `restore_s`: measured time to bring the block to the device (bytes / measured
+    bandwidth, plus per-transfer latency); `recompute_s`: measured time to prefill
+    its tokens on this worker (tokens / measured prefill rate). Device: restore 0 -> 1.
+    """
+    if not (math.isfinite(restore_s) and restore_s >= 0):
+        raise ValueError(f"restore_s must be finite and >= 0, got {restore_s}")
+    if not (math.isfinite(recompute_s) and recompute_s >= 0):
+        raise ValueError(f"recompute_s must be finite and >= 0, got {recompute_s}")
+    if recompute_s == 0:
+        return 0.0  # nothing to save
+    return max(0.0, 1.0 - restore_s / recompute_s)
+
+
+@dataclass(frozen=True)
+class TierOverlap:
+    """Leading prompt blocks a worker holds in one tier, beyond the tiers before it
+    (a prefix is contiguous: device blocks first, then host, ...), and their weight."""
+
+    blocks: int
+    weight: float
+
+    def __post_init__(self) -> None:
+        if self.blocks < 0 or not (0.0 <= self.weight <= 1.0):
+            raise ValueError(f"need blocks >= 0 and 0 <= weight <= 1, got {self.blocks}, {self.weight}")
+
+
+def overlap_credit(tiers: Sequence[TierOverlap]) -> float:
+    """Prefill blocks saved by a worker's cached prefix across tiers (device first)."""
+    return sum(t.blocks * t.weight for t in tiers)
 
 
 class Policy(Protocol):
@@ -103,6 +146,10 @@ def _healthy(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 def _queued_prefill_blocks(load: WorkerLoad, block_size: int) -> int:
     return -(-load.tokens_waiting // block_size)
+
+
+def _cost_and_tiebreak(k: tuple[float, float, Choice]) -> tuple[float, float]:
+    return k[0], k[1]
 
 
 class RoundRobinPolicy:
@@ -153,23 +200,38 @@ class KvAwarePolicy:
         self.config = config
         self._rng = rng
 
-    def cost(self, candidate: Candidate, prompt_blocks: int, overlap_blocks: int) -> float:
+    def cost(self, candidate: Candidate, prompt_blocks: int, overlap_blocks: float) -> float:
         cfg = self.config
         to_prefill = max(prompt_blocks - overlap_blocks, 0)
         queued = _queued_prefill_blocks(candidate.load, cfg.block_size)
         return cfg.prefill_weight * (to_prefill + queued) + candidate.load.active_decode_blocks
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None):
+        """As `Policy.rank`; `credits`: worker id -> overlap credit over every tier
+        (`overlap_credit`), used in the cost in place of that worker's device overlap."""
         overlaps = overlaps or {}
+        cfg = self.config
+        weight, bs = cfg.prefill_weight, cfg.block_size
         scored = []
-        for c in _healthy(candidates):
-            overlap = min(overlaps.get(c.worker_id, 0), prompt_blocks)
-            scored.append(Choice(c.worker_id, self.cost(c, prompt_blocks, overlap), overlap))
-        if self.config.temperature > 0 and len(scored) > 1:
+        # self.cost inlined: this loop runs once per candidate per decision (hot path).
+        for c in candidates:
+            if not c.healthy:
+                continue
+            wid = c.worker_id
+            overlap = overlaps.get(wid, 0)
+            if overlap > prompt_blocks:
+                overlap = prompt_blocks
+            credit = min(credits.get(wid, overlap), prompt_blocks) if credits else overlap
+            load = c.load
+            queued = -(-load.tokens_waiting // bs)
+            cost = weight * (max(prompt_blocks - credit, 0) + queued) + load.active_decode_blocks
+            scored.append(Choice(wid, cost, overlap))
+        if cfg.temperature > 0 and len(scored) > 1:
             return self._sample(scored)
-        keyed = [(ch.cost, self._rng.random(), ch) for ch in scored]
-        keyed.sort(key=lambda k: k[:2])
-        return [ch for _, _, ch in keyed]
+        rnd = self._rng.random
+        keyed = [(ch.cost, rnd(), ch) for ch in scored]
+        keyed.sort(key=_cost_and_tiebreak)
+        return [k[2] for k in keyed]
 
     def _sample(self, scored: list[Choice]) -> list[Choice]:
         """Sequential sampling without replacement from softmax(-norm cost / T)."""

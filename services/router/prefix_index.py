@@ -19,6 +19,17 @@ contiguous leading prefix). Reachable sets can only shrink along a chain, so
 worker drops out. Keeping the invariant costs, per removed (or re-stored)
 block, the worker's reachable blocks below it in the chain.
 
+Optimistic entries (`apply_provisional`): when the router routes a request,
+the chosen worker's entries gain the prompt's blocks at once, marked
+provisional with an expiry, so the next request of a burst sharing the
+prefix already sees where it will be cached (Dynamo's approximate indexer
+inserts routed prefixes with a TTL). A KV event storing the block confirms
+it (the mark goes); one removing it removes it; `expire(now)` drops the
+provisional ones nobody confirmed in time (the request failed, or the worker
+evicted them before reporting). They are ordinary holders otherwise, so
+`match` needs no second structure, and `clear` (sequence gap, resync) drops
+them with everything else: a snapshot then rebuilds the worker exactly.
+
 Memory: one node per block cached by at least one worker; a node is freed when
 its last holder removes it, when a worker is cleared, or when a worker passes
 `max_blocks_per_worker` (a stream that never reports evictions), in which case
@@ -28,6 +39,7 @@ its last holder removes it, when a worker is cleared, or when a worker passes
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +86,12 @@ class PrefixIndex:
         # hash, not node, so children survive while their parent is uncached.
         self._children: dict[int, set[int]] = {}
         self._held: dict[str, set[int]] = {}
+        # worker -> {hash: expiry} of its provisional blocks (a subset of _held[worker])
+        self._provisional: dict[str, dict[int, float]] = {}
+        # (expiry, worker, hash) in insertion order; entries whose expiry no longer
+        # matches _provisional are stale (confirmed, removed or refreshed) and skipped.
+        # Expiries only grow when every insertion uses the same TTL, so the head is next.
+        self._expiries: deque[tuple[float, str, int]] = deque()
 
     # ---- events -------------------------------------------------------------
 
@@ -81,8 +99,12 @@ class PrefixIndex:
         """Blocks became cached on `worker_id`, in chain order after `parent_hash`
         (None when the chain starts at a prompt's first block)."""
         held = self._held.setdefault(worker_id, set())
+        prov = self._provisional.get(worker_id)
         prev = parent_hash
         for h in block_hashes:
+            if prov and prov.pop(h, None) is not None:
+                prev = h  # routed here optimistically: now confirmed, nothing else changes
+                continue
             node = self._nodes.get(h)
             if node is None:
                 node = _Node(prev)
@@ -110,15 +132,11 @@ class PrefixIndex:
         for h in block_hashes:
             if h not in held:
                 continue  # unknown to us (e.g. stored before our snapshot); nothing to undo
-            held.discard(h)
-            node = self._nodes[h]
-            self._unmark(worker_id, h, node)
-            node.holders.discard(worker_id)
-            if not node.holders:
-                self._delete(h, node)
+            self._drop(worker_id, held, h)
 
     def clear(self, worker_id: str) -> None:
         """Forget everything about `worker_id` (cache cleared, seq gap, worker removed)."""
+        self._provisional.pop(worker_id, None)
         held = self._held.pop(worker_id, None)
         if not held:
             return
@@ -137,22 +155,83 @@ class PrefixIndex:
         for parent, hashes in chains:
             self.apply_stored(worker_id, parent, hashes)
 
+    # ---- optimistic entries -------------------------------------------------
+
+    def apply_provisional(self, worker_id: str, block_hashes: Sequence[int], expires_at: float) -> int:
+        """A request with these prompt blocks (chain from the first) was routed to
+        `worker_id`: record the blocks it does not hold yet as provisional until
+        `expires_at` (a provisional one already there gets the later expiry).
+        Confirmed blocks are untouched. Returns the blocks added. Never raises:
+        a worker at `max_blocks_per_worker` gains nothing."""
+        held = self._held.setdefault(worker_id, set())
+        limit = self.config.max_blocks_per_worker
+        prov = self._provisional.setdefault(worker_id, {})
+        added = 0
+        prev: int | None = None
+        for h in block_hashes:
+            if h in held:
+                if h in prov:
+                    prov[h] = expires_at
+                    self._expiries.append((expires_at, worker_id, h))
+                prev = h
+                continue
+            if len(held) >= limit:
+                break
+            node = self._nodes.get(h)
+            if node is None:
+                node = _Node(prev)
+                self._nodes[h] = node
+                if prev is not None:
+                    self._children.setdefault(prev, set()).add(h)
+            elif node.parent != prev:
+                break  # a hash collision: leave that chain alone
+            node.holders.add(worker_id)
+            held.add(h)
+            if prev is None or worker_id in self._reachable(prev):
+                self._mark(worker_id, h, node)
+            prov[h] = expires_at
+            self._expiries.append((expires_at, worker_id, h))
+            added += 1
+            prev = h
+        return added
+
+    def expire(self, now: float) -> int:
+        """Drop provisional blocks whose expiry passed; returns how many."""
+        q = self._expiries
+        n = 0
+        while q and q[0][0] <= now:
+            expiry, worker_id, h = q.popleft()
+            prov = self._provisional.get(worker_id)
+            if prov is None or prov.get(h) != expiry:
+                continue  # confirmed, removed, refreshed or cleared since
+            self._drop(worker_id, self._held[worker_id], h)
+            n += 1
+        return n
+
+    def provisional(self, worker_id: str) -> int:
+        """Blocks of `worker_id` routed there but not confirmed by a KV event yet."""
+        return len(self._provisional.get(worker_id, ()))
+
     # ---- queries ------------------------------------------------------------
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of `block_hashes` each worker has cached, contiguously
         from the first block; workers with no match are absent."""
-        if not block_hashes:
+        # Iterates (never indexes past what it needs): a lazy BlockHashChain hashes only
+        # the blocks walked, up to the first one no worker holds.
+        it = iter(block_hashes)
+        prev = next(it, None)
+        if prev is None:
             return {}
-        first = self._nodes.get(block_hashes[0])
+        first = self._nodes.get(prev)
         if first is None or first.parent is not None or not first.reachable:
             return {}
         result: dict[str, int] = {}
         active: set[str] | frozenset[str] = first.reachable
-        prev = block_hashes[0]
-        for i in range(1, len(block_hashes)):
-            h = block_hashes[i]
-            node = self._nodes.get(h)
+        nodes = self._nodes
+        i = 0
+        for i, h in enumerate(it, 1):
+            node = nodes.get(h)
             # A parent mismatch can only come from a hash collision: treat as absent.
             nxt = node.reachable if node is not None and node.parent == prev else _EMPTY
             if len(nxt) != len(active):  # equal sizes mean equal sets: nxt is a subset of active
@@ -163,7 +242,7 @@ class PrefixIndex:
                 active = nxt
             prev = h
         for w in active:
-            result[w] = len(block_hashes)
+            result[w] = i + 1  # every block: the loop ended on the last one
         return result
 
     def blocks(self, worker_id: str) -> int:
@@ -178,6 +257,17 @@ class PrefixIndex:
         return len(self._nodes)
 
     # ---- internals ----------------------------------------------------------
+
+    def _drop(self, worker_id: str, held: set[int], h: int) -> None:
+        prov = self._provisional.get(worker_id)
+        if prov:
+            prov.pop(h, None)
+        held.discard(h)
+        node = self._nodes[h]
+        self._unmark(worker_id, h, node)
+        node.holders.discard(worker_id)
+        if not node.holders:
+            self._delete(h, node)
 
     def _reachable(self, h: int) -> set[str] | frozenset[str]:
         node = self._nodes.get(h)

@@ -41,6 +41,7 @@ from services.router.generate import (
     RoutingContext,
     check_capacity,
 )
+from services.router.load_view import LoadView
 from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.policy import WorkerLoad, make_policy
@@ -132,6 +133,7 @@ class Router:
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = PrefixIndex(settings.index)
         self.sequencer = EventSequencer()
+        self.load_view = LoadView() if cfg.load_view else None
         self.budget = RetryBudget(settings.retry_budget, clock)
         self.ledger = CostLedger()
         self.auth = (
@@ -171,6 +173,7 @@ class Router:
             clock=clock,
             metrics=self.metrics,
             notify=self.changed,
+            load_view=self.load_view,
         )
         self.flows: dict[str, RequestFlow] = {}
         self.requests_total = 0

@@ -1,0 +1,182 @@
+"""Routing benchmark part 3: the cost of one routing decision (issue 17 item 4).
+
+In process, no gRPC: the router's cores (PrefixIndex, WorkerRegistry, LoadView,
+kv_aware policy) at 32 workers, each with 10,000 cached prefixes, and a
+4,096-token prompt. One decision is what `RequestFlow._launch`
+(services/router/generate.py) does before it calls the worker, in the same
+order: turn the prompt into bytes for its lazy block-hash chain, expire
+unconfirmed optimistic entries, match the chain against the index (hashing the
+blocks the walk reads), take the eligible workers from the registry,
+blend in the own load view, rank. The bookkeeping after the choice (load view
+entry, hashing the rest of the prompt and inserting its blocks optimistically)
+is timed separately.
+
+Index contents: a pool of 4 x 10,000 distinct prefixes of 4 blocks each; every
+worker holds a random 10,000 of them (so each prefix sits on ~8 workers), plus
+the probe prompt's first 128 blocks, worker i holding its first 4 (i + 1) (so the
+walk goes 128 blocks deep and drops a worker every 4 blocks). Loads are random.
+
+Memory: the process's resident set before and after building the index, divided
+by the (worker, block) entries it holds and by its distinct blocks.
+
+Run: `python bench/routing_decision.py` (also `bench/routing.py --decision`).
+Last line: `routing_decision decision_ms_p50=.. decision_ms_p99=.. hash_ms_p50=..
+match_ms_p50=.. rank_ms_p50=.. bookkeeping_ms_p50=.. index_bytes_per_entry=..
+index_bytes_per_block=..` (target: decision p50 <= 0.1 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/routing_decision.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.model.hashing import BlockHashChain, block_hashes
+from services.router.load_view import LoadView
+from services.router.policy import PolicyConfig, WorkerLoad, make_policy
+from services.router.prefix_index import PrefixIndex
+from services.router.registry import RegistryConfig, WorkerInfo, WorkerRegistry, WorkerRole, WorkerSource
+
+BLOCK = 16
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build(workers: int, prefixes: int, prompt_tokens: int, rng: random.Random):
+    registry = WorkerRegistry(RegistryConfig(model_id="m", block_size=BLOCK, max_workers=workers))
+    ids = [f"decode-{i:02d}" for i in range(workers)]
+    for i, w in enumerate(ids):
+        registry.join(WorkerInfo(w, f"10.0.0.{i}:1", WorkerRole.DECODE, "m", BLOCK), WorkerSource.STATIC)
+        load = WorkerLoad(
+            tokens_waiting=rng.randrange(0, 20_000), active_decode_blocks=rng.randrange(0, 5_000)
+        )
+        registry.update_load(w, load)
+    pool = [
+        block_hashes([rng.randrange(1 << 31) for _ in range(4 * BLOCK)], BLOCK) for _ in range(4 * prefixes)
+    ]
+    probe = [rng.randrange(1 << 31) for _ in range(prompt_tokens)]
+    probe_hashes = block_hashes(probe, BLOCK)
+    gc.collect()
+    before = rss_bytes()
+    index = PrefixIndex()
+    for i, w in enumerate(ids):
+        for k in rng.sample(range(len(pool)), prefixes):
+            index.apply_stored(w, None, pool[k])
+        index.apply_stored(w, None, probe_hashes[: min(4 * (i + 1), 128)])
+    gc.collect()
+    mem = rss_bytes() - before
+    entries = sum(index.blocks(w) for w in ids)
+    return registry, index, probe, mem, entries
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run(
+    workers: int = 32, prefixes: int = 10_000, prompt_tokens: int = 4096, reps: int = 3000
+) -> dict[str, float]:
+    rng = random.Random(0)
+    t0 = time.perf_counter()
+    registry, index, probe, mem, entries = build(workers, prefixes, prompt_tokens, rng)
+    print(
+        f"index: {workers} workers x {prefixes:,} cached prefixes (+ the probe's path): {len(index):,} blocks, "
+        f"{entries:,} (worker, block) entries, built in {time.perf_counter() - t0:.1f} s"
+    )
+    policy = make_policy("kv_aware", PolicyConfig(block_size=BLOCK), random.Random(1))
+    view = LoadView()
+    prompt = tuple(probe)
+    clock = time.monotonic
+    keys = ("decision", "decision_cpu", "hash", "match", "rank", "bookkeeping")
+    timings: dict[str, list[float]] = {k: [] for k in keys}
+    pc, cpu = time.perf_counter, time.thread_time
+    gc.disable()  # a collection of the 100k-object index inside one decision is not the decision's cost
+    try:
+        for i in range(reps):
+            c_start = cpu()
+            t_start = pc()
+            hashes = BlockHashChain(prompt, BLOCK)  # as _launch: hashed as far as match reads
+            t_hash = pc()
+            now = clock()
+            index.expire(now)
+            overlaps = index.match(hashes)
+            t_match = pc()
+            cands = view.blend(registry.eligible(WorkerRole.DECODE))
+            choice = policy.rank(cands, len(hashes), overlaps)[0]
+            t_end = pc()
+            c_end = cpu()
+            # Bookkeeping after the choice, as _launch does it (then undone, so every rep is alike).
+            total = -(-(len(prompt) + 256) // BLOCK)
+            key = view.begin(choice.worker_id, len(prompt) - choice.overlap_blocks * BLOCK, total)
+            index.apply_provisional(choice.worker_id, hashes, now + 5.0)
+            t_book = pc()
+            view.end(key)
+            index.expire(now + 6.0)
+            if i >= reps // 10:  # the first tenth warms up
+                timings["decision"].append(t_end - t_start)
+                timings["decision_cpu"].append(c_end - c_start)
+                timings["hash"].append(t_hash - t_start)
+                timings["match"].append(t_match - t_hash)
+                timings["rank"].append(t_end - t_match)
+                timings["bookkeeping"].append(t_book - t_end)
+    finally:
+        gc.enable()
+    ms = {k: 1000 * statistics.median(v) for k, v in timings.items()}
+    p99 = 1000 * percentile(timings["decision"], 0.99)
+    load = os.getloadavg()[0]
+    print(
+        f"one decision, {prompt_tokens}-token prompt ({len(probe) // BLOCK} blocks), best match "
+        f"{max(overlaps.values())} blocks, load average {load:.1f} on {os.cpu_count()} CPUs:"
+    )
+    print(
+        f"  p50 {ms['decision']:.3f} ms (prompt to bytes {ms['hash']:.3f}, expire + hash + match {ms['match']:.3f}, "
+        f"eligible + blend + rank {ms['rank']:.3f}), p99 {p99:.3f} ms (target p50 <= 0.1 ms); "
+        f"CPU time of the thread per decision p50 {ms['decision_cpu']:.3f} ms (not counting time preempted); "
+        f"bookkeeping after it {ms['bookkeeping']:.3f} ms"
+    )
+    per_entry, per_block = mem / max(entries, 1), mem / max(len(index), 1)
+    print(
+        f"  index memory {mem / 2**20:.0f} MiB: {per_entry:.0f} B per (worker, block) entry, {per_block:.0f} B per block"
+    )
+    return {
+        "decision_ms_p50": ms["decision"],
+        "decision_ms_p99": p99,
+        "decision_cpu_ms_p50": ms["decision_cpu"],
+        "hash_ms_p50": ms["hash"],
+        "match_ms_p50": ms["match"],
+        "rank_ms_p50": ms["rank"],
+        "bookkeeping_ms_p50": ms["bookkeeping"],
+        "index_bytes_per_entry": per_entry,
+        "index_bytes_per_block": per_block,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=32)
+    p.add_argument("--prefixes", type=int, default=10_000)
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=3000)
+    a = p.parse_args(argv)
+    r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps)
+    fields = " ".join(
+        f"{k}={v:.3f}" if k.endswith("ms_p50") or "ms_" in k else f"{k}={v:.0f}" for k, v in r.items()
+    )
+    print("routing_decision " + fields)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""LoadView: the router's own per-worker account, and how it blends with load reports."""
+
+from services.router.load_view import LoadView
+from services.router.policy import Candidate, WorkerLoad
+
+
+def cand(worker_id, tokens_waiting=0, decode_blocks=0):
+    return Candidate(worker_id, WorkerLoad(tokens_waiting=tokens_waiting, active_decode_blocks=decode_blocks))
+
+
+def loads(view, cands):
+    return {c.worker_id: (c.load.tokens_waiting, c.load.active_decode_blocks) for c in view.blend(cands)}
+
+
+def test_prefill_ends_at_the_first_token_and_decode_at_the_end():
+    v = LoadView()
+    k = v.begin("a", prefill_tokens=100, decode_blocks=10)
+    assert v.own("a") == (100, 10)
+    v.first_token(k)
+    assert v.own("a") == (0, 10)
+    v.first_token(k)  # every later token message says the same: no double subtraction
+    assert v.own("a") == (0, 10)
+    v.end(k)
+    assert v.own("a") == (0, 0) and len(v) == 0
+
+
+def test_end_without_a_first_token_releases_both_parts_once():
+    v = LoadView()
+    k1 = v.begin("a", 50, 5)
+    k2 = v.begin("a", 30, 3)
+    v.end(k1)  # failed or cancelled before its first token
+    v.end(k1)
+    assert v.own("a") == (30, 3)
+    v.end(k2)
+    assert v.own("a") == (0, 0) and len(v) == 0
+
+
+def test_negative_amounts_count_as_zero():
+    v = LoadView()
+    v.begin("a", -5, -1)
+    assert v.own("a") == (0, 0)
+
+
+def test_without_reports_the_own_view_is_the_load():
+    v = LoadView()
+    v.begin("a", 64, 4)
+    assert loads(v, [cand("a"), cand("b")]) == {"a": (64, 4), "b": (0, 0)}
+
+
+def test_a_stale_report_does_not_hide_what_was_routed_since():
+    v = LoadView()
+    v.begin("a", 64, 4)
+    v.begin("a", 64, 4)
+    assert loads(v, [cand("a", 0, 0)]) == {"a": (128, 8)}
+
+
+def test_own_traffic_in_a_report_is_not_counted_twice():
+    v = LoadView()
+    v.begin("a", 64, 4)
+    assert loads(v, [cand("a", 64, 4)]) == {"a": (64, 4)}
+
+
+def test_a_report_above_the_own_view_shows_other_routers_traffic():
+    v = LoadView()
+    v.begin("a", 64, 4)
+    assert loads(v, [cand("a", 264, 24), cand("b", 50, 0)]) == {"a": (264, 24), "b": (50, 0)}
+
+
+def test_each_component_takes_the_larger_of_the_two():
+    # The worker undercounts a long prompt's running chunks but sees more decode blocks.
+    v = LoadView()
+    v.begin("a", 1000, 70)
+    assert loads(v, [cand("a", 200, 90)]) == {"a": (1000, 90)}
+
+
+def test_candidates_keep_everything_else():
+    v = LoadView()
+    v.begin("a", 10, 1)
+    c = Candidate("a", WorkerLoad(running=3, free_blocks=7), healthy=True, inflight=2)
+    (out,) = v.blend([c])
+    assert (out.load.running, out.load.free_blocks, out.inflight) == (3, 7, 2)
