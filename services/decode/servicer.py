@@ -4,7 +4,8 @@ Converts a Generate message into a `DecodeJob` (validated: INVALID_ARGUMENT
 before anything is allocated), runs it on the `DecodeWorker` core
 (services/decode/worker.py: the disaggregation decision, the remote path and
 its fallback, the deadline, accounting) and converts the core's events back
-into messages. A client cancel or an expired deadline cancels the handler;
+into messages. Link (services/decode/link.py) drives the same core for every
+request of one router on one stream. A client cancel or an expired deadline cancels the handler;
 `aclosing` then closes the core, which aborts the engine request and cancels
 an in-flight Prefill call.
 """
@@ -28,6 +29,7 @@ from services.common.validation import (
 )
 from services.decode.config import DecodeConfig
 from services.decode.disagg_policy import Candidate, DisaggregationPolicy, Mode
+from services.decode.link import LinkSession
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill
@@ -91,6 +93,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     )
                 else:
                     yield decode_pb2.DecodeServiceGenerateResponse(final=_final(event))
+
+    @grpc_errors
+    async def Link(self, request_iterator, context: grpc.aio.ServicerContext):
+        session = LinkSession(self.worker, self._job, _final)
+        async for frame in session.run(request_iterator):
+            yield frame
 
     # -- validation and inputs ---------------------------------------------------
     def _job(self, r: decode_pb2.DecodeServiceGenerateRequest, timeout_s: float | None) -> DecodeJob:

@@ -371,7 +371,12 @@ class RequestFlow:
         self.worker_id = choice.worker_id
         call = ctx.call_decode(choice.worker_id, request, timeout)
         self._attempt = DecodeAttempt(
-            choice.worker_id, call, self._wake, cfg.first_token_timeout_s, cfg.stall_timeout_s
+            choice.worker_id,
+            call,
+            self._wake,
+            cfg.first_token_timeout_s,
+            cfg.stall_timeout_s,
+            cfg.max_buffered_tokens,
         )
         return self._attempt
 
