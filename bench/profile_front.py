@@ -212,8 +212,12 @@ async def http_streams(base_url: str, seconds: float, model: str) -> int:
 # ---- scenarios ---------------------------------------------------------------------------
 
 
+LINK = True  # --no-link: the router calls Generate per request instead of DecodeService.Link
+
+
 def router_args(workers: list[str]) -> tuple[str, ...]:
     return flags(
+        decode_link=str(LINK).lower(),
         decode_workers=workers,
         policy="round_robin",
         max_model_len=HUGE,
@@ -245,19 +249,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     p.add_argument("--python-only", action="store_true", help="no --native frames (then --nonblocking)")
+    p.add_argument(
+        "--part", choices=("all", "router", "decode", "overhead"), default="all", help="scenarios to run"
+    )
+    p.add_argument("--requests", type=int, default=400, help="overhead: sequential 1-token requests")
+    p.add_argument("--no-link", action="store_true", help="the router calls Generate per request")
     a = p.parse_args(argv)
-    global NATIVE
+    global NATIVE, LINK
     NATIVE = not a.python_only
+    LINK = not a.no_link
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"cpu: {cpu_model()} x{os.cpu_count()}; load avg {os.getloadavg()[0]:.1f}; streams {STREAMS}")
+    print(
+        f"cpu: {cpu_model()} x{os.cpu_count()}; load avg {os.getloadavg()[0]:.1f}; streams {STREAMS}; "
+        f"token path: {'Link' if LINK else 'Generate per request'}"
+    )
     mode = "--native" if NATIVE else "--nonblocking"
     print(f"py-spy at {a.rate} Hz ({mode}), {a.seconds:.0f} s per scenario; raw profiles in {out}")
     results: dict[str, str] = {}
     with Launcher(tempfile.mkdtemp(prefix="bench-profile-")) as launcher:
-        from services.gateway.launch import gateway_spec
-        from services.gateway.launch import start_ready as gateway_start_ready
+        if a.part in ("all", "router"):
+            front(a, launcher, out, results)
+        if a.part in ("all", "decode"):
+            decode_part(a, launcher, out, results)
+        if a.part in ("all", "overhead"):
+            overhead_part(a, launcher, out, results)
+    print("profile_front " + " ".join(f"{k}={v}" for k, v in results.items()))
+    return 0
 
+
+def front(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
+    from services.gateway.launch import gateway_spec
+    from services.gateway.launch import start_ready as gateway_start_ready
+
+    if True:
         fake = launcher.start_ready(
             ServiceSpec(
                 "fake-decode", "bench.routing", ("--serve-fake",), ready_service="pdmesh.v1.DecodeService"
@@ -313,6 +338,85 @@ def main(argv: list[str] | None = None) -> int:
         results["top_gateway"] = short(sg["self"][0][0]).split(" ")[0] if sg["self"] else "-"
         launcher.stop(gateway)
 
+
+async def sequential(address: str, n: int, direct: bool) -> list[float]:
+    """Whole-request times (ms) of n sequential 1-token requests, after 20 warm-up ones."""
+    from bench.routing import decode_request
+    from pdmesh.v1 import decode_pb2_grpc
+
+    out = []
+    async with channel(address) as ch:
+        stub = decode_pb2_grpc.DecodeServiceStub(ch) if direct else router_pb2_grpc.RouterServiceStub(ch)
+        for i in range(n + 20):
+            req = decode_request(1, i) if direct else router_request(1)
+            t0 = time.perf_counter()
+            async for _ in stub.Generate(req, timeout=30):
+                pass
+            if i >= 20:
+                out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def overhead_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
+    """Issue 16 item 4: the decode worker's own cost per request at near-zero load. The sim
+    engine at speedup 1e6 models ~0 ms of engine time (a 32-token prefill is ~ms / 1e6); the
+    zero-cost fake (bench/routing.py) is the floor of a gRPC request from this client. Worker
+    overhead = sim worker p50 - fake p50, direct and through one router."""
+    import statistics
+
+    fake = launcher.start_ready(
+        ServiceSpec("fake-ovh", "bench.routing", ("--serve-fake",), ready_service="pdmesh.v1.DecodeService")
+    )
+    engine = flags(engine_backend="sim", engine_preset="tiny", engine_sim_speedup=1e6, engine_num_blocks=1024)
+    sim = launcher.start_ready(
+        ServiceSpec(
+            "decode-ovh",
+            "services.decode.main",
+            flags(worker_id="decode-ovh", log_level="warning") + engine,
+            ready_service="pdmesh.v1.DecodeService",
+        )
+    )
+    r_fake = launcher.start_ready(
+        ServiceSpec(
+            "router-ovh-fake",
+            "services.router.main",
+            router_args([fake.address]),
+            ready_service="pdmesh.v1.RouterService",
+        )
+    )
+    r_sim = launcher.start_ready(
+        ServiceSpec(
+            "router-ovh-sim",
+            "services.router.main",
+            router_args([sim.address]),
+            ready_service="pdmesh.v1.RouterService",
+        )
+    )
+    n = a.requests
+    cpu0 = proc_cpu_s(sim.proc.pid)
+    t = {
+        "fake_direct": asyncio.run(sequential(fake.address, n, True)),
+        "sim_direct": asyncio.run(sequential(sim.address, n, True)),
+    }
+    sim_cpu_ms = (proc_cpu_s(sim.proc.pid) - cpu0) / (n + 20) * 1000
+    t["fake_router"] = asyncio.run(sequential(r_fake.address, n, False))
+    t["sim_router"] = asyncio.run(sequential(r_sim.address, n, False))
+    p50 = {k: statistics.median(v) for k, v in t.items()}
+    print(f"\n== decode worker overhead at near-zero load ({n} sequential 1-token requests, sim x1e6)")
+    for k, v in p50.items():
+        print(f"  {k:12s} p50 {v:.3f} ms")
+    direct, routed = p50["sim_direct"] - p50["fake_direct"], p50["sim_router"] - p50["fake_router"]
+    print(
+        f"  worker overhead beyond a zero-cost worker: direct {direct:.3f} ms, through the router "
+        f"{routed:.3f} ms (target <= 1 ms); worker CPU {sim_cpu_ms:.3f} ms per request"
+    )
+    results["worker_overhead_ms"] = f"{direct:.3f}"
+    results["worker_overhead_routed_ms"] = f"{routed:.3f}"
+    results["worker_cpu_ms_per_request"] = f"{sim_cpu_ms:.3f}"
+
+
+def decode_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
+    if True:
         engine = flags(
             engine_backend="sim",
             engine_preset="tiny",
@@ -352,8 +456,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         results["decode_us_per_msg"] = f"{dus:.0f}"
         results["top_decode"] = short(sd["self"][0][0]).split(" ")[0] if sd["self"] else "-"
-    print("profile_front " + " ".join(f"{k}={v}" for k, v in results.items()))
-    return 0
 
 
 if __name__ == "__main__":
