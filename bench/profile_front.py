@@ -52,6 +52,7 @@ from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import router_pb2_grpc
 
 STREAMS = 8
+TOKENS = 0  # tokens the last grpc_streams run received (a message may carry several)
 
 # Families the issue names, matched on the frame's file path or function name (inclusive share).
 FAMILIES = {
@@ -177,17 +178,20 @@ def print_summary(name: str, s: dict, per: str) -> None:
 
 async def grpc_streams(address: str, seconds: float, max_tokens: int = LONG) -> int:
     """8 streams through the router's gRPC door; each reopens a request of `max_tokens` until time is up."""
-    msgs = 0
+    global TOKENS
+    msgs = TOKENS = 0
     stop = time.perf_counter() + seconds
 
     async def one() -> None:
         nonlocal msgs
+        global TOKENS
         async with channel(address) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
             while time.perf_counter() < stop:
                 call = stub.Generate(router_request(max_tokens), timeout=600)
-                async for _ in call:
+                async for m in call:
                     msgs += 1
+                    TOKENS += len(m.delta.token_ids)
                     if time.perf_counter() >= stop:
                         call.cancel()
                         break
@@ -448,13 +452,16 @@ def decode_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> No
             lambda s: grpc_streams(router2.address, s, 512),
         )
         dus = r["cpu"]["decode"] / max(r["msgs"], 1) * 1e6
+        dut = r["cpu"]["decode"] / max(TOKENS, 1) * 1e6
         sd = summarize(out / "decode.raw")
         print_summary(
             "decode worker (sim engine, x1000)",
             sd,
-            f"{r['msgs'] / r['wall']:.0f} router msgs/s, {dus:.0f} us CPU/msg",
+            f"{r['msgs'] / r['wall']:.0f} router msgs/s, {TOKENS / r['wall']:.0f} tokens/s, "
+            f"{dus:.0f} us CPU/msg, {dut:.0f} us CPU/token",
         )
         results["decode_us_per_msg"] = f"{dus:.0f}"
+        results["decode_us_per_token"] = f"{dut:.0f}"
         results["top_decode"] = short(sd["self"][0][0]).split(" ")[0] if sd["self"] else "-"
 
 
