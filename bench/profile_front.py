@@ -343,22 +343,25 @@ def front(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
         launcher.stop(gateway)
 
 
-async def sequential(address: str, n: int, direct: bool) -> list[float]:
-    """Whole-request times (ms) of n sequential 1-token requests, after 20 warm-up ones."""
+async def paired(base: str, other: str, n: int, direct: bool) -> tuple[list[float], list[float]]:
+    """Whole-request times (ms) of n sequential 1-token requests to `base` and to `other`,
+    alternating one each (so the machine's drifting load hits both alike), after 20 warm-up pairs."""
     from bench.routing import decode_request
     from pdmesh.v1 import decode_pb2_grpc
 
-    out = []
-    async with channel(address) as ch:
-        stub = decode_pb2_grpc.DecodeServiceStub(ch) if direct else router_pb2_grpc.RouterServiceStub(ch)
+    times: tuple[list[float], list[float]] = ([], [])
+    async with channel(base) as c0, channel(other) as c1:
+        make = decode_pb2_grpc.DecodeServiceStub if direct else router_pb2_grpc.RouterServiceStub
+        stubs = (make(c0), make(c1))
         for i in range(n + 20):
-            req = decode_request(1, i) if direct else router_request(1)
-            t0 = time.perf_counter()
-            async for _ in stub.Generate(req, timeout=30):
-                pass
-            if i >= 20:
-                out.append((time.perf_counter() - t0) * 1000)
-    return out
+            for k, stub in enumerate(stubs):
+                req = decode_request(1, i) if direct else router_request(1)
+                t0 = time.perf_counter()
+                async for _ in stub.Generate(req, timeout=30):
+                    pass
+                if i >= 20:
+                    times[k].append((time.perf_counter() - t0) * 1000)
+    return times
 
 
 def overhead_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
@@ -398,18 +401,28 @@ def overhead_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> 
     )
     n = a.requests
     cpu0 = proc_cpu_s(sim.proc.pid)
-    t = {
-        "fake_direct": asyncio.run(sequential(fake.address, n, True)),
-        "sim_direct": asyncio.run(sequential(sim.address, n, True)),
-    }
+    t = dict(
+        zip(
+            ("fake_direct", "sim_direct"),
+            asyncio.run(paired(fake.address, sim.address, n, True)),
+            strict=True,
+        )
+    )
     sim_cpu_ms = (proc_cpu_s(sim.proc.pid) - cpu0) / (n + 20) * 1000
-    t["fake_router"] = asyncio.run(sequential(r_fake.address, n, False))
-    t["sim_router"] = asyncio.run(sequential(r_sim.address, n, False))
+    t |= dict(
+        zip(
+            ("fake_router", "sim_router"),
+            asyncio.run(paired(r_fake.address, r_sim.address, n, False)),
+            strict=True,
+        )
+    )
     p50 = {k: statistics.median(v) for k, v in t.items()}
     print(f"\n== decode worker overhead at near-zero load ({n} sequential 1-token requests, sim x1e6)")
     for k, v in p50.items():
         print(f"  {k:12s} p50 {v:.3f} ms")
-    direct, routed = p50["sim_direct"] - p50["fake_direct"], p50["sim_router"] - p50["fake_router"]
+    # Median of the paired differences: robust to the load drifting during the run.
+    direct = statistics.median(s - f for s, f in zip(t["sim_direct"], t["fake_direct"], strict=True))
+    routed = statistics.median(s - f for s, f in zip(t["sim_router"], t["fake_router"], strict=True))
     print(
         f"  worker overhead beyond a zero-cost worker: direct {direct:.3f} ms, through the router "
         f"{routed:.3f} ms (target <= 1 ms); worker CPU {sim_cpu_ms:.3f} ms per request"
