@@ -247,7 +247,10 @@ class DecodeLink:
                 while out:
                     await self._call.write(out.popleft())
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            pass  # the call ended: the reader sees its status
+            pass  # the call ended: the reader sees its status (UNIMPLEMENTED included)
+        except Exception as e:  # a frame that cannot be sent: nothing more would be, so fail over now
+            log.error("link_write_failed", worker=self.worker_id, exc_info=e)
+            self._break(f"the router could not write to the link ({type(e).__name__})")
 
     async def _read(self) -> None:
         calls, ending = self._calls, self._ending
