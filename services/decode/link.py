@@ -15,6 +15,10 @@ their tokens and ends to one pending batch and wake the writer, which sends the
 batch as one frame. The engine delivers every output of a step in one loop
 callback, so every request of a step lands in the same batch.
 
+When the server drains, a link takes no new request (UNAVAILABLE: the router
+retries elsewhere), lets the open ones finish and then ends the call (the
+drain waits for it as for a Generate call, up to its grace).
+
 A frame that breaks the protocol (no frame kind, an id of 0 or one already
 open, an open without a request) ends the link with INVALID_ARGUMENT. Every
 way the link ends (that, the router going away, the server stopping) cancels
@@ -54,8 +58,15 @@ def _status(code: grpc.StatusCode, message: str) -> decode_pb2.LinkStatus:
 class LinkSession:
     """One Link call (see the module docstring)."""
 
-    def __init__(self, worker: DecodeWorker, make_job: MakeJob, final_of: FinalOf):
+    def __init__(
+        self,
+        worker: DecodeWorker,
+        make_job: MakeJob,
+        final_of: FinalOf,
+        draining: asyncio.Event | None = None,
+    ):
         self._worker = worker
+        self._draining = draining
         self._make_job = make_job
         self._final_of = final_of
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -65,6 +76,7 @@ class LinkSession:
         self._ready = asyncio.Event()
         self._error: LinkMalformed | None = None
         self._reading = True
+        self._drained = False  # the server drains: no new request; end once the open ones did
 
     @property
     def open_requests(self) -> int:
@@ -73,7 +85,9 @@ class LinkSession:
     async def run(self, frames: AsyncIterator[decode_pb2.DecodeServiceLinkRequest]):
         """The worker's frames, until the router closes its side and every request
         ended; raises LinkMalformed on a bad frame."""
-        reader = asyncio.get_running_loop().create_task(self._read(frames))
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read(frames))
+        drain = loop.create_task(self._on_drain()) if self._draining is not None else None
         try:
             while True:
                 await self._ready.wait()
@@ -82,16 +96,24 @@ class LinkSession:
                     yield self._frame()
                 if self._error is not None:
                     raise self._error
-                if not self._reading and not self._tasks:
+                if (not self._reading or self._drained) and not self._tasks:
                     return
         finally:
             reader.cancel()
+            if drain is not None:
+                drain.cancel()
             tasks = list(self._tasks.values())
             for task in tasks:
                 task.cancel()
             # Wait for the cores to close: the engine aborts (KV freed) are queued
             # before the call's status goes out.
             await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _on_drain(self) -> None:
+        assert self._draining is not None
+        await self._draining.wait()
+        self._drained = True
+        self._ready.set()
 
     def _frame(self) -> decode_pb2.DecodeServiceLinkResponse:
         tokens, self._tokens = self._tokens, {}
@@ -128,6 +150,14 @@ class LinkSession:
             raise LinkMalformed(f"link_id {lid} is already open on this link")
         if not o.HasField("request"):
             raise LinkMalformed(f"open of link_id {lid} carries no request")
+        if self._drained:
+            self._ends.append(
+                decode_pb2.LinkEnd(
+                    link_id=lid, error=_status(grpc.StatusCode.UNAVAILABLE, "the decode worker is draining")
+                )
+            )
+            self._ready.set()
+            return
         try:
             job = self._make_job(o.request, o.timeout_s if o.timeout_s > 0 else None)
         except Exception as e:  # bad request: only this one ends, with its status

@@ -12,6 +12,7 @@ an in-flight Prefill call.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from contextlib import aclosing
 
@@ -58,6 +59,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         prefill_timeout_s: float = DecodeConfig.prefill_timeout_s,
         probe: PrefillLoadProbe | None = None,
         max_request_s: float = DecodeConfig.max_request_s,
+        draining: asyncio.Event | None = None,
     ):
         self.engine = engine
         self.metrics = metrics
@@ -74,6 +76,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             probe=probe,
         )
         self._ids = itertools.count()
+        self._draining = draining  # set when the server drains: links finish their requests, then end
 
     @property
     def own_dispatches(self) -> OwnDispatches:
@@ -96,7 +99,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     @grpc_errors
     async def Link(self, request_iterator, context: grpc.aio.ServicerContext):
-        session = LinkSession(self.worker, self._job, _final)
+        session = LinkSession(self.worker, self._job, _final, self._draining)
         async for frame in session.run(request_iterator):
             yield frame
 

@@ -68,6 +68,7 @@ class SimDecode:
             limits=LIMITS,
             worker_info=self.rt.info(),
             static_candidates=[],
+            draining=self.rt.server.drain_started,
         )
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.rt.server.server)
         await self.rt.server.start()
@@ -231,6 +232,23 @@ async def test_cancel_on_a_shared_link_frees_the_blocks_at_once(mesh, sims):
     assert not other.done()
     toks, final = await other
     assert len(toks) == 400 and final.migrations == 0
+    await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
+
+
+async def test_a_draining_worker_finishes_the_requests_on_its_link_then_ends_it(mesh, sims):
+    w = await sims("d0", speedup=5.0)
+    h = await mesh.router(decode=[w])
+    free = w.free()
+    got: list[int] = []
+    req = asyncio.create_task(run_flow(h.router, "r", prompt(5), 300, got))
+    await eventually(lambda: len(got) >= 3, what="the request streaming", timeout=30)
+    drain = asyncio.create_task(w.rt.server.drain(grace_s=60))
+    toks, final = await req
+    assert len(toks) == 300 and final.migrations == 0  # finished where it ran, not moved
+    await asyncio.wait_for(
+        drain, 30
+    )  # the link ended once its request did: the drain did not wait out its grace
+    w.alive = False
     await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
 
 
