@@ -23,7 +23,10 @@ What a per-request call did for free is kept here, per request:
   opens a new one.
 - a worker that does not serve Link (UNIMPLEMENTED: an older worker, a
   stand-in) is remembered, and the requests that were on the link are started
-  again as Generate calls, before any of their tokens was sent.
+  again as Generate calls, before any of their tokens was sent. So is every
+  request of a link that fails before anything came back on it (no token can
+  have been sent): such a worker can surface as INTERNAL when the router's
+  writes race its UNIMPLEMENTED.
 A slow client cannot stall the link: the reader only appends to the request's
 bounded buffer (DecodeAttempt's `max_buffered_tokens`).
 """
@@ -184,6 +187,7 @@ class DecodeLink:
         self._out_ready = asyncio.Event()
         self.broken: str | None = None  # why the link ended; None while it is up
         self._retiring = False
+        self._heard = False  # a frame came back on this link
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read(), name=f"link-read:{worker_id}")
         self._writer = loop.create_task(self._write(), name=f"link-write:{worker_id}")
@@ -257,6 +261,7 @@ class DecodeLink:
         why = "the worker ended the link"
         try:
             async for frame in self._call:
+                self._heard = True
                 for t in frame.tokens:
                     call = calls.get(t.link_id)
                     if call is not None:
@@ -280,7 +285,17 @@ class DecodeLink:
             self._call.cancel()
         except grpc.aio.AioRpcError as e:
             if e.code() is grpc.StatusCode.UNIMPLEMENTED:
-                self._unimplemented()
+                self.broken = "the worker does not serve Link"
+                self._on_unimplemented()
+                self._generate_instead()
+                return
+            if not self._heard:
+                # Nothing came back on this link, so none of its requests has a token: run
+                # them as Generate calls (a worker without Link can surface as INTERNAL when
+                # the router's writes race its UNIMPLEMENTED; a dead worker fails those too,
+                # and they recover as usual).
+                self.broken = f"{e.code().name}: {e.details()}"
+                self._generate_instead()
                 return
             why = f"{e.code().name}: {e.details()}"
         self._break(why)
@@ -298,9 +313,8 @@ class DecodeLink:
         for call in calls:
             call._fail(error)
 
-    def _unimplemented(self) -> None:
-        self.broken = "the worker does not serve Link"
-        self._on_unimplemented()
+    def _generate_instead(self) -> None:
+        self._call.cancel()
         calls, self._calls = list(self._calls.values()), {}
         for call in calls:
             call._generate_instead(self._generate)
