@@ -12,13 +12,16 @@ Part 2:
 The router runs as a real process (`services.router.main`) in front of a
 zero-cost fake decode worker (another process, defined here: it answers
 Generate with tokens as fast as gRPC lets it, one token per message, and
-serves Stats/health/KV events like a worker). The client is this process
+serves Stats/health/KV events like a worker; over DecodeService.Link it
+sends, per "step", one frame with one token for every open request, which is
+what the router uses unless `--no-link`). The client is this process
 (grpc.aio on uvloop). Measured:
 
 - TTFT of a 1-token request, sequentially: through the router vs calling the
   fake directly; the difference is the router hop (router_overhead_ms_p50);
-- messages/s relayed with one token per message over 1 stream
-  (router_msgs_per_s; the fake's own rate read directly, for comparison);
+- messages/s relayed with one token per message over 1 stream (the fake's
+  own rate read directly, for comparison) and over 64 streams
+  (router_msgs_per_s: client messages/s, issue 16's target);
 - tokens/s over 1 and 8 streams with the router coalescing whatever is ready
   into one client message (router_tokens_per_s is the 8-stream figure);
 - 1 vs 2 router processes sharing one port with SO_REUSEPORT, 16 streams on
