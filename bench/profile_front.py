@@ -52,6 +52,7 @@ from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import router_pb2_grpc
 
 STREAMS = 8
+TOKENS = 0  # tokens the last grpc_streams run received (a message may carry several)
 
 # Families the issue names, matched on the frame's file path or function name (inclusive share).
 FAMILIES = {
@@ -177,17 +178,20 @@ def print_summary(name: str, s: dict, per: str) -> None:
 
 async def grpc_streams(address: str, seconds: float, max_tokens: int = LONG) -> int:
     """8 streams through the router's gRPC door; each reopens a request of `max_tokens` until time is up."""
-    msgs = 0
+    global TOKENS
+    msgs = TOKENS = 0
     stop = time.perf_counter() + seconds
 
     async def one() -> None:
         nonlocal msgs
+        global TOKENS
         async with channel(address) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
             while time.perf_counter() < stop:
                 call = stub.Generate(router_request(max_tokens), timeout=600)
-                async for _ in call:
+                async for m in call:
                     msgs += 1
+                    TOKENS += len(m.delta.token_ids)
                     if time.perf_counter() >= stop:
                         call.cancel()
                         break
@@ -212,8 +216,12 @@ async def http_streams(base_url: str, seconds: float, model: str) -> int:
 # ---- scenarios ---------------------------------------------------------------------------
 
 
+LINK = True  # --no-link: the router calls Generate per request instead of DecodeService.Link
+
+
 def router_args(workers: list[str]) -> tuple[str, ...]:
     return flags(
+        decode_link=str(LINK).lower(),
         decode_workers=workers,
         policy="round_robin",
         max_model_len=HUGE,
@@ -245,19 +253,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     p.add_argument("--python-only", action="store_true", help="no --native frames (then --nonblocking)")
+    p.add_argument(
+        "--part", choices=("all", "router", "decode", "overhead"), default="all", help="scenarios to run"
+    )
+    p.add_argument("--requests", type=int, default=400, help="overhead: sequential 1-token requests")
+    p.add_argument("--no-link", action="store_true", help="the router calls Generate per request")
     a = p.parse_args(argv)
-    global NATIVE
+    global NATIVE, LINK
     NATIVE = not a.python_only
+    LINK = not a.no_link
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"cpu: {cpu_model()} x{os.cpu_count()}; load avg {os.getloadavg()[0]:.1f}; streams {STREAMS}")
+    print(
+        f"cpu: {cpu_model()} x{os.cpu_count()}; load avg {os.getloadavg()[0]:.1f}; streams {STREAMS}; "
+        f"token path: {'Link' if LINK else 'Generate per request'}"
+    )
     mode = "--native" if NATIVE else "--nonblocking"
     print(f"py-spy at {a.rate} Hz ({mode}), {a.seconds:.0f} s per scenario; raw profiles in {out}")
     results: dict[str, str] = {}
     with Launcher(tempfile.mkdtemp(prefix="bench-profile-")) as launcher:
-        from services.gateway.launch import gateway_spec
-        from services.gateway.launch import start_ready as gateway_start_ready
+        if a.part in ("all", "router"):
+            front(a, launcher, out, results)
+        if a.part in ("all", "decode"):
+            decode_part(a, launcher, out, results)
+        if a.part in ("all", "overhead"):
+            overhead_part(a, launcher, out, results)
+    print("profile_front " + " ".join(f"{k}={v}" for k, v in results.items()))
+    return 0
 
+
+def front(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
+    from services.gateway.launch import gateway_spec
+    from services.gateway.launch import start_ready as gateway_start_ready
+
+    if True:
         fake = launcher.start_ready(
             ServiceSpec(
                 "fake-decode", "bench.routing", ("--serve-fake",), ready_service="pdmesh.v1.DecodeService"
@@ -313,6 +342,98 @@ def main(argv: list[str] | None = None) -> int:
         results["top_gateway"] = short(sg["self"][0][0]).split(" ")[0] if sg["self"] else "-"
         launcher.stop(gateway)
 
+
+async def paired(base: str, other: str, n: int, direct: bool) -> tuple[list[float], list[float]]:
+    """Whole-request times (ms) of n sequential 1-token requests to `base` and to `other`,
+    alternating one each (so the machine's drifting load hits both alike), after 20 warm-up pairs."""
+    from bench.routing import decode_request
+    from pdmesh.v1 import decode_pb2_grpc
+
+    times: tuple[list[float], list[float]] = ([], [])
+    async with channel(base) as c0, channel(other) as c1:
+        make = decode_pb2_grpc.DecodeServiceStub if direct else router_pb2_grpc.RouterServiceStub
+        stubs = (make(c0), make(c1))
+        for i in range(n + 20):
+            for k, stub in enumerate(stubs):
+                req = decode_request(1, i) if direct else router_request(1)
+                t0 = time.perf_counter()
+                async for _ in stub.Generate(req, timeout=30):
+                    pass
+                if i >= 20:
+                    times[k].append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def overhead_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
+    """Issue 16 item 4: the decode worker's own cost per request at near-zero load. The sim
+    engine at speedup 1e6 models ~0 ms of engine time (a 32-token prefill is ~ms / 1e6); the
+    zero-cost fake (bench/routing.py) is the floor of a gRPC request from this client. Worker
+    overhead = sim worker p50 - fake p50, direct and through one router."""
+    import statistics
+
+    fake = launcher.start_ready(
+        ServiceSpec("fake-ovh", "bench.routing", ("--serve-fake",), ready_service="pdmesh.v1.DecodeService")
+    )
+    engine = flags(engine_backend="sim", engine_preset="tiny", engine_sim_speedup=1e6, engine_num_blocks=1024)
+    sim = launcher.start_ready(
+        ServiceSpec(
+            "decode-ovh",
+            "services.decode.main",
+            flags(worker_id="decode-ovh", log_level="warning") + engine,
+            ready_service="pdmesh.v1.DecodeService",
+        )
+    )
+    r_fake = launcher.start_ready(
+        ServiceSpec(
+            "router-ovh-fake",
+            "services.router.main",
+            router_args([fake.address]),
+            ready_service="pdmesh.v1.RouterService",
+        )
+    )
+    r_sim = launcher.start_ready(
+        ServiceSpec(
+            "router-ovh-sim",
+            "services.router.main",
+            router_args([sim.address]),
+            ready_service="pdmesh.v1.RouterService",
+        )
+    )
+    n = a.requests
+    cpu0 = proc_cpu_s(sim.proc.pid)
+    t = dict(
+        zip(
+            ("fake_direct", "sim_direct"),
+            asyncio.run(paired(fake.address, sim.address, n, True)),
+            strict=True,
+        )
+    )
+    sim_cpu_ms = (proc_cpu_s(sim.proc.pid) - cpu0) / (n + 20) * 1000
+    t |= dict(
+        zip(
+            ("fake_router", "sim_router"),
+            asyncio.run(paired(r_fake.address, r_sim.address, n, False)),
+            strict=True,
+        )
+    )
+    p50 = {k: statistics.median(v) for k, v in t.items()}
+    print(f"\n== decode worker overhead at near-zero load ({n} sequential 1-token requests, sim x1e6)")
+    for k, v in p50.items():
+        print(f"  {k:12s} p50 {v:.3f} ms")
+    # Median of the paired differences: robust to the load drifting during the run.
+    direct = statistics.median(s - f for s, f in zip(t["sim_direct"], t["fake_direct"], strict=True))
+    routed = statistics.median(s - f for s, f in zip(t["sim_router"], t["fake_router"], strict=True))
+    print(
+        f"  worker overhead beyond a zero-cost worker: direct {direct:.3f} ms, through the router "
+        f"{routed:.3f} ms (target <= 1 ms); worker CPU {sim_cpu_ms:.3f} ms per request"
+    )
+    results["worker_overhead_ms"] = f"{direct:.3f}"
+    results["worker_overhead_routed_ms"] = f"{routed:.3f}"
+    results["worker_cpu_ms_per_request"] = f"{sim_cpu_ms:.3f}"
+
+
+def decode_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
+    if True:
         engine = flags(
             engine_backend="sim",
             engine_preset="tiny",
@@ -344,16 +465,17 @@ def main(argv: list[str] | None = None) -> int:
             lambda s: grpc_streams(router2.address, s, 512),
         )
         dus = r["cpu"]["decode"] / max(r["msgs"], 1) * 1e6
+        dut = r["cpu"]["decode"] / max(TOKENS, 1) * 1e6
         sd = summarize(out / "decode.raw")
         print_summary(
             "decode worker (sim engine, x1000)",
             sd,
-            f"{r['msgs'] / r['wall']:.0f} router msgs/s, {dus:.0f} us CPU/msg",
+            f"{r['msgs'] / r['wall']:.0f} router msgs/s, {TOKENS / r['wall']:.0f} tokens/s, "
+            f"{dus:.0f} us CPU/msg, {dut:.0f} us CPU/token",
         )
         results["decode_us_per_msg"] = f"{dus:.0f}"
+        results["decode_us_per_token"] = f"{dut:.0f}"
         results["top_decode"] = short(sd["self"][0][0]).split(" ")[0] if sd["self"] else "-"
-    print("profile_front " + " ".join(f"{k}={v}" for k, v in results.items()))
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,13 +12,16 @@ Part 2:
 The router runs as a real process (`services.router.main`) in front of a
 zero-cost fake decode worker (another process, defined here: it answers
 Generate with tokens as fast as gRPC lets it, one token per message, and
-serves Stats/health/KV events like a worker). The client is this process
+serves Stats/health/KV events like a worker; over DecodeService.Link it
+sends, per "step", one frame with one token for every open request, which is
+what the router uses unless `--no-link`). The client is this process
 (grpc.aio on uvloop). Measured:
 
 - TTFT of a 1-token request, sequentially: through the router vs calling the
   fake directly; the difference is the router hop (router_overhead_ms_p50);
-- messages/s relayed with one token per message over 1 stream
-  (router_msgs_per_s; the fake's own rate read directly, for comparison);
+- messages/s relayed with one token per message over 1 stream (the fake's
+  own rate read directly, for comparison) and over 64 streams
+  (router_msgs_per_s: client messages/s, issue 16's target);
 - tokens/s over 1 and 8 streams with the router coalescing whatever is ready
   into one client message (router_tokens_per_s is the 8-stream figure);
 - 1 vs 2 router processes sharing one port with SO_REUSEPORT, 16 streams on
@@ -116,6 +119,55 @@ class ZeroCostDecode(decode_pb2_grpc.DecodeServiceServicer):
         yield decode_pb2.DecodeServiceGenerateResponse(
             final=decode_pb2.DecodeFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage)
         )
+
+    async def Link(self, request_iterator, context):
+        """The link as a worker with zero step time: per "step", one frame with one token
+        (id 65) for every open request, ends in the same frame as the last token."""
+        left: dict[int, int] = {}  # link_id -> tokens still to send
+        prompt: dict[int, int] = {}
+        more = asyncio.Event()
+        reading = True
+
+        async def read() -> None:
+            nonlocal reading
+            async for f in request_iterator:
+                if f.WhichOneof("frame") == "open":
+                    r = f.open.request
+                    left[f.open.link_id] = r.sampling.max_tokens - len(r.resume_token_ids)
+                    prompt[f.open.link_id] = len(r.prompt_token_ids)
+                elif f.cancel.link_id in left:
+                    del left[f.cancel.link_id]
+                    yield_cancel.append(f.cancel.link_id)
+                more.set()
+            reading = False
+            more.set()
+
+        yield_cancel: list[int] = []
+        reader = asyncio.create_task(read())
+        try:
+            while reading or left:
+                if not left and not yield_cancel:
+                    more.clear()
+                    await more.wait()
+                    continue
+                tokens, ends = [], []
+                for lid in list(left):
+                    tokens.append(decode_pb2.LinkTokens(link_id=lid, token_ids=(65,)))
+                    left[lid] -= 1
+                    if left[lid] <= 0:
+                        del left[lid]
+                        usage = common_pb2.Usage(computed_tokens=prompt.pop(lid))
+                        final = decode_pb2.DecodeFinal(
+                            finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage
+                        )
+                        ends.append(decode_pb2.LinkEnd(link_id=lid, final=final))
+                for lid in yield_cancel:
+                    ends.append(decode_pb2.LinkEnd(link_id=lid, error=decode_pb2.LinkStatus(code=1)))
+                yield_cancel.clear()
+                yield decode_pb2.DecodeServiceLinkResponse(tokens=tokens, ends=ends)
+                await asyncio.sleep(0)  # let new opens and cancels in between "steps"
+        finally:
+            reader.cancel()
 
     async def SubscribeKvEvents(self, request, context):
         yield worker_pb2.SubscribeKvEventsResponse(worker_id="fake", snapshot=worker_pb2.KvCacheSnapshot())
@@ -223,6 +275,16 @@ async def routed_rate(
     return r
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown cpu"
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(int(q * len(xs)), len(xs) - 1)]
@@ -231,8 +293,12 @@ def pct(xs: list[float], q: float) -> float:
 # ---- orchestration -----------------------------------------------------------------
 
 
+LINK = True  # the router reaches the fake over DecodeService.Link (--no-link: Generate per request)
+
+
 def start_router(launcher: Launcher, name: str, fake: str, port: int = 0):
     args = flags(
+        decode_link=str(LINK).lower(),
         port=port,
         so_reuseport=1,
         decode_workers=[fake],
@@ -266,6 +332,7 @@ async def measure(fake: str, router: str, router_pid: int, quick: bool) -> dict[
         "router_1": await routed_rate([router_pid], [router], 1, dur),
         "direct_8": await stream_rate([fake], True, 8, dur),
         "router_8": await routed_rate([router_pid], [router], 8, dur),
+        "router_64": await routed_rate([router_pid], [router], 64, dur),
         "one_proc_16": await routed_rate([router_pid], [router], 16, dur),
     }
 
@@ -429,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="part 1: run the simulated GPUs this many times slower, for a busy machine (model figures stay)",
     )
+    p.add_argument("--no-link", action="store_true", help="part 2: the router calls Generate per request")
     p.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -443,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         r = run_decision()
         print("routing_decision " + " ".join(f"{k}={v}" for k, v in r.items()))
         return 0
+    global LINK
+    LINK = not args.no_link
     studies = (
         [QUICK]
         if args.quick
@@ -492,7 +562,10 @@ def report(r: dict[str, dict[str, float]]) -> dict[str, str]:
     t, d1, r1, d8, r8 = r["ttft"], r["direct_1"], r["router_1"], r["direct_8"], r["router_8"]
     one, two = r["one_proc_16"], r["two_proc_16"]
     scale = two["tok"] / one["tok"]
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared: rates follow the load)")
+    print(
+        f"cpu: {cpu_model()} x{os.cpu_count()}; load average {os.getloadavg()[0]:.1f} (shared: rates follow "
+        f"the load); token path: {'Link' if LINK else 'Generate per request'}"
+    )
     print(
         f"TTFT of a 1-token request, sequential: direct p50 {t['direct_p50']:.2f} ms, p99 {t['direct_p99']:.2f} ms"
     )
@@ -510,6 +583,12 @@ def report(r: dict[str, dict[str, float]]) -> dict[str, str]:
         f"{r8['msgs']:,.0f} client msgs/s (x{r8['tok'] / max(r8['msgs'], 1):.2f} coalesced), "
         f"router CPU {r8['router_us_per_token']:.0f} us/token (target >= 80,000 tokens/s)"
     )
+    r64 = r["router_64"]
+    print(
+        f"64 streams, 1 token per worker message: via the router {r64['tok']:,.0f} tokens/s in "
+        f"{r64['msgs']:,.0f} client msgs/s, router CPU {r64['router_us_per_token']:.0f} us/token "
+        "(target >= 20,000 msgs/s)"
+    )
     print(
         f"16 streams on 16 connections: 1 router {one['tok']:,.0f} tokens/s, 2 routers on one port "
         f"{two['tok']:,.0f} tokens/s: x{scale:.2f} (target >= 1.7)"
@@ -518,7 +597,8 @@ def report(r: dict[str, dict[str, float]]) -> dict[str, str]:
         "router_overhead_ms_p50": f"{t['overhead_p50']:.3f}",
         "ttft_p50_ms": f"{t['p50']:.3f}",
         "ttft_p99_ms": f"{t['p99']:.3f}",
-        "router_msgs_per_s": f"{r1['tok']:.0f}",
+        "router_msgs_per_s": f"{r64['msgs']:.0f}",
+        "router_msgs_per_s_1stream": f"{r1['tok']:.0f}",
         "router_tokens_per_s": f"{r8['tok']:.0f}",
         "scale_2proc": f"{scale:.2f}",
     }

@@ -81,3 +81,61 @@ class DecodeFinal(_message.Message):
     prefill_worker_id: str
     kv_bytes_transferred: int
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_path: _Optional[str] = ..., disagg_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., kv_bytes_transferred: _Optional[int] = ...) -> None: ...
+
+class DecodeServiceLinkRequest(_message.Message):
+    __slots__ = ("open", "cancel")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    open: LinkOpen
+    cancel: LinkCancel
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., cancel: _Optional[_Union[LinkCancel, _Mapping]] = ...) -> None: ...
+
+class LinkOpen(_message.Message):
+    __slots__ = ("link_id", "request", "timeout_s")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    link_id: int
+    request: DecodeServiceGenerateRequest
+    timeout_s: float
+    def __init__(self, link_id: _Optional[int] = ..., request: _Optional[_Union[DecodeServiceGenerateRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class LinkCancel(_message.Message):
+    __slots__ = ("link_id",)
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    link_id: int
+    def __init__(self, link_id: _Optional[int] = ...) -> None: ...
+
+class DecodeServiceLinkResponse(_message.Message):
+    __slots__ = ("tokens", "ends")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[LinkTokens]
+    ends: _containers.RepeatedCompositeFieldContainer[LinkEnd]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[LinkTokens, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ...) -> None: ...
+
+class LinkTokens(_message.Message):
+    __slots__ = ("link_id", "token_ids")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    link_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, link_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LinkEnd(_message.Message):
+    __slots__ = ("link_id", "final", "error")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    link_id: int
+    final: DecodeFinal
+    error: LinkStatus
+    def __init__(self, link_id: _Optional[int] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ..., error: _Optional[_Union[LinkStatus, _Mapping]] = ...) -> None: ...
+
+class LinkStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

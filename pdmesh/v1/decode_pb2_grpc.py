@@ -51,6 +51,11 @@ class DecodeServiceStub:
                 request_serializer=pdmesh_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_worker__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/pdmesh.v1.DecodeService/Link',
+                request_serializer=pdmesh_dot_v1_dot_decode__pb2.DecodeServiceLinkRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_decode__pb2.DecodeServiceLinkResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -79,6 +84,19 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Link(self, request_iterator, context):
+        """The multiplexed token path: one long-lived stream per (router process,
+        decode worker) carrying every request that router runs here. The router
+        opens and cancels requests; the worker answers with one frame per batch of
+        engine outputs (the new tokens of every request that has some, and the
+        requests that ended). A malformed frame ends this link with
+        INVALID_ARGUMENT (other links are untouched); the link ending, however it
+        ends, aborts every request still open on it and frees its KV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +114,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdmesh_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_worker__pb2.StatsResponse.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=pdmesh_dot_v1_dot_decode__pb2.DecodeServiceLinkRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_decode__pb2.DecodeServiceLinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +203,33 @@ class DecodeService:
             '/pdmesh.v1.DecodeService/Stats',
             pdmesh_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             pdmesh_dot_v1_dot_worker__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdmesh.v1.DecodeService/Link',
+            pdmesh_dot_v1_dot_decode__pb2.DecodeServiceLinkRequest.SerializeToString,
+            pdmesh_dot_v1_dot_decode__pb2.DecodeServiceLinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

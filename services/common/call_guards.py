@@ -64,6 +64,7 @@ POLICY: tuple[tuple[str, frozenset[str]], ...] = (
     ("/pdmesh.v1.RouterService/DeregisterWorker", WORKER_ROLES),
     # Decode workers: the router's alone (no key, admission or quota behind them).
     ("/pdmesh.v1.DecodeService/Generate", _ROUTER),
+    ("/pdmesh.v1.DecodeService/Link", _ROUTER),  # the multiplexed token path
     ("/pdmesh.v1.DecodeService/SubscribeKvEvents", _ROUTER),
     ("/pdmesh.v1.DecodeService/Stats", ADMIN_ROLES),
     # Prefill workers: held KV is decode's to take and release.
@@ -126,7 +127,20 @@ def guard(h: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandler:
                     done()
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, **ser)
-    return h  # client-streaming kinds: not used by pdmesh services
+    if h.stream_stream is not None:  # DecodeService.Link
+        inner_ss = h.stream_stream
+
+        async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            done = await check(context)
+            try:
+                async for item in inner_ss(requests, context):
+                    yield item
+            finally:
+                if done is not None:
+                    done()
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, **ser)
+    return h  # stream-unary: not used by pdmesh services
 
 
 class MeshAuthorizer(grpc.aio.ServerInterceptor):

@@ -169,7 +169,22 @@ class _DrainGate(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, **ser)
 
-        return h  # client-streaming kinds: not used by pdmesh services
+        if h.stream_stream is not None:  # DecodeService.Link: counted while open; it ends itself on drain
+            inner_ss = h.stream_stream
+
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                if gate.draining:
+                    await refuse(context)
+                gate._enter()
+                try:
+                    async for item in inner_ss(requests, context):
+                        yield item
+                finally:
+                    gate._exit()
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, **ser)
+
+        return h  # stream-unary: not used by pdmesh services
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -206,6 +221,7 @@ class MeshServer:
         self.registry = registry
         self.tls = tls if tls is not None and tls.serves_tls else None
         self._gate = _DrainGate()
+        self.drain_started = asyncio.Event()
         options: list[tuple[str, int]] = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -322,6 +338,7 @@ class MeshServer:
             return
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         self._gate.draining = True
+        self.drain_started.set()  # long-lived streams (Link) finish their requests and end
         await self.health.enter_graceful_shutdown()
         log.info("draining", service=self.service_name, inflight=self._gate.inflight, grace_s=grace)
         finished = await self._gate.wait_idle(grace)

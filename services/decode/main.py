@@ -44,6 +44,7 @@ async def serve(settings: DecodeSettings) -> None:
         prefill_timeout_s=decode_cfg.prefill_timeout_s,
         probe=PrefillLoadProbe(rt.channels) if remote is not None else None,
         max_request_s=decode_cfg.max_request_s,
+        draining=rt.server.drain_started,
     )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, rt.server.server)
     await rt.serve(servicer.load)

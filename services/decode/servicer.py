@@ -4,13 +4,15 @@ Converts a Generate message into a `DecodeJob` (validated: INVALID_ARGUMENT
 before anything is allocated), runs it on the `DecodeWorker` core
 (services/decode/worker.py: the disaggregation decision, the remote path and
 its fallback, the deadline, accounting) and converts the core's events back
-into messages. A client cancel or an expired deadline cancels the handler;
+into messages. Link (services/decode/link.py) drives the same core for every
+request of one router on one stream. A client cancel or an expired deadline cancels the handler;
 `aclosing` then closes the core, which aborts the engine request and cancels
 an in-flight Prefill call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from contextlib import aclosing
 
@@ -28,6 +30,7 @@ from services.common.validation import (
 )
 from services.decode.config import DecodeConfig
 from services.decode.disagg_policy import Candidate, DisaggregationPolicy, Mode
+from services.decode.link import LinkSession
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill
@@ -56,6 +59,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         prefill_timeout_s: float = DecodeConfig.prefill_timeout_s,
         probe: PrefillLoadProbe | None = None,
         max_request_s: float = DecodeConfig.max_request_s,
+        draining: asyncio.Event | None = None,
     ):
         self.engine = engine
         self.metrics = metrics
@@ -72,6 +76,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             probe=probe,
         )
         self._ids = itertools.count()
+        self._draining = draining  # set when the server drains: links finish their requests, then end
 
     @property
     def own_dispatches(self) -> OwnDispatches:
@@ -91,6 +96,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     )
                 else:
                     yield decode_pb2.DecodeServiceGenerateResponse(final=_final(event))
+
+    @grpc_errors
+    async def Link(self, request_iterator, context: grpc.aio.ServicerContext):
+        session = LinkSession(self.worker, self._job, _final, self._draining)
+        async for frame in session.run(request_iterator):
+            yield frame
 
     # -- validation and inputs ---------------------------------------------------
     def _job(self, r: decode_pb2.DecodeServiceGenerateRequest, timeout_s: float | None) -> DecodeJob:

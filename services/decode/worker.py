@@ -197,6 +197,10 @@ class DecodeWorker:
     async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> Decision:
         mode = job.mode or Mode(self.policy.config.default_mode)
         candidates = self._candidates(job)
+        if not candidates:
+            # Local whatever the wait: skip the engine stats walk the wait estimate needs
+            # (a per-request cost at near-zero load, issue 16 item 4).
+            return self.policy.decide(context_len, cached, (), 0.0, mode, self.waits.tokens_per_s)
         if candidates and self.probe is not None and self._may_go_remote(context_len - cached, mode):
             candidates = await self.probe.refresh(candidates)
         candidates = self.own_dispatches.apply(candidates, self.waits.tokens_per_s)

@@ -24,7 +24,14 @@ from typing import Protocol
 import grpc
 
 from pdmesh.v1 import decode_pb2
-from services.common.errors import DeadlineExceeded, InvalidArgument, MeshError, PermissionDenied, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    MeshError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 
 _CLIENT_FAULT = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -50,6 +57,9 @@ class AttemptError:
     details: str
     retryable: bool  # another attempt may succeed
     worker_fault: bool  # counts as a failure of the worker (circuit breaker)
+    # The router's own verdict on the client (e.g. it stopped reading): the error
+    # class the client gets, with `details` as its message, instead of the mapping below.
+    client_error: type[MeshError] | None = None
 
     @classmethod
     def from_status(cls, code: grpc.StatusCode, details: str) -> AttemptError:
@@ -61,6 +71,8 @@ class AttemptError:
 
     def to_mesh_error(self, worker_id: str, why: str = "") -> MeshError:
         """The status the client gets when the request ends on this error."""
+        if self.client_error is not None:
+            return self.client_error(self.details)
         if self.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
             return InvalidArgument(self.details)
         if self.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
@@ -72,7 +84,18 @@ class AttemptError:
 
 
 class DecodeAttempt:
-    """Reads one Generate call; the flow takes tokens with `take` when woken."""
+    """One attempt; the flow takes tokens with `take` when woken.
+
+    Fed in one of two ways: a per-request Generate call, drained by a reader
+    task, or a link (services/router/link.py), whose `LinkCall` pushes into
+    `push_tokens` / `push_final` / `push_error` from the link's reader, with no
+    task per request. Either way the tokens wait in a buffer of at most
+    `max_buffered_tokens` (0 = unbounded): when the flow's consumer stops
+    taking them (a client that stopped reading) and the buffer is full, the
+    attempt cancels its call (the worker frees the request's KV at once) and
+    ends with RESOURCE_EXHAUSTED, a client fault, so nothing else on the
+    worker or its link waits for that client.
+    """
 
     def __init__(
         self,
@@ -81,6 +104,7 @@ class DecodeAttempt:
         wake: asyncio.Event,
         first_timeout_s: float = 0.0,
         stall_timeout_s: float = 0.0,
+        max_buffered_tokens: int = 0,
     ):
         self.worker_id = worker_id
         self.call = call
@@ -92,12 +116,18 @@ class DecodeAttempt:
         self._wake = wake
         self._first_timeout = first_timeout_s
         self._stall_timeout = stall_timeout_s
+        self._max_buffered = max_buffered_tokens
         self._stalled = False
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._last = loop.time()
-        self._reader = loop.create_task(self._read())
+        self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        attach = getattr(call, "attach", None)
+        if attach is not None:
+            attach(self)
+        else:
+            self._reader = loop.create_task(self._read())
         self._arm()
 
     def take(self) -> list[int]:
@@ -116,51 +146,92 @@ class DecodeAttempt:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if not self._reader.done():
+        if self._reader is not None and not self._reader.done():
             self._reader.cancel()
         self.call.cancel()
 
     async def wait_closed(self) -> None:
         """Wait until the reader has finished (after `cancel`, for tests and shutdown)."""
+        if self._reader is None:
+            return
         try:
             await self._reader
         except asyncio.CancelledError:
             pass
 
+    # ---- what the call delivers (the reader task or a link) ---------------------
+
+    def push_tokens(self, token_ids) -> None:
+        if self.done:
+            return
+        self._last = self._loop.time()
+        self.messages += 1
+        if self.messages == 1:  # from the first-message limit to the stall limit
+            self._rearm()
+        self._tokens.extend(token_ids)  # `take` swaps the list
+        if self._max_buffered and len(self._tokens) > self._max_buffered:
+            self._overflow()
+            return
+        self._wake.set()
+
+    def push_final(self, final: decode_pb2.DecodeFinal) -> None:
+        if not self.done:
+            self.messages += 1
+            self.final = final
+            self._settle()
+
+    def push_error(self, error: AttemptError) -> None:
+        if not self.done:
+            self.error = error
+            self._settle()
+
+    def _settle(self) -> None:
+        self.done = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self._wake.set()
+
+    def _overflow(self) -> None:
+        n = len(self._tokens)
+        self._tokens = []  # the client will not get them: it is failed instead
+        self.push_error(
+            AttemptError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the client stopped reading: {n} tokens buffered in the router "
+                f"(limit {self._max_buffered}); the request was cancelled",
+                retryable=False,
+                worker_fault=False,
+                client_error=ResourceExhausted,
+            )
+        )
+        self.cancel()
+
     async def _read(self) -> None:
         try:
             async for msg in self.call:
-                self._last = self._loop.time()
-                self.messages += 1
-                if self.messages == 1:  # from the first-message limit to the stall limit
-                    self._rearm()
                 kind = msg.WhichOneof("chunk")
                 if kind == "tokens":
-                    self._tokens.extend(msg.tokens.token_ids)  # `take` swaps the list
-                    self._wake.set()
+                    self.push_tokens(msg.tokens.token_ids)
                 elif kind == "final":
-                    self.final = msg.final
+                    self.push_final(msg.final)
                     break
-            if self.final is None:
-                self.error = AttemptError.from_status(
-                    grpc.StatusCode.UNKNOWN, "the decode stream ended without a final message"
+                if self.done:
+                    break
+            if not self.done:
+                self.push_error(
+                    AttemptError.from_status(
+                        grpc.StatusCode.UNKNOWN, "the decode stream ended without a final message"
+                    )
                 )
         except grpc.aio.AioRpcError as e:
-            self.error = AttemptError.from_status(e.code(), e.details() or "")
+            self.push_error(AttemptError.from_status(e.code(), e.details() or ""))
         except asyncio.CancelledError:
             if not self._stalled:
                 raise
-            got = "its first message" if self.messages == 0 else "a token"
-            self.error = AttemptError(
-                grpc.StatusCode.UNAVAILABLE, f"stalled: no {got} in time", retryable=True, worker_fault=True
-            )
-            self.call.cancel()
         finally:
-            self.done = True
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-                self._watchdog = None
-            self._wake.set()
+            if not self.done:
+                self._settle()
 
     # ---- stall watchdog -----------------------------------------------------
 
@@ -186,6 +257,15 @@ class DecodeAttempt:
         limit = self._limit()
         if limit > 0 and self._loop.time() - self._last >= limit:
             self._stalled = True
-            self._reader.cancel()
+            got = "its first message" if self.messages == 0 else "a token"
+            self.push_error(
+                AttemptError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stalled: no {got} in time",
+                    retryable=True,
+                    worker_fault=True,
+                )
+            )
+            self.cancel()
         else:
             self._arm()

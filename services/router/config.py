@@ -74,6 +74,14 @@ class RouterConfig:
     stall_timeout_s: float = setting(
         10.0, "an attempt with no token for this long after its first is migrated (0 = off)"
     )
+    decode_link: bool = setting(
+        True,
+        "reach decode workers over one multiplexed Link stream each (false: a Generate call per request)",
+    )
+    max_buffered_tokens: int = setting(
+        4096,
+        "tokens buffered for a client that is not reading before its request is cancelled (0 = no limit)",
+    )
     max_waiting_per_worker: int = setting(
         256, "a decode worker with this many requests waiting is saturated (0 = no limit)"
     )
@@ -105,6 +113,7 @@ class RouterConfig:
         require(self.policy in POLICY_NAMES, f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         require(self.max_prefill_candidates >= 0, "max_prefill_candidates must be >= 0")
         require(self.optimistic_prefix_ttl_s >= 0, "optimistic_prefix_ttl_s must be >= 0")
+        require(self.max_buffered_tokens >= 0, "max_buffered_tokens must be >= 0")
         for name in ("first_token_timeout_s", "stall_timeout_s", "dns_refresh_s", "saturated_retry_after_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
         for name in (

@@ -390,7 +390,12 @@ class RequestFlow:
             to_prefill = len(input_ids) - choice.overlap_blocks * cfg.block_size
             self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
         self._attempt = DecodeAttempt(
-            choice.worker_id, call, self._wake, cfg.first_token_timeout_s, cfg.stall_timeout_s
+            choice.worker_id,
+            call,
+            self._wake,
+            cfg.first_token_timeout_s,
+            cfg.stall_timeout_s,
+            cfg.max_buffered_tokens,
         )
         return self._attempt
 

@@ -280,6 +280,13 @@ class Router:
             return _FailedCall(f"worker {worker_id} left the router's registry")
         if tracing.recording():  # one event per attempt, in order, on the router's Generate span
             tracing.event("attempt", worker=worker_id, resume_tokens=len(request.resume_token_ids))
+            # A traced request keeps its own call: its trace context travels in that call's
+            # metadata, and a shared link has no per-request metadata.
+            return conn.decode.Generate(request, timeout=timeout)
+        if self.config.decode_link:
+            link = conn.link()
+            if link is not None:
+                return link.open(request, timeout)
         return conn.decode.Generate(request, timeout=timeout)
 
     # ---- workers ------------------------------------------------------------

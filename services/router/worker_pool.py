@@ -37,6 +37,7 @@ from services.common.tls import TlsConfig, aio_channel, client_tls
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.convert import KvResync, apply_kv_message, info_from_proto, load_from_proto
+from services.router.link import DecodeLink
 from services.router.prefix_index import EventSequencer, IndexOverflow, PrefixIndex
 from services.router.registry import (
     JoinRefused,
@@ -88,11 +89,31 @@ class WorkerConnection:
         self._worker_stub = stub  # SubscribeKvEvents and Stats: served by both roles
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._probe_now = asyncio.Event()
+        self._link: DecodeLink | None = None  # decode role: the token path (services/router/link.py)
+        self.link_unsupported = False  # the worker answered Link with UNIMPLEMENTED
         self._main: asyncio.Task[None] | None = None
         self._kv: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._run(), name=f"worker:{self.address}")
+
+    def link(self) -> DecodeLink | None:
+        """The live Link to this decode worker (a new one after a break); None when it has none."""
+        if self.role is not WorkerRole.DECODE or self.link_unsupported:
+            return None
+        link = self._link
+        if link is None or not link.alive:
+            link = self._link = DecodeLink(
+                self.worker_id or self.address,
+                self.decode.Link,
+                lambda request, timeout: self.decode.Generate(request, timeout=timeout),
+                self._no_link,
+            )
+        return link
+
+    def _no_link(self) -> None:
+        log.info("worker_without_link", worker=self.worker_id, address=self.address)
+        self.link_unsupported = True
 
     async def stop(self, grace_s: float | None = None, forget: bool = True) -> None:
         """Stop the loops (the KV subscription first), then forget the worker's
@@ -110,9 +131,14 @@ class WorkerConnection:
         elif self.worker_id is not None:  # its KV subscription moves with it: resync there
             self.pool.index.clear(self.worker_id)
             self.pool.sequencer.forget(self.worker_id)
+        link, self._link = self._link, None
         if grace_s:
+            if link is not None:  # its requests finish (within the grace), then it closes
+                link.retire()
             asyncio.get_running_loop().create_task(self.channel.close(grace_s))
         else:
+            if link is not None:
+                await link.close()
             await self.channel.close()
 
     # ---- loops --------------------------------------------------------------

@@ -36,6 +36,7 @@ def test_every_rpc_of_the_contract_has_a_row():
     ("method", "roles"),
     [
         ("/pdmesh.v1.DecodeService/Generate", {"router"}),
+        ("/pdmesh.v1.DecodeService/Link", {"router"}),
         ("/pdmesh.v1.DecodeService/SubscribeKvEvents", {"router"}),
         ("/pdmesh.v1.PrefillService/Prefill", {"decode"}),
         ("/pdmesh.v1.PrefillService/Release", {"decode"}),
@@ -58,3 +59,4 @@ def test_each_internal_rpc_lists_only_its_callers(method, roles):
 def test_decode_generate_is_the_routers_alone(role):
     """Issue 13 item 7: prefill and kvtransfer certificates reached decode Generate (no key, no quota)."""
     assert role not in allowed_roles("/pdmesh.v1.DecodeService/Generate")
+    assert role not in allowed_roles("/pdmesh.v1.DecodeService/Link")
