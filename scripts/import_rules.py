@@ -40,8 +40,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     # servers (TLS, config flags, the API-key format); services only as processes
     "pdmesh": frozenset({CONTRACT, COMMON}),
     # one package per service; workers do not import each other or the router,
-    # and only workers hold an engine
-    "services.router": _SERVICE_BASE,
+    # and only workers hold an engine; the router serves the gateway's HTTP app
+    "services.router": _SERVICE_BASE | {"services.gateway"},
+    # the router's HTTP door: the router process serves the gateway's app and hands it
+    # the request flow (services/router/http_door.py); the gateway never imports the router
     "services.gateway": _SERVICE_BASE,
     "services.kvtransfer": _SERVICE_BASE,
     "services.planner": _SERVICE_BASE,
