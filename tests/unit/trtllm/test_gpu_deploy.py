@@ -12,7 +12,7 @@ from tests.unit.deploy import repo
 
 COMPOSE = repo.ROOT / "compose.yaml"
 DOCKERFILE = repo.ROOT / "docker" / "Dockerfile.trtllm"
-GPU = {"router-gpu", "prefill-gpu", "decode-gpu", "gateway-gpu"}
+GPU = {"router-gpu", "prefill-gpu", "decode-gpu"}  # the router serves HTTP itself: no gateway
 PINNED = "1.3.0rc13"
 
 
@@ -51,7 +51,9 @@ def test_gpu_services_use_real_flags_and_peers(raw):
         unknown = {k for k in svc.env if k.startswith("PDMESH_")} - repo.flag_env_names(svc.module)
         assert not unknown, f"{name}: {sorted(unknown)}"
         for _, (host, port) in [(k, m) for k, v in svc.env.items() for m in repo.ADDRESS.findall(v)]:
-            assert host in GPU and host in svc.depends_on and services[host].port == int(port), name
+            # a service's port, or the router's internal (membership) listener
+            ports = (services[host].port, services[host].internal_port)
+            assert host in GPU and host in svc.depends_on and int(port) in ports, name
 
 
 def test_dockerfile_pins_the_release_image_the_fake_mirrors():
