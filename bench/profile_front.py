@@ -1,4 +1,4 @@
-"""Where the front's CPU goes: py-spy profiles of the router, the gateway and a decode worker at 8 streams.
+"""Where the front's CPU goes: py-spy profiles of the router (gRPC and HTTP doors) and a decode worker at 8 streams.
 
 Issue 16 asks for a profile before any change to the token path. This script
 starts the processes the way `bench/routing.py` part 2 does (real processes on
@@ -12,8 +12,10 @@ flow), and the CPU microseconds each process spent per relayed message.
 Three scenarios, each profiled separately:
 - `grpc`: client -> router (gRPC) -> zero-cost fake decode worker (one token
   per message; the fake is bench/routing.py's), profiling the router;
-- `http`: client -> gateway (OpenAI SSE) -> router -> the same fake, profiling
-  the gateway and the router at once;
+- `http`: client -> the router's HTTP door (OpenAI SSE, --http-port, the
+  gateway's app in the router process) -> the same fake, profiling the router;
+- `gateway` (with `--gateway`, the front as it was before issue 16): client ->
+  a separate gateway process -> router (gRPC) -> the fake, profiling both;
 - `decode`: client -> router -> a real decode worker on the `sim` engine
   (tiny preset, time-compressed), profiling the decode worker.
 
@@ -23,7 +25,9 @@ profiler; the shares are what this script is for.
 
 Run: `python bench/profile_front.py [--seconds 8] [--rate 250] [--out DIR]`.
 Raw profiles go to DIR (default bench/results/profiles/); the last line is
-`profile_front router_us_per_msg=.. gateway_us_per_msg=.. decode_us_per_token=.. top_router=.. top_gateway=.. top_decode=..`.
+`profile_front router_us_per_msg=.. top_router=.. http_us_per_msg=.. top_http=.. [gateway_us_per_msg=..
+top_gateway=..] decode_us_per_msg=.. top_decode=..` (us of CPU per relayed message or SSE event; with
+--gateway, gateway_us_per_msg is the gateway and router processes together).
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import platform
 import re
@@ -245,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     p.add_argument("--python-only", action="store_true", help="no --native frames (then --nonblocking)")
+    p.add_argument(
+        "--gateway", action="store_true", help="also profile a separate gateway process (the old front)"
+    )
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-worker scenario")
     a = p.parse_args(argv)
     global NATIVE
     NATIVE = not a.python_only
@@ -284,34 +291,59 @@ def main(argv: list[str] | None = None) -> int:
         results["router_us_per_msg"] = f"{us:.0f}"
         results["top_router"] = short(s["self"][0][0]).split(" ")[0] if s["self"] else "-"
 
-        gateway = gateway_start_ready(
-            launcher, gateway_spec(router.address, extra=flags(log_level="warning"))
+        model = "builtin-tiny"
+        door = launcher.start_ready(
+            ServiceSpec(
+                "router-http",
+                "services.router.main",
+                router_args([fake.address]) + flags(http_port=0),
+                ready_service="pdmesh.v1.RouterService",
+            )
         )
-        model = json.loads(
-            subprocess.run(
-                ["curl", "-s", f"http://{gateway.address}/v1/models"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout
-        )["data"][0]["id"]
-        base = f"http://{gateway.address}"
         r = profiled(
-            {"gateway": gateway.proc.pid, "router_http": router.proc.pid},
+            {"router_door": door.proc.pid},
             a.seconds,
             a.rate,
             out,
-            lambda s: http_streams(base, s, model),
+            lambda s: http_streams(f"http://{door.http_address}", s, model),
         )
-        gus = r["cpu"]["gateway"] / max(r["msgs"], 1) * 1e6
-        rus = r["cpu"]["router_http"] / max(r["msgs"], 1) * 1e6
-        per = f"{r['msgs'] / r['wall']:.0f} SSE events/s, gateway {gus:.0f} + router {rus:.0f} us CPU/event"
-        sg = summarize(out / "gateway.raw")
-        print_summary("gateway (HTTP door in front of the router)", sg, per)
-        print_summary("router behind the gateway", summarize(out / "router_http.raw"), per)
-        results["gateway_us_per_msg"] = f"{gus:.0f}"
-        results["top_gateway"] = short(sg["self"][0][0]).split(" ")[0] if sg["self"] else "-"
-        launcher.stop(gateway)
+        hus = r["cpu"]["router_door"] / max(r["msgs"], 1) * 1e6
+        sh = summarize(out / "router_door.raw")
+        print_summary(
+            "router's HTTP door (one process, zero-cost worker)",
+            sh,
+            f"{r['msgs'] / r['wall']:.0f} SSE events/s, {hus:.0f} us CPU/event",
+        )
+        results["http_us_per_msg"] = f"{hus:.0f}"
+        results["top_http"] = short(sh["self"][0][0]).split(" ")[0] if sh["self"] else "-"
+        launcher.stop(door)
+
+        if a.gateway:
+            gateway = gateway_start_ready(
+                launcher, gateway_spec(router.address, extra=flags(log_level="warning"))
+            )
+            base = f"http://{gateway.address}"
+            r = profiled(
+                {"gateway": gateway.proc.pid, "router_http": router.proc.pid},
+                a.seconds,
+                a.rate,
+                out,
+                lambda s: http_streams(base, s, model),
+            )
+            gus = r["cpu"]["gateway"] / max(r["msgs"], 1) * 1e6
+            rus = r["cpu"]["router_http"] / max(r["msgs"], 1) * 1e6
+            per = (
+                f"{r['msgs'] / r['wall']:.0f} SSE events/s, gateway {gus:.0f} + router {rus:.0f} us CPU/event"
+            )
+            sg = summarize(out / "gateway.raw")
+            print_summary("gateway process in front of the router (before issue 16)", sg, per)
+            print_summary("router behind the gateway", summarize(out / "router_http.raw"), per)
+            results["gateway_us_per_msg"] = f"{gus + rus:.0f}"
+            results["top_gateway"] = short(sg["self"][0][0]).split(" ")[0] if sg["self"] else "-"
+            launcher.stop(gateway)
+        if a.no_decode:
+            print("profile_front " + " ".join(f"{k}={v}" for k, v in results.items()))
+            return 0
 
         engine = flags(
             engine_backend="sim",
