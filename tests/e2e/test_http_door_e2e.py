@@ -4,13 +4,21 @@
   the stream in flight runs to its end ([DONE], every token), the router exits 0
   and the decode worker's blocks are all free again;
 - several router processes share one gRPC port and one HTTP port (SO_REUSEPORT),
-  each with its own worker view: connections reach both, both answer.
+  each with its own worker view: connections reach both, both answer; and
+  `pdmesh up --routers 2` starts them that way.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +30,9 @@ from tests.service.gateway import httpio
 
 pytestmark = pytest.mark.e2e
 
+ROOT = Path(__file__).resolve().parents[2]
+# `pdmesh up`'s line per router: name, gRPC address, metrics port.
+ROUTER_LINE = re.compile(r"\s+(router(?:-\d+)?)\s+(\S+:\d+)\s+SERVING\s+metrics :(\d+)")
 ROUTER = flags(health_interval_s=0.2, stats_interval_s=0.2, http_port=0)
 
 
@@ -133,3 +144,57 @@ def test_two_routers_share_the_grpc_and_http_ports(tmp_path):
         assert all(n > 0 for n in grpc_counts) and sum(grpc_counts) == 24, grpc_counts
     finally:
         launcher.close()
+
+
+def _requests_counted(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdmesh_gateway_requests_total{")
+    )
+
+
+def test_pdmesh_up_routers_2_serves_both_doors_from_two_processes(tmp_path):
+    cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--router-port", "0", "--http-port", "0"]
+    cmd += ["--routers", "2", "--prefill", "0", "--workdir", str(tmp_path / "up")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_")}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def found(pattern: str):
+        if proc.poll() is not None:
+            pytest.fail("pdmesh up exited:\n" + "".join(lines))
+        return next((m for line in lines if (m := re.search(pattern, line))), None)
+
+    try:
+        wait_until(lambda: found(r"serving on (\S+) \(router\)"), timeout=300, what="pdmesh up")
+        routers = {
+            m.group(1): (m.group(2), int(m.group(3))) for line in lines if (m := ROUTER_LINE.match(line))
+        }
+        assert set(routers) == {"router", "router-1"}, lines
+        assert routers["router"][0] == routers["router-1"][0]  # one gRPC port
+        door = found(r"http\s+http://(\S+)/v1").group(1)
+        for _ in range(24):  # new connection each: the kernel spreads them over the two processes
+            status, _, _ = httpio.request(door, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        counts = [_requests_counted(port) for _, port in routers.values()]
+        assert all(n > 0 for n in counts) and sum(counts) == 24, counts
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(5)
