@@ -244,6 +244,10 @@ class HttpDoor:
     async def stop(self) -> None:
         """Stop at once (tests, failures): in-flight requests are cut off."""
         self.upstream.draining = True
-        self._server.should_exit = self._server.force_exit = True
+        # No grace: cancel the requests in flight, then let uvicorn shut down as usual (its
+        # force_exit would skip the app's shutdown and leave the lifespan task to be cancelled).
+        for task in list(self._server.server_state.tasks):
+            task.cancel()
+        self._server.should_exit = True
         if self._task is not None:
             await self._task
