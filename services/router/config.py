@@ -145,6 +145,9 @@ class HttpDoorConfig:
 
     port: int = setting(-1, "OpenAI-compatible HTTP port (-1 = no HTTP door, 0 = any free port)")
     host: str = setting("", "address the HTTP port listens on ('' = the same as --host)")
+    served_model_name: str = setting(
+        "", "model id HTTP clients name (/v1/models); default the router's model id (--model-id)"
+    )
     max_body_bytes: int = setting(4 * 1024 * 1024, "largest HTTP request body accepted")
     request_timeout_s: float = setting(600.0, "deadline of one HTTP generation request")
 

@@ -190,7 +190,7 @@ class HttpDoor:
             host=self.host,
             port=max(config.port, 0),
             router_address="in-process:0",  # unused: the upstream is the flow itself
-            served_model_name=router.model.model_id,
+            served_model_name=config.served_model_name or router.model.model_id,
             model_path=model.model_path,
             preset=model.preset,
             request_timeout_s=config.request_timeout_s,

@@ -358,8 +358,8 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
                 flags(
                     decode_workers=[d.address for d in decodes],
                     model_path=folder,
-                    model_id=MODEL_NAME,
-                    http_port=0,  # the OpenAI HTTP API, in the router process (no gateway)
+                    http_port=0,
+                    http_served_model_name=MODEL_NAME,  # what the old gateway served it as  # the OpenAI HTTP API, in the router process (no gateway)
                     block_size=setup.block_size,
                     policy=POLICIES[policy][1],
                     # Dynamo's frontend queues nothing by default: let every engine slot be used.
