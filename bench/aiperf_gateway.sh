@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# NVIDIA aiperf against the OpenAI-compatible gateway of a local mesh (`pdmesh up`).
+# NVIDIA aiperf against the OpenAI-compatible HTTP API of a local mesh (`pdmesh up`), which the
+# router process serves itself (its HTTP door; there is no gateway process).
 #
 #   bench/aiperf_gateway.sh [REQUESTS] [CONCURRENCY]      (defaults: 64 requests, 4 at a time)
 #   PRESET=small ISL=200 OSL=32 ENDPOINT=completions bench/aiperf_gateway.sh
 #
 # aiperf needs ~1.2 GB of dependencies, so it lives in its own venv (.venv-aiperf, created on
 # first use, git-ignored from inside) and never in `make test`. The mesh is the project's own
-# .venv: kvtransfer + 1 prefill + 1 decode + router + gateway on loopback, any free ports. The
+# .venv: kvtransfer + 1 prefill + 1 decode + router (gRPC and HTTP) on loopback, any free ports. The
 # run is bounded by REQUESTS; aiperf prints its summary table; the mesh is stopped by PID.
 # aiperf's synthetic prompts are measured with a byte-level Hugging Face tokenizer written here
 # (aiperf's "builtin" tokenizer downloads its vocabulary), so ISL/OSL are the built-in model's
@@ -36,7 +37,7 @@ fi
 [ -x .venv/bin/pdmesh ] || { echo "no .venv/bin/pdmesh: run 'make venv' first" >&2; exit 1; }
 
 WORK=$(mktemp -d -t pdmesh-aiperf-XXXXXX)
-.venv/bin/pdmesh up --router-port 0 --gateway-port 0 --preset "$PRESET" --workdir "$WORK" >"$WORK/up.out" 2>&1 &
+.venv/bin/pdmesh up --router-port 0 --http-port 0 --preset "$PRESET" --workdir "$WORK" >"$WORK/up.out" 2>&1 &
 MESH_PID=$!
 stop_mesh() {
   if kill -0 "$MESH_PID" 2>/dev/null; then
@@ -67,7 +68,7 @@ tok.decoder = decoders.ByteLevel()
 tok.save(str(out / "tokenizer.json"))
 (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 PY
-GATEWAY=$(grep -o 'gateway *http://[0-9.:]*' "$WORK/up.out" | grep -o 'http://[0-9.:]*')
+GATEWAY=$(grep -o 'http *http://[0-9.:]*' "$WORK/up.out" | grep -o 'http://[0-9.:]*')
 MODEL="builtin-$PRESET"
 
 echo "== aiperf: $REQUESTS $ENDPOINT requests, concurrency $CONCURRENCY, ISL $ISL, OSL $OSL, streaming, $GATEWAY"
@@ -90,5 +91,5 @@ echo "== aiperf: $REQUESTS $ENDPOINT requests, concurrency $CONCURRENCY, ISL $IS
   --ui-type none \
   --output-artifact-dir "$WORK/aiperf"
 
-echo "== gateway counters"
+echo "== HTTP door counters (the router process)"
 curl -s "$GATEWAY/metrics" | grep -E '^pdmesh_gateway_(requests_total|client_disconnects_total|tokens_total)' || true

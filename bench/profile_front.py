@@ -1,4 +1,4 @@
-"""Where the front's CPU goes: py-spy profiles of the router, the gateway and a decode worker at 8 streams.
+"""Where the front's CPU goes: py-spy profiles of the router (gRPC and HTTP doors) and a decode worker at 8 streams.
 
 Issue 16 asks for a profile before any change to the token path. This script
 starts the processes the way `bench/routing.py` part 2 does (real processes on
@@ -12,8 +12,10 @@ flow), and the CPU microseconds each process spent per relayed message.
 Three scenarios, each profiled separately:
 - `grpc`: client -> router (gRPC) -> zero-cost fake decode worker (one token
   per message; the fake is bench/routing.py's), profiling the router;
-- `http`: client -> gateway (OpenAI SSE) -> router -> the same fake, profiling
-  the gateway and the router at once;
+- `http`: client -> the router's HTTP door (OpenAI SSE, --http-port, the
+  gateway's app in the router process) -> the same fake, profiling the router;
+- `gateway` (with `--gateway`, the front as it was before issue 16): client ->
+  a separate gateway process -> router (gRPC) -> the fake, profiling both;
 - `decode`: client -> router -> a real decode worker on the `sim` engine
   (tiny preset, time-compressed), profiling the decode worker.
 
@@ -23,7 +25,9 @@ profiler; the shares are what this script is for.
 
 Run: `python bench/profile_front.py [--seconds 8] [--rate 250] [--out DIR]`.
 Raw profiles go to DIR (default bench/results/profiles/); the last line is
-`profile_front router_us_per_msg=.. gateway_us_per_msg=.. decode_us_per_token=.. top_router=.. top_gateway=.. top_decode=..`.
+`profile_front router_us_per_msg=.. top_router=.. http_us_per_msg=.. top_http=.. [gateway_us_per_msg=..
+top_gateway=..] decode_us_per_msg=.. top_decode=..` (us of CPU per relayed message or SSE event; with
+--gateway, gateway_us_per_msg is the gateway and router processes together).
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import platform
 import re
@@ -258,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--requests", type=int, default=400, help="overhead: sequential 1-token requests")
     p.add_argument("--no-link", action="store_true", help="the router calls Generate per request")
+    p.add_argument(
+        "--gateway", action="store_true", help="also profile a separate gateway process (the old front)"
+    )
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-worker scenario")
     a = p.parse_args(argv)
     global NATIVE, LINK
     NATIVE = not a.python_only
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     with Launcher(tempfile.mkdtemp(prefix="bench-profile-")) as launcher:
         if a.part in ("all", "router"):
             front(a, launcher, out, results)
-        if a.part in ("all", "decode"):
+        if a.part in ("all", "decode") and not a.no_decode:
             decode_part(a, launcher, out, results)
         if a.part in ("all", "overhead"):
             overhead_part(a, launcher, out, results)
@@ -286,44 +293,63 @@ def front(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
     from services.gateway.launch import gateway_spec
     from services.gateway.launch import start_ready as gateway_start_ready
 
-    if True:
-        fake = launcher.start_ready(
-            ServiceSpec(
-                "fake-decode", "bench.routing", ("--serve-fake",), ready_service="pdmesh.v1.DecodeService"
-            )
+    fake = launcher.start_ready(
+        ServiceSpec(
+            "fake-decode", "bench.routing", ("--serve-fake",), ready_service="pdmesh.v1.DecodeService"
         )
-        router = launcher.start_ready(
-            ServiceSpec(
-                "router",
-                "services.router.main",
-                router_args([fake.address]),
-                ready_service="pdmesh.v1.RouterService",
-            )
+    )
+    router = launcher.start_ready(
+        ServiceSpec(
+            "router",
+            "services.router.main",
+            router_args([fake.address]),
+            ready_service="pdmesh.v1.RouterService",
         )
-        r = profiled(
-            {"router": router.proc.pid}, a.seconds, a.rate, out, lambda s: grpc_streams(router.address, s)
-        )
-        us = r["cpu"]["router"] / max(r["msgs"], 1) * 1e6
-        s = summarize(out / "router.raw")
-        print_summary(
-            "router (gRPC door, zero-cost worker)",
-            s,
-            f"{r['msgs'] / r['wall']:.0f} msgs/s, {us:.0f} us CPU/msg",
-        )
-        results["router_us_per_msg"] = f"{us:.0f}"
-        results["top_router"] = short(s["self"][0][0]).split(" ")[0] if s["self"] else "-"
+    )
+    r = profiled(
+        {"router": router.proc.pid}, a.seconds, a.rate, out, lambda s: grpc_streams(router.address, s)
+    )
+    us = r["cpu"]["router"] / max(r["msgs"], 1) * 1e6
+    s = summarize(out / "router.raw")
+    print_summary(
+        "router (gRPC door, zero-cost worker)",
+        s,
+        f"{r['msgs'] / r['wall']:.0f} msgs/s, {us:.0f} us CPU/msg",
+    )
+    results["router_us_per_msg"] = f"{us:.0f}"
+    results["top_router"] = short(s["self"][0][0]).split(" ")[0] if s["self"] else "-"
 
+    model = "builtin-tiny"
+    door = launcher.start_ready(
+        ServiceSpec(
+            "router-http",
+            "services.router.main",
+            router_args([fake.address]) + flags(http_port=0),
+            ready_service="pdmesh.v1.RouterService",
+        )
+    )
+    r = profiled(
+        {"router_door": door.proc.pid},
+        a.seconds,
+        a.rate,
+        out,
+        lambda s: http_streams(f"http://{door.http_address}", s, model),
+    )
+    hus = r["cpu"]["router_door"] / max(r["msgs"], 1) * 1e6
+    sh = summarize(out / "router_door.raw")
+    print_summary(
+        "router's HTTP door (one process, zero-cost worker)",
+        sh,
+        f"{r['msgs'] / r['wall']:.0f} SSE events/s, {hus:.0f} us CPU/event",
+    )
+    results["http_us_per_msg"] = f"{hus:.0f}"
+    results["top_http"] = short(sh["self"][0][0]).split(" ")[0] if sh["self"] else "-"
+    launcher.stop(door)
+
+    if a.gateway:
         gateway = gateway_start_ready(
             launcher, gateway_spec(router.address, extra=flags(log_level="warning"))
         )
-        model = json.loads(
-            subprocess.run(
-                ["curl", "-s", f"http://{gateway.address}/v1/models"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout
-        )["data"][0]["id"]
         base = f"http://{gateway.address}"
         r = profiled(
             {"gateway": gateway.proc.pid, "router_http": router.proc.pid},
@@ -336,9 +362,9 @@ def front(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
         rus = r["cpu"]["router_http"] / max(r["msgs"], 1) * 1e6
         per = f"{r['msgs'] / r['wall']:.0f} SSE events/s, gateway {gus:.0f} + router {rus:.0f} us CPU/event"
         sg = summarize(out / "gateway.raw")
-        print_summary("gateway (HTTP door in front of the router)", sg, per)
+        print_summary("gateway process in front of the router (before issue 16)", sg, per)
         print_summary("router behind the gateway", summarize(out / "router_http.raw"), per)
-        results["gateway_us_per_msg"] = f"{gus:.0f}"
+        results["gateway_us_per_msg"] = f"{gus + rus:.0f}"
         results["top_gateway"] = short(sg["self"][0][0]).split(" ")[0] if sg["self"] else "-"
         launcher.stop(gateway)
 
@@ -433,49 +459,48 @@ def overhead_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> 
 
 
 def decode_part(a, launcher: Launcher, out: Path, results: dict[str, str]) -> None:
-    if True:
-        engine = flags(
-            engine_backend="sim",
-            engine_preset="tiny",
-            engine_sim_speedup=1000.0,
-            engine_num_blocks=8192,
-            engine_max_num_seqs=64,
+    engine = flags(
+        engine_backend="sim",
+        engine_preset="tiny",
+        engine_sim_speedup=1000.0,
+        engine_num_blocks=8192,
+        engine_max_num_seqs=64,
+    )
+    decode = launcher.start_ready(
+        ServiceSpec(
+            "decode",
+            "services.decode.main",
+            flags(worker_id="decode-0") + engine,
+            ready_service="pdmesh.v1.DecodeService",
         )
-        decode = launcher.start_ready(
-            ServiceSpec(
-                "decode",
-                "services.decode.main",
-                flags(worker_id="decode-0") + engine,
-                ready_service="pdmesh.v1.DecodeService",
-            )
+    )
+    router2 = launcher.start_ready(
+        ServiceSpec(
+            "router-sim",
+            "services.router.main",
+            router_args([decode.address]),
+            ready_service="pdmesh.v1.RouterService",
         )
-        router2 = launcher.start_ready(
-            ServiceSpec(
-                "router-sim",
-                "services.router.main",
-                router_args([decode.address]),
-                ready_service="pdmesh.v1.RouterService",
-            )
-        )
-        r = profiled(
-            {"decode": decode.proc.pid},
-            a.seconds,
-            a.rate,
-            out,
-            lambda s: grpc_streams(router2.address, s, 512),
-        )
-        dus = r["cpu"]["decode"] / max(r["msgs"], 1) * 1e6
-        dut = r["cpu"]["decode"] / max(TOKENS, 1) * 1e6
-        sd = summarize(out / "decode.raw")
-        print_summary(
-            "decode worker (sim engine, x1000)",
-            sd,
-            f"{r['msgs'] / r['wall']:.0f} router msgs/s, {TOKENS / r['wall']:.0f} tokens/s, "
-            f"{dus:.0f} us CPU/msg, {dut:.0f} us CPU/token",
-        )
-        results["decode_us_per_msg"] = f"{dus:.0f}"
-        results["decode_us_per_token"] = f"{dut:.0f}"
-        results["top_decode"] = short(sd["self"][0][0]).split(" ")[0] if sd["self"] else "-"
+    )
+    r = profiled(
+        {"decode": decode.proc.pid},
+        a.seconds,
+        a.rate,
+        out,
+        lambda s: grpc_streams(router2.address, s, 512),
+    )
+    dus = r["cpu"]["decode"] / max(r["msgs"], 1) * 1e6
+    dut = r["cpu"]["decode"] / max(TOKENS, 1) * 1e6
+    sd = summarize(out / "decode.raw")
+    print_summary(
+        "decode worker (sim engine, x1000)",
+        sd,
+        f"{r['msgs'] / r['wall']:.0f} router msgs/s, {TOKENS / r['wall']:.0f} tokens/s, "
+        f"{dus:.0f} us CPU/msg, {dut:.0f} us CPU/token",
+    )
+    results["decode_us_per_msg"] = f"{dus:.0f}"
+    results["decode_us_per_token"] = f"{dut:.0f}"
+    results["top_decode"] = short(sd["self"][0][0]).split(" ")[0] if sd["self"] else "-"
 
 
 if __name__ == "__main__":

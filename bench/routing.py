@@ -25,7 +25,11 @@ what the router uses unless `--no-link`). The client is this process
 - tokens/s over 1 and 8 streams with the router coalescing whatever is ready
   into one client message (router_tokens_per_s is the 8-stream figure);
 - 1 vs 2 router processes sharing one port with SO_REUSEPORT, 16 streams on
-  16 connections (scale_2proc = aggregate tokens/s ratio).
+  16 connections (scale_2proc = aggregate tokens/s ratio);
+- the HTTP door of the same router process (--http-port): SSE events/s over 64
+  concurrent /v1/completions streams, each on its own connection
+  (http_msgs_per_s; the tokens per event are printed: the router sends
+  whatever tokens are ready as one event, one per event when it keeps up).
 
 Everything shares this machine's cores (client, fake, routers): on a 2-core
 machine the fake and the client take CPU the routers would otherwise get, so
@@ -46,7 +50,7 @@ Run: `python bench/routing.py` (full: ~25 min) or `--quick` (< 6 min, make
 bench), `--part 1|2|3` for one part, `--scale` for the scale study (~20 min).
 The last line is `routing hit_kv=.. hit_rr=.. ttft_kv_vs_rr=..
 router_overhead_ms_p50=.. ttft_p50_ms=.. ttft_p99_ms=.. router_msgs_per_s=..
-router_tokens_per_s=.. scale_2proc=.. hit_ll=.. ttft_ll_vs_rr=..
+router_tokens_per_s=.. http_msgs_per_s=.. scale_2proc=.. hit_ll=.. ttft_ll_vs_rr=..
 ttft_p99_kv_vs_rr=.. hit_kv_8=.. ttft_kv_vs_rr_8=.. ttft_p99_kv_vs_rr_8=..
 hit_vs_ideal=.. decision_ms_p50=.. pull_share=0` (hit = cached / prompt
 tokens; ttft_*_vs_rr = ratio of mean TTFTs, target kv <= 0.5; the ttft_p50/p99
@@ -285,6 +289,63 @@ def cpu_model() -> str:
     return "unknown cpu"
 
 
+async def http_rate(address: str, streams: int, duration: float) -> dict[str, float]:
+    """SSE events/s (and tokens/s) of `streams` endless /v1/completions streams through the
+    HTTP door, each on its own connection, stopped after `duration` s by closing it.
+
+    A raw HTTP/1.1 client on asyncio streams: events are counted by their blank-line
+    ends and tokens by their text (the fake's token 65 is "A", the only capital A a
+    chunk holds), so the client parses no JSON and leaves the CPU to the router."""
+    import json
+
+    host, port = address.rsplit(":", 1)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": LONG, "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    events = tokens = 0
+    stop = time.perf_counter() + duration
+
+    async def one() -> None:
+        nonlocal events, tokens
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + body)
+        tail = b""
+        try:
+            status = await reader.readline()
+            if b" 200 " not in status:
+                raise RuntimeError(f"HTTP door answered {status!r}: {await reader.read(500)!r}")
+            while time.perf_counter() < stop:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                events += (tail + data).count(b"\n\n")  # an event's end split over reads counts once
+                tokens += data.count(b"A")
+                tail = data[-1:]
+        finally:
+            writer.close()  # the client goes away: the router cancels the request
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(streams)))
+    wall = time.perf_counter() - t0
+    return {
+        "msgs": events / wall,
+        "tok": tokens / wall,
+        "tokens": tokens,
+        "events": events,
+        "client_cpu": (time.process_time() - cpu0) / wall,
+    }
+
+
+async def http_routed_rate(router_pid: int, address: str, streams: int, duration: float) -> dict[str, float]:
+    """`http_rate` with the router's CPU microseconds per SSE event."""
+    cpu0 = proc_cpu_s(router_pid)
+    r = await http_rate(address, streams, duration)
+    r["router_us_per_event"] = (proc_cpu_s(router_pid) - cpu0) / max(r["events"], 1) * 1e6
+    return r
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(int(q * len(xs)), len(xs) - 1)]
@@ -300,6 +361,7 @@ def start_router(launcher: Launcher, name: str, fake: str, port: int = 0):
     args = flags(
         decode_link=str(LINK).lower(),
         port=port,
+        http_port=0,  # the OpenAI-compatible door of the same process (http_msgs_per_s)
         so_reuseport=1,
         decode_workers=[fake],
         policy="round_robin",
@@ -444,6 +506,7 @@ def part2(quick: bool) -> dict[str, str]:
         )
         router = start_router(launcher, "router-1", fake.address)
         r = uvloop.run(measure(fake.address, router.address, router.proc.pid, quick))
+        r["http_64"] = uvloop.run(http_routed_rate(router.proc.pid, router.http_address, 64, dur))
         second = start_router(launcher, "router-2", fake.address, port=router.port)
         pids = [router.proc.pid, second.proc.pid]
         r["two_proc_16"] = uvloop.run(routed_rate(pids, [router.address], 16, dur))
@@ -536,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = part2(args.quick) if args.part in ("2", "all") else {}
     decision = run_decision() if args.part in ("3", "all") else {}
     order = ("hit_kv", "hit_rr", "ttft_kv_vs_rr", "router_overhead_ms_p50", "ttft_p50_ms", "ttft_p99_ms")
-    order += ("router_msgs_per_s", "router_tokens_per_s", "scale_2proc", "hit_ll", "ttft_ll_vs_rr")
+    order += ("router_msgs_per_s", "router_tokens_per_s", "http_msgs_per_s", "scale_2proc", "hit_ll")
+    order += ("ttft_ll_vs_rr",)
     order += ("ttft_p99_kv_vs_rr",)
     order += tuple(f"{k}_{n}" for n in sizes for k in ("hit_kv", "ttft_kv_vs_rr", "ttft_p99_kv_vs_rr"))
     order += ("hit_vs_ideal", "decision_ms_p50", "pull_share")
@@ -593,7 +657,15 @@ def report(r: dict[str, dict[str, float]]) -> dict[str, str]:
         f"16 streams on 16 connections: 1 router {one['tok']:,.0f} tokens/s, 2 routers on one port "
         f"{two['tok']:,.0f} tokens/s: x{scale:.2f} (target >= 1.7)"
     )
+    if (h := r.get("http_64")) is not None:
+        print(
+            f"HTTP door, 64 SSE streams on 64 connections: {h['msgs']:,.0f} events/s carrying "
+            f"{h['tok']:,.0f} tokens/s (x{h['tok'] / max(h['msgs'], 1):.2f} tokens per event), router CPU "
+            f"{h['router_us_per_event']:.0f} us per event, client CPU {h['client_cpu']:.0%} "
+            "(target >= 20,000 msgs/s)"
+        )
     return {
+        "http_msgs_per_s": f"{r['http_64']['msgs']:.0f}" if "http_64" in r else "nan",
         "router_overhead_ms_p50": f"{t['overhead_p50']:.3f}",
         "ttft_p50_ms": f"{t['p50']:.3f}",
         "ttft_p99_ms": f"{t['p99']:.3f}",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import signal
 import socket
@@ -17,7 +16,7 @@ from pdmesh.cli import command
 from pdmesh.client import add_security_arguments
 from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags, wait_all
 from pdmesh.local_planner import LocalPlanner, add_planner_arguments, check_planner_args
-from pdmesh.mesh_tls import MeshTls, MissingCertificates, wait_https
+from pdmesh.mesh_tls import MeshTls, MissingCertificates
 from services.common.tls import client_tls
 from services.model.catalog import (
     DEFAULT_MODEL,
@@ -37,13 +36,6 @@ SERVICES = {
 }
 
 
-def _exists(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -52,10 +44,18 @@ def _up_args(p: argparse.ArgumentParser) -> None:
         "--router-port", type=int, default=50051, help="the router's public port (0 = any free port)"
     )
     p.add_argument(
-        "--gateway-port",
+        "--http-port",
+        "--gateway-port",  # its name while the HTTP API was a process of its own
+        dest="http_port",
         type=int,
         default=8000,
-        help="the OpenAI-compatible HTTP gateway's port (0 = any free port)",
+        help="the router's OpenAI-compatible HTTP port (0 = any free port)",
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes sharing the gRPC and HTTP ports (SO_REUSEPORT), each with its own worker view",
     )
     p.add_argument(
         "--model",
@@ -134,7 +134,7 @@ def check_certificates(args: argparse.Namespace) -> None:
     if tls is not None:
         workers = [("prefill", f"prefill-{i}") for i in range(args.prefill)]
         workers += [("decode", f"decode-{i}") for i in range(args.decode)]
-        tls.check([("kvtransfer", ""), ("router", ""), ("gateway", ""), *workers])
+        tls.check([("kvtransfer", ""), ("router", ""), *workers])
 
 
 def model_choice(args: argparse.Namespace) -> ModelChoice:
@@ -210,6 +210,7 @@ class StartStatus:
         self.state = dict.fromkeys(names, "...")
         self.out = out
         self.tty = out.isatty()
+        self.extra: list[str] = []
 
     def ready(self, svc: RunningService, shown: str | None = None) -> None:
         self.state[svc.spec.name] = "ok"
@@ -220,11 +221,20 @@ class StartStatus:
             self.out.write(f"  {svc.spec.name:<12} {shown or svc.address}  SERVING{_metrics(svc)}\n")
         self.out.flush()
 
+    def line(self, name: str, shown: str) -> None:
+        """A line that is not a service (the HTTP API's address)."""
+        if not self.tty:
+            self.out.write(f"  {name:<12} {shown}\n")
+            self.out.flush()
+        else:
+            self.extra.append(f"  {name:<12} {shown}\n")
+
     def done(self, started: dict[str, RunningService]) -> None:
         if self.tty:
             self.out.write("\n")
             for name, svc in started.items():
                 self.out.write(f"  {name:<12} {svc.address}  SERVING{_metrics(svc)}\n")
+            self.out.writelines(self.extra)
         self.out.flush()
 
 
@@ -232,9 +242,12 @@ def start_mesh(
     launcher: Launcher, args: argparse.Namespace, status: StartStatus | None = None
 ) -> dict[str, RunningService]:
     """Start kvtransfer, the prefill workers, the decode workers (each group in
-    parallel), then the router and the gateway; wait for each to be SERVING."""
+    parallel), then the router or routers (each serving gRPC and the OpenAI HTTP
+    API); wait for each to be SERVING."""
     specs = mesh_specs(args)
-    names = [s.name for s in specs] + ["router", "gateway"]
+    routers = max(1, getattr(args, "routers", 1))
+    router_names = ["router"] + [f"router-{i}" for i in range(1, routers)]
+    names = [s.name for s in specs] + router_names
     status = status or StartStatus(names)
     started: dict[str, RunningService] = {}
 
@@ -259,10 +272,8 @@ def start_mesh(
             if s.name.startswith("decode")
         ]
     )
-    router_flags = flags(
+    common = flags(
         host=args.host,
-        port=args.router_port,
-        internal_port=getattr(args, "router_internal_port", 0),
         decode_workers=[d.address for d in decodes],
         prefill_workers=prefill_addrs or None,
         policy=args.policy,
@@ -270,41 +281,41 @@ def start_mesh(
         model_path=model_choice(args).model_path,
         model_id=model_choice(args).model_id,
         api_keys_file=getattr(args, "api_keys_file", None),
+        # Several routers: each binds the same ports with SO_REUSEPORT and the kernel spreads
+        # the connections; each probes the workers itself (its own view, its own links).
+        so_reuseport=1 if routers > 1 else None,
     ) + _own_cert(args, "router")
     base = getattr(args, "metrics_port", -1)
-    if base >= 0:
-        router_flags += flags(metrics_port=base + len(specs) if base else 0)
-    (router,) = group(
+
+    def router_spec(i: int, port: int, http_port: int, internal_port: int) -> ServiceSpec:
+        extra = flags(port=port, http_port=http_port, internal_port=internal_port)
+        if base >= 0:
+            extra += flags(metrics_port=base + len(specs) + i if base else 0)
+        return ServiceSpec(
+            router_names[i],
+            SERVICES["router"][0],
+            common + extra,
+            ready_service=SERVICES["router"][1],
+            host=args.host,
+        )
+
+    # The first router takes the ports (0 = free ones); the others join it on the same ports.
+    (first,) = group(
         [
             launcher.start(
-                ServiceSpec(
-                    "router",
-                    SERVICES["router"][0],
-                    router_flags,
-                    ready_service=SERVICES["router"][1],
-                    host=args.host,
+                router_spec(
+                    0,
+                    args.router_port,
+                    getattr(args, "http_port", -1),
+                    getattr(args, "router_internal_port", 0),
                 )
             )
         ]
     )
-    if _exists("services.gateway.main"):
-        from services.gateway.launch import gateway_spec, start_ready
-
-        spec = gateway_spec(
-            router.address,
-            host=args.host,
-            port=args.gateway_port,
-            model_path=model_choice(args).model_path,
-            preset=model_choice(args).preset,
-            extra=flags(served_model_name=model_choice(args).model_id) + _own_cert(args, "gateway"),
-        )
-        tls = _tls(args)
-        if tls is None:
-            gateway = start_ready(launcher, spec, args.timeout)
-        else:  # HTTPS with the gateway's certificate
-            gateway = wait_https(launcher, launcher.start(spec), tls.config("gateway").ca_file, args.timeout)
-        started["gateway"] = gateway
-        status.ready(gateway, f"{'https' if tls else 'http'}://{gateway.address}/v1")
+    group([launcher.start(router_spec(i, first.port, first.http_port or 0, 0)) for i in range(1, routers)])
+    tls = _tls(args)
+    http = f"{'https' if tls else 'http'}://{args.host}:{first.http_port}/v1"
+    status.line("http", f"{http}  (the router's OpenAI-compatible API)")
     status.done(started)
     return started
 
@@ -344,17 +355,17 @@ _WORKER_PREFIXES = ("prefill-", "decode-")
 
 @command("up", _up_args)
 def up(args: argparse.Namespace) -> int:
-    """Start a local mesh (kvtransfer, prefill, decode, router, gateway) and serve until Ctrl-C."""
+    """Start a local mesh (kvtransfer, prefill, decode, router with its HTTP API) and serve until Ctrl-C."""
     try:
         print(f"pdmesh up: model {model_choice(args).model_id}", flush=True)
     except ModelNotFoundError as e:
         print(f"pdmesh up: {e}", file=sys.stderr)
         return 2
-    busy = ports_in_use(args.host, [args.router_port, args.gateway_port])
+    busy = ports_in_use(args.host, [args.router_port, args.http_port])
     if busy:  # before anything starts: the README's message, not a traceback after 12 s
         print(
             f"pdmesh up: port {', '.join(map(str, busy))} on {args.host} is already in use (another mesh "
-            "running?); stop it, or pick free ports: pdmesh up --router-port 0 --gateway-port 0",
+            "running?); stop it, or pick free ports: pdmesh up --router-port 0 --http-port 0",
             file=sys.stderr,
         )
         return 1
@@ -436,7 +447,7 @@ def _supervise(
 ) -> int:
     """Watch the children until a signal. A worker that exits (drained or crashed) is
     reported and, with --restart, started again on its port; the mesh stays up. The
-    router, kvtransfer or gateway exiting stops the mesh: nothing is served without them."""
+    router (any of them) or kvtransfer exiting stops the mesh: nothing is served without them."""
     gone: set[int] = set()
     while not stop["now"]:
         for svc in list(launcher.services):

@@ -8,7 +8,8 @@ containers and processes on one host is rewritten, in `local_env`:
   - `PDMESH_HOST` -> 127.0.0.1 and `PDMESH_PORT` -> 0 (every container listens on
     the same port; processes sharing loopback cannot), `PDMESH_METRICS_PORT` -> 0
     when metrics are on, `PDMESH_INTERNAL_PORT` (the router's internal listener)
-    -> 0; the launcher adds `--port-file` to learn the ports;
+    and `PDMESH_HTTP_PORT` (its OpenAI-compatible HTTP door) -> 0; the launcher
+    adds `--port-file` to learn the ports;
   - every `service:port` naming a compose service and its in-container port (or
     its internal port) -> the real loopback address(es) of that service's
     processes on that port (all replicas, comma-separated, as a DNS name with
@@ -187,7 +188,7 @@ def local_env(
     for key, value in svc.env.items():
         if key == "PDMESH_HOST":
             value = "127.0.0.1"
-        elif key in ("PDMESH_PORT", "PDMESH_INTERNAL_PORT") or (
+        elif key in ("PDMESH_PORT", "PDMESH_INTERNAL_PORT", "PDMESH_HTTP_PORT") or (
             key == "PDMESH_METRICS_PORT" and int(value) >= 0
         ):
             value = "0"
@@ -246,6 +247,10 @@ class ComposeLaunch:
     def address(self, name: str, replica: int = 0) -> str:
         return self.replicas[name][replica].address
 
+    def http_address(self, name: str, replica: int = 0) -> str:
+        """Where a router replica serves the OpenAI-compatible HTTP API (PDMESH_HTTP_PORT)."""
+        return self.replicas[name][replica].http_address
+
     def _start(self, name: str) -> None:
         svc = self.services[name]
         addresses = {dep: [r.address for r in self.replicas[dep]] for dep in svc.depends_on}
@@ -302,4 +307,5 @@ def _read_port(svc: RunningService) -> bool:
         data = json.loads(svc.port_file.read_text())
         svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
         svc.internal_port = data.get("internal_port")
+        svc.http_port = data.get("http_port")
     return bool(svc.port)

@@ -57,6 +57,7 @@ class RunningService:
     port: int = 0
     metrics_port: int | None = None
     internal_port: int | None = None  # the router's internal listener (membership), from its port file
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP door (--http-port), if on
 
     @property
     def address(self) -> str:
@@ -68,6 +69,13 @@ class RunningService:
         if not self.internal_port:
             raise LaunchError(f"{self.spec.name} reported no internal port")
         return f"{self.spec.host}:{self.internal_port}"
+
+    @property
+    def http_address(self) -> str:
+        """The router's OpenAI-compatible HTTP door (its --http-port)."""
+        if not self.http_port:
+            raise LaunchError(f"{self.spec.name} reported no HTTP port")
+        return f"{self.spec.host}:{self.http_port}"
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -127,6 +135,7 @@ class Launcher:
             data = json.loads(svc.port_file.read_text())
             svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
             svc.internal_port = data.get("internal_port")
+            svc.http_port = data.get("http_port")
         return (
             bool(svc.port)
             and health_check(svc.address, svc.spec.ready_service, timeout=1.0, tls=self._tls)[0] == "SERVING"

@@ -11,12 +11,10 @@ certificate.
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdmesh.launcher import Launcher, LaunchError, RunningService, flags
+from pdmesh.launcher import flags
 from services.common.tls import MESH_DNS_NAME, TlsConfig
 
 
@@ -61,26 +59,3 @@ class MeshTls:
             tls_require_client_cert=1,
             tls_server_name=c.server_name,
         )
-
-
-def wait_https(launcher: Launcher, svc: RunningService, ca_file: str, timeout_s: float) -> RunningService:
-    """The gateway's readiness over HTTPS (services/gateway/launch.py polls plain HTTP)."""
-    from services.common.http_probe import http_ready
-
-    deadline = time.monotonic() + timeout_s
-    delay, status = 0.02, "no port file yet"
-    while True:
-        if svc.proc.poll() is not None:
-            raise LaunchError(f"{svc.spec.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
-        if not svc.port and svc.port_file.exists():
-            svc.port = int(json.loads(svc.port_file.read_text())["port"])
-        if svc.port:
-            ok, status = http_ready(f"https://localhost:{svc.port}/health", timeout=1.0, ca_file=ca_file)
-            if ok:
-                return svc
-        if time.monotonic() > deadline:
-            raise LaunchError(
-                f"{svc.spec.name} not ready after {timeout_s:.0f}s ({status}):\n{svc.log_tail()}"
-            )
-        time.sleep(delay)  # polling a child's readiness with backoff
-        delay = min(delay * 1.5, 0.25)

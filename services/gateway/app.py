@@ -41,7 +41,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.params import GenerationPlan, parse_chat, parse_completion
-from services.gateway.upstream import RouterClient, UpstreamStream
+from services.gateway.upstream import RouterClient, Upstream, UpstreamStream
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -136,20 +136,32 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         template: ChatTemplate | None = None,
         tls: TlsConfig | None = None,
+        upstream: Upstream | None = None,
     ):
         self.config = config
         self.tls = tls
         self.metrics = metrics or GatewayMetrics()
         self.template = template if template is not None else load_chat_template(config.model_path)
-        self.client: RouterClient | None = None
+        self.client: Upstream | None = None
+        # The router process passes its request flow here (services/router/http_door.py):
+        # then there is no gRPC hop; without it the app reaches a router over gRPC.
+        self._upstream = upstream
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         cfg = self.config
-        self.client = RouterClient(cfg.router_address, cfg.request_timeout_s, cfg.health_timeout_s, self.tls)
+        if self._upstream is not None:
+            self.client = self._upstream
+        else:
+            self.client = RouterClient(
+                cfg.router_address, cfg.request_timeout_s, cfg.health_timeout_s, self.tls
+            )
         log.info(
-            "gateway_started", router=cfg.router_address, model=cfg.model_id, chat_template=self.template.name
+            "gateway_started",
+            router="in-process" if self._upstream is not None else cfg.router_address,
+            model=cfg.model_id,
+            chat_template=self.template.name,
         )
         try:
             yield

@@ -10,6 +10,11 @@ file (`{"port", "metrics_port", "pid"}`, like the gRPC services') is written
 once uvicorn is accepting. SIGTERM: uvicorn stops accepting, lets in-flight
 requests finish for up to `--drain-grace-s`, then exits. Every flag also reads
 a `PDMESH_*` environment variable (`--help` lists them); logs are JSON lines.
+
+`pdmesh up`, compose and the k8s manifests do not run this process: the router
+serves the same app itself, in-process (`--http-port`, services/router/http_door.py),
+which saves a process and a gRPC hop per token. This main stays for an HTTP front
+in a process of its own, and for bench/front_ab.py's before/after.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ workers (the HTTP client went away).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +21,19 @@ from services.gateway.errors import from_grpc
 from services.gateway.params import GenerationPlan
 
 ROUTER_READY = "pdmesh.v1.RouterService"
+
+
+class Upstream(Protocol):
+    """What the app needs of a router: `RouterClient` over gRPC, or the router's own
+    request flow in-process (services/router/http_door.py `FlowUpstream`)."""
+
+    def generate(self, plan: GenerationPlan, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+        """A stream like `UpstreamStream`; must not raise (errors come from reading it)."""
+        ...
+
+    async def ready(self) -> tuple[bool, str]: ...
+
+    async def close(self) -> None: ...
 
 
 class UpstreamStream:

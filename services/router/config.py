@@ -5,7 +5,7 @@ timeouts, probe intervals); the cores keep their own configs
 (`AdmissionConfig`, `BreakerConfig`, `RetryBudgetConfig`, `JourneyConfig`,
 `PrefixIndexConfig`, `RequestLimits`), the public listener is a `ServerConfig`
 and the internal one (workers' membership, services/router/listeners.py) an
-`InternalListenerConfig`, their
+`InternalListenerConfig`, the OpenAI-compatible HTTP door an `HttpDoorConfig`, their
 TLS (server and channels to workers) a `TlsConfig`, API keys an `AuthConfig`,
 tracing a `TracingConfig`.
 `RouterSettings` bundles them; `parse_settings(argv, env)` builds it from flags
@@ -161,6 +161,25 @@ class InternalListenerConfig:
 
 
 @dataclass(frozen=True)
+class HttpDoorConfig:
+    """The router's OpenAI-compatible HTTP door (services/router/http_door.py): the
+    gateway's app served in the router process, on the router's event loop."""
+
+    port: int = setting(-1, "OpenAI-compatible HTTP port (-1 = no HTTP door, 0 = any free port)")
+    host: str = setting("", "address the HTTP port listens on ('' = the same as --host)")
+    served_model_name: str = setting(
+        "", "model id HTTP clients name (/v1/models); default the router's model id (--model-id)"
+    )
+    max_body_bytes: int = setting(4 * 1024 * 1024, "largest HTTP request body accepted")
+    request_timeout_s: float = setting(600.0, "deadline of one HTTP generation request")
+
+    def __post_init__(self) -> None:
+        require(-1 <= self.port <= 65535, f"http_port must be in [-1, 65535], got {self.port}")
+        require(self.max_body_bytes >= 1024, "http_max_body_bytes must be >= 1024")
+        require(self.request_timeout_s > 0, "http_request_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What the router knows of the served model: no weights, just the tokenizer and limits."""
 
@@ -189,6 +208,7 @@ class ModelSpec:
 class RouterSettings:
     server: ServerConfig = field(default_factory=ServerConfig)
     internal: InternalListenerConfig = field(default_factory=InternalListenerConfig)  # membership etc.
+    http: HttpDoorConfig = field(default_factory=HttpDoorConfig)  # OpenAI-compatible HTTP
     router: RouterConfig = field(default_factory=RouterConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -205,6 +225,7 @@ class RouterSettings:
 _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("server", ServerConfig, ""),
     ("internal", InternalListenerConfig, "internal_"),
+    ("http", HttpDoorConfig, "http_"),
     ("router", RouterConfig, ""),
     ("limits", RequestLimits, "limits_"),
     ("admission", AdmissionConfig, "admission_"),

@@ -12,21 +12,31 @@
   CA signed, with a role the per-method table allows), whatever
   `--tls-require-client-cert` says for the public port.
 
-`RouterListeners` owns both MeshServers: it starts the internal one first
-(workers may register as soon as the port file appears), writes one port file
-with both ports, drains the public one on SIGTERM (in-flight requests finish
-while workers can still heartbeat) and stops the internal one last.
+- HTTP (`--http-port`, off at -1): the OpenAI-compatible API (services/router/http_door.py),
+  the gateway's app on this process's event loop calling the request flow in-process.
+
+`RouterListeners` owns them all: it starts the internal one first (workers may
+register as soon as the port file appears), then the public one and the HTTP
+door, writes one port file with every port, drains the public one and the HTTP
+door together on SIGTERM (in-flight requests finish while workers can still
+heartbeat) and stops the internal one last.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
+import signal
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import structlog
 
 from services.common.server import MeshServer, ServerConfig
 from services.common.validation import RequestLimits
+from services.router.http_door import HttpDoor
 from services.router.router import Router
 from services.router.servicer import (
     SERVICE_NAME,
@@ -34,6 +44,8 @@ from services.router.servicer import (
     add_internal_to_server,
     add_public_to_server,
 )
+
+log = structlog.get_logger()
 
 # Per message: tags, lengths, the scalars (sampling, priority) and room for new small fields.
 _FIXED_OVERHEAD = 4096
@@ -85,6 +97,9 @@ class RouterListeners:
         self.internal = MeshServer(internal_cfg, SERVICE_NAME, tls=internal_tls, tracing=tracing)
         add_public_to_server(self.servicer, self.public.server)
         add_internal_to_server(self.servicer, self.internal.server)
+        http = settings.http
+        self.http = HttpDoor(router, http, server, tls) if http.port >= 0 else None
+        self._drain_task: asyncio.Future[None] | None = None
 
     @property
     def address(self) -> str:
@@ -94,9 +109,15 @@ class RouterListeners:
     def internal_address(self) -> str:
         return self.internal.address
 
+    @property
+    def http_address(self) -> str | None:
+        return self.http.address if self.http is not None else None
+
     async def start(self) -> None:
         await self.internal.start()
         await self.public.start()
+        if self.http is not None:
+            await self.http.start()
         self._write_port_file()
 
     def _write_port_file(self) -> None:
@@ -106,6 +127,7 @@ class RouterListeners:
         data = {
             "port": pub.port,
             "internal_port": self.internal.port,
+            "http_port": self.http.port if self.http is not None else None,
             "metrics_port": pub.metrics.port if pub.metrics else None,
             "health_port": pub.health_port,
             "pid": os.getpid(),
@@ -119,6 +141,39 @@ class RouterListeners:
         await self.public.set_ready(ready)
         await self.internal.set_ready(ready)
 
+    async def drain(self) -> None:
+        """The public port and the HTTP door together: NOT_SERVING / 503, refuse new
+        requests, let in-flight ones finish (each for up to --drain-grace-s)."""
+        doors = [self.public.drain()]
+        if self.http is not None:
+            doors.append(self.http.drain())
+        await asyncio.gather(*doors)
+
+    def install_signal_handlers(self, on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """SIGTERM / SIGINT drain both doors, then `on_drain` (closing the router)."""
+        loop = asyncio.get_running_loop()
+
+        async def drain_then() -> None:
+            await self.drain()
+            if on_drain is not None:
+                await on_drain()
+
+        def handler(signame: str) -> None:
+            log.info("signal", signal=signame, service=SERVICE_NAME)
+            if self._drain_task is None:
+                self._drain_task = asyncio.ensure_future(drain_then())
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, handler, sig.name)
+
+    async def wait_stopped(self) -> None:
+        """Until a drain (or stop) of the doors is over, `on_drain` included."""
+        await self.public.wait_stopped()
+        if self._drain_task is not None:
+            await self._drain_task
+
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.public.stop()
         await self.internal.stop()

@@ -7,8 +7,11 @@ Serves pdmesh.v1.RouterService on two listeners (services/router/listeners.py):
 the public port (Generate, Cancel) and the internal one (`--internal-port`:
 worker membership, ListWorkers, Stats), each with health ("" = live;
 "pdmesh.v1.RouterService" = ready once at least one decode worker is healthy)
-and reflection; Prometheus metrics (`--metrics-port`); drains on SIGTERM. The
-port file holds both ports ("port", "internal_port"). Every flag also reads a
+and reflection; with `--http-port` also the OpenAI-compatible HTTP API
+(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on the
+same event loop, calling the request flow in-process (services/router/http_door.py);
+Prometheus metrics (`--metrics-port`); drains both doors on SIGTERM. The port
+file holds every port ("port", "internal_port", "http_port"). Every flag also reads a
 `PDMESH_*` environment variable (`--help` lists them).
 """
 
@@ -57,8 +60,9 @@ async def serve(settings: RouterSettings) -> None:
     )
     server = RouterListeners(router, tracing=tracing)
     await server.start()
-    # SIGTERM drains the public port; workers can still heartbeat until the router closes.
-    server.public.install_signal_handlers(on_drain=router.close)
+    # SIGTERM drains the public port and the HTTP door; workers can still heartbeat until
+    # the router closes.
+    server.install_signal_handlers(on_drain=router.close)
     await router.start()
     follower = asyncio.create_task(_follow_readiness(router, server))
     log.info(
@@ -69,14 +73,17 @@ async def serve(settings: RouterSettings) -> None:
         prefill_workers=list(settings.router.prefill_workers),
         api_keys=router.auth is not None,
         internal_address=server.internal_address,
+        http_address=server.http_address,
     )
     try:
-        await server.public.wait_stopped()
+        await server.wait_stopped()
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follower
         await router.close()
+        if server.http is not None:
+            await server.http.stop()  # a no-op after a drain
         await server.internal.stop()
         shutdown_tracing(tracing)
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import uuid
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
 
@@ -157,6 +159,67 @@ def status_to_proto(view: WorkerView) -> router_pb2.WorkerStatus:
     )
 
 
+class Generation:
+    """One Generate request as both of the router's doors serve it: gRPC (`Generate`
+    below) and HTTP (services/router/http_door.py, in-process, no second hop).
+
+    Checks the API key (the key's tenant and priority cap win over the request's
+    fields), validates and tokenizes (`parse_generate`), scopes the request id by
+    tenant and opens the flow; `responses()` turns the flow's token-id lists into
+    GenerateResponse messages (detokenized, stop strings held back), the final
+    one last. Raises the flow's MeshErrors; each door maps them to its status.
+    Iterate `responses()` once, then `close()`.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        request: router_pb2.GenerateRequest,
+        metadata: Iterable[tuple[str, Any]] | None,
+        timeout_s: float | None,
+    ):
+        auth = router.auth
+        grant = auth.authenticate(metadata) if auth is not None else None  # Unauthenticated
+        try:
+            req = parse_generate(request, router.model, router.settings.limits, timeout_s)
+        except InvalidArgument:
+            router.metrics.invalid()
+            raise
+        if grant is not None:  # the key decides the tenant, never the request's field
+            req = dataclasses.replace(req, tenant=grant.tenant, priority=grant.cap(req.priority))
+        self.client_id = req.request_id
+        self.tenant = req.tenant
+        req = dataclasses.replace(req, request_id=scoped_request_id(req.tenant, self.client_id))
+        self.router = router
+        self.prompt_tokens = len(req.prompt_token_ids)
+        self._stop = req.sampling.stop
+        self.flow = router.open_flow(req, self.client_id)  # AlreadyExists, shed, Unavailable
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        # x-prompt-tokens: the HTTP door logs it for streams its client closes before the final.
+        return (("x-request-id", self.client_id), ("x-prompt-tokens", str(self.prompt_tokens)))
+
+    async def responses(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+        push = make_detokenizer(self.router.model.tokenizer).push_many
+        stops = StopTextFilter(self._stop)
+        run = self.flow.run()
+        try:
+            async for item in run:
+                if type(item) is list:
+                    yield _Response(delta=_Delta(token_ids=item, text=stops.push(push(item))))
+                else:
+                    if held := stops.flush():
+                        yield _Response(delta=_Delta(text=held))
+                    yield final_to_proto(item, self.client_id)  # type: ignore[arg-type]
+        finally:
+            # aclose() of this generator (the HTTP door's cancel) stops at our yield: close
+            # the flow's too, now, so its cleanup (admission slot, ledger) is not left to GC.
+            await run.aclose()
+
+    def close(self) -> None:
+        self.router.close_flow(self.flow)
+
+
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, router: Router):
         self.router = router
@@ -169,39 +232,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        router = self.router
-        grant = self._grant(context)
+        gen = Generation(self.router, request, context.invocation_metadata(), context.time_remaining())
+        tracing.annotate(request_id=gen.client_id, tenant=gen.tenant)
         try:
-            req = parse_generate(request, router.model, self.limits, context.time_remaining())
-        except InvalidArgument:
-            router.metrics.invalid()
-            raise
-        if grant is not None:  # the key decides the tenant, never the request's field
-            req = dataclasses.replace(req, tenant=grant.tenant, priority=grant.cap(req.priority))
-        client_id = req.request_id
-        req = dataclasses.replace(req, request_id=scoped_request_id(req.tenant, client_id))
-        tracing.annotate(request_id=client_id, tenant=req.tenant)
-        flow = router.open_flow(req, client_id)
-        try:
-            # x-prompt-tokens: the HTTP door logs it for streams its client closes before the final.
-            await context.send_initial_metadata(
-                (("x-request-id", client_id), ("x-prompt-tokens", str(len(req.prompt_token_ids))))
-            )
-            push = make_detokenizer(router.model.tokenizer).push_many
-            stops = StopTextFilter(req.sampling.stop)
-            async for item in flow.run():
-                if type(item) is list:
-                    yield _Response(delta=_Delta(token_ids=item, text=stops.push(push(item))))
-                else:
-                    if held := stops.flush():
-                        yield _Response(delta=_Delta(text=held))
-                    yield final_to_proto(item, client_id)  # type: ignore[arg-type]
+            await context.send_initial_metadata(gen.initial_metadata())
+            async for msg in gen.responses():
+                yield msg
         finally:
-            router.close_flow(flow)
+            gen.close()
             if tracing.recording():
-                journey = flow.journey
+                journey = gen.flow.journey
                 tracing.annotate(
-                    worker=flow.worker_id, attempts=len(journey.attempts), migrations=journey.migrations
+                    worker=gen.flow.worker_id, attempts=len(journey.attempts), migrations=journey.migrations
                 )
 
     @grpc_errors

@@ -4,7 +4,7 @@
 runs this with PDMESH_COMPOSE_TEST=1; anywhere else (plain `make test`) it is skipped. For each
 variant: `docker compose up --build --scale decode=2 --wait` (host ports chosen by Docker, on
 127.0.0.1), a Generate through the router's published gRPC port, a completion through the
-gateway's published HTTP port, then the decode container serving a stream SIGKILLed
+router's published HTTP port (the router serves the OpenAI API itself), then the decode container serving a stream SIGKILLed
 (`docker kill`) after its first tokens: the stream must still finish, migrated by the router to
 the other decode worker, with the tokens an undisturbed stream gives; `docker compose down` in `finally`.
 
@@ -153,9 +153,9 @@ def stack(request, tmp_path_factory):
     s = Stack(files, env)
     try:
         s.up()
-        # The gateway's certificate names localhost; plain HTTP goes straight to the loopback address.
+        # The router's certificate names localhost; plain HTTP goes straight to the loopback address.
         host = "localhost" if tls_env else "127.0.0.1"
-        gateway = f"{scheme}://{host}:{s.port('gateway', 8000).rpartition(':')[2]}"
+        gateway = f"{scheme}://{host}:{s.port('router', 8000).rpartition(':')[2]}"
         client = Client(s.port("router", 50051), gateway, tls_env, key)
         yield s, client
     finally:
@@ -275,7 +275,7 @@ def test_docker_is_what_ran(stack):
             text=True,
             check=True,
         ).stdout.strip()
-        for service in ("kvtransfer", "router", "prefill", "gateway")
+        for service in ("kvtransfer", "router", "prefill")
         for c in s.containers(service)
     }
     assert images == {"pdmesh:0.1.0"}

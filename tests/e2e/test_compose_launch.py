@@ -3,7 +3,7 @@ processes on loopback (pdmesh/compose_launch.py), with `--scale decode=2`.
 
 The workers find the router only through PDMESH_ROUTER_ADDRESS (runtime join),
 a long prompt is prefilled remotely and its KV moves between "containers" with
-the file's own transport settings, the gateway answers an OpenAI request, and
+the file's own transport settings, the router's HTTP port answers an OpenAI request, and
 every metric the Grafana dashboard queries is exposed by some process.
 """
 
@@ -61,7 +61,7 @@ def compose(tmp_path_factory):
     finally:
         # Router first: workers drain their in-flight calls on SIGTERM, and the router's KV-event
         # subscriptions count as in flight until the router goes.
-        for name in ("gateway", "router"):
+        for name in ("router",):
             for svc in launch.replicas.get(name, []):
                 launcher.stop(svc)
         launcher.close()
@@ -95,7 +95,7 @@ def test_a_long_prompt_is_prefilled_remotely_and_streams_back(compose):
 
 def test_the_gateway_serves_openai_requests(compose):
     client = openai.OpenAI(
-        base_url=f"http://{compose.address('gateway')}/v1", api_key="unused", max_retries=0
+        base_url=f"http://{compose.http_address('router')}/v1", api_key="unused", max_retries=0
     )
     got = client.completions.create(
         model="builtin-tiny", prompt="Hello", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}

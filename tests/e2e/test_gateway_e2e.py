@@ -1,4 +1,5 @@
-"""The official `openai` client against the real gateway, router and decode worker
+"""The official `openai` client against the real HTTP door (the router process's
+--http-port, which serves the gateway's app in-process), router and decode worker
 (processes on loopback, the tiny built-in model).
 
 - completions and chat, streaming and not, return exactly what the router
@@ -7,34 +8,46 @@
 - 400 for a malformed body, n > 1, out-of-range values and what the router refuses; 404
   for an unknown model;
 - 429 with Retry-After when the router sheds (a router admitting one request
-  and queueing none), 503 when the router is unreachable;
-- a client that hangs up mid-stream cancels the request at the router.
+  and queueing none), 503 when the router has no decode worker to reach;
+- a client that hangs up mid-stream cancels the request at the router, and the
+  decode worker frees its blocks.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+from dataclasses import dataclass
 
 import grpc
 import openai
 import pytest
 
-from pdmesh.launcher import Launcher, ServiceSpec, flags
-from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.gateway.launch import gateway_spec, start_ready
+from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
+from pdmesh.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
 from tests.e2e.helpers import wait_until
 from tests.service.gateway import httpio
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "builtin-tiny"
-ROUTER_FAST = flags(health_interval_s=0.2, stats_interval_s=0.2)
+ROUTER_FAST = flags(health_interval_s=0.2, stats_interval_s=0.2, http_port=0)
+
+
+@dataclass(frozen=True)
+class Door:
+    """A router's HTTP door, where the tests' HTTP clients connect (logs: the router's)."""
+
+    address: str
+    router: RunningService
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.router.log_tail(lines)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    """decode worker, a normal router + gateway, and a router that sheds at 1 + its gateway."""
+    """decode worker, a normal router and a router that sheds at 1, each with its HTTP door."""
     launcher = Launcher(tmp_path_factory.mktemp("gateway-e2e"))
     try:
         decode = launcher.start_ready(
@@ -61,8 +74,14 @@ def mesh(tmp_path_factory):
         ]
         for r in routers:
             launcher.wait_ready(r)
-        gateways = [start_ready(launcher, gateway_spec(r.address, name=f"gw-{r.spec.name}")) for r in routers]
-        yield {"router": routers[0], "gateway": gateways[0], "tight": gateways[1], "launcher": launcher}
+        gateways = [Door(r.http_address, r) for r in routers]
+        yield {
+            "router": routers[0],
+            "gateway": gateways[0],
+            "tight": gateways[1],
+            "launcher": launcher,
+            "decode": decode,
+        }
     finally:
         launcher.close()
 
@@ -82,6 +101,11 @@ def router_text(router, text: str, **sampling) -> tuple[str, router_pb2.Generate
             final = msg.final
     assert final is not None
     return "".join(out), final
+
+
+def free_blocks(decode) -> int:
+    stub = decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(decode.address))
+    return stub.Stats(worker_pb2.StatsRequest(), timeout=10).load.free_blocks
 
 
 def router_stats(router) -> router_pb2.RouterServiceStatsResponse:
@@ -196,37 +220,44 @@ def test_router_shedding_is_429_with_retry_after(mesh):
 
 
 def test_unreachable_router_is_503(mesh, tmp_path):
+    # One process now: what the door cannot reach is the router's decode worker.
     with socket.socket() as s:  # a port nobody listens on once closed
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     launcher: Launcher = mesh["launcher"]
-    gw = launcher.start(gateway_spec(dead, name="gw-dead"))
-    wait_until(lambda: gw.port_file.exists(), what="the gateway's port file")
-    gw.port = json.loads(gw.port_file.read_text())["port"]
+    router = launcher.start(
+        ServiceSpec("router-dead", "services.router.main", ROUTER_FAST + flags(decode_workers=dead))
+    )
+    wait_until(lambda: router.port_file.exists(), what="the router's port file")
+    gw = Door(f"127.0.0.1:{json.loads(router.port_file.read_text())['http_port']}", router)
     try:
         assert httpio.request(gw.address, "GET", "/health")[0] == 503
         with pytest.raises(openai.APIStatusError) as info:
             client(gw).completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert info.value.status_code == 503
     finally:
-        launcher.stop(gw)
+        launcher.stop(router)
 
 
 def test_client_hanging_up_mid_stream_cancels_at_the_router(mesh):
     before = router_stats(mesh["router"]).requests_cancelled
+    free = free_blocks(mesh["decode"])
     body = {"prompt": "cancel me", "max_tokens": 2030, "temperature": 0, "ignore_eos": True, "stream": True}
     sock = httpio.open_request(mesh["gateway"].address, "/v1/completions", body)
     httpio.read_until(sock, b'"text":')  # tokens are flowing
     httpio.hang_up(sock)
     wait_until(lambda: router_stats(mesh["router"]).requests_cancelled > before, what="the router to cancel")
     assert router_stats(mesh["router"]).inflight == 0
+    wait_until(lambda: free_blocks(mesh["decode"]) == free, what="the decode worker to free the blocks")
 
 
 def test_client_hanging_up_before_a_whole_answer_cancels_too(mesh):
     router = mesh["router"]
     before = router_stats(router).requests_cancelled
+    free = free_blocks(mesh["decode"])
     body = {"prompt": "cancel me too", "max_tokens": 2030, "temperature": 0, "ignore_eos": True}
     sock = httpio.open_request(mesh["gateway"].address, "/v1/completions", body)
     wait_until(lambda: router_stats(router).inflight >= 1, what="the request to reach the router")
     httpio.hang_up(sock)
     wait_until(lambda: router_stats(router).requests_cancelled > before, what="the router to cancel")
+    wait_until(lambda: free_blocks(mesh["decode"]) == free, what="the decode worker to free the blocks")

@@ -91,7 +91,7 @@ def secure_up(tmp_path_factory):
         internal = wait_until(
             lambda: found(r"\(pdmesh workers\) use (\S+)"), timeout=10, what="internal"
         ).group(1)
-        gateway = found(r"gateway\s+(https://\S+)/v1")
+        gateway = found(r"http\s+(https://\S+)/v1")  # the router's HTTP door
         yield {
             "certs": certs,
             "key": key,

@@ -1,9 +1,10 @@
-"""Hostile and random HTTP bodies at the gateway in front of the real in-process mesh
+"""Hostile and random HTTP bodies at the HTTP door in front of the real in-process mesh
 (issue 13 item 5): every answer is 200 or a 4xx OpenAI error object, never a 5xx or a
 traceback, and afterwards /health is 200 and the mesh's pools and queues are as before.
 
-The gateway runs under uvicorn on the mesh's own event loop (port 0) and forwards to
-the mesh's real router; the bodies go over a real socket.
+The router's HTTP door (services/router/http_door.py: the gateway's app under uvicorn)
+runs on the mesh's own event loop (port 0) and calls the mesh's real router's request
+flow in-process, as in the router process; the bodies go over a real socket.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import asyncio
 import json
 
 import pytest
-import uvicorn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.gateway.app import Gateway
-from services.gateway.config import GatewayConfig
-from services.gateway.main import bind
+from services.common.server import ServerConfig
+from services.common.tls import TlsConfig
+from services.router.config import HttpDoorConfig
+from services.router.http_door import HttpDoor
 from tests.e2e.helpers import wait_until
 from tests.fuzz.conftest import fuzz_settings
 from tests.fuzz.inproc import InProcessMesh
@@ -45,26 +46,20 @@ HOSTILE: list[tuple[str, bytes]] = [
 BASELINE: list = []
 
 
-class _Server(uvicorn.Server):
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        self.ready = True
-
-
 @pytest.fixture(scope="module")
 def gateway(mesh: InProcessMesh):
-    gw = Gateway(GatewayConfig(port=0, router_address=mesh.addresses["router"], request_timeout_s=60))
-    sock = bind("127.0.0.1", 0)
-    server = _Server(uvicorn.Config(gw.app(), log_config=None, access_log=False, lifespan="on"))
-    server.ready = False
+    async def make() -> HttpDoor:  # on the mesh's loop, as the router process makes it
+        return HttpDoor(
+            mesh.router, HttpDoorConfig(port=0, request_timeout_s=60), ServerConfig(port=0), TlsConfig()
+        )
+
+    door = asyncio.run_coroutine_threadsafe(make(), mesh.loop).result(30)
     BASELINE.append(mesh.snapshot())  # before any HTTP request: what every test must return to
-    task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), mesh.loop)
+    asyncio.run_coroutine_threadsafe(door.start(), mesh.loop).result(30)
     try:
-        wait_until(lambda: server.ready, timeout=30, what="gateway serving")
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
+        yield door.address
     finally:
-        server.should_exit = True
-        task.result(30)
+        asyncio.run_coroutine_threadsafe(door.drain(), mesh.loop).result(30)
 
 
 def check_answer(status: int, body: bytes, what: str) -> None:

@@ -14,7 +14,8 @@ Dynamo venv's python. For each (policy, rate) and each system, in turn:
   ZMQ events; ../shared/peers/dynamo.md);
 - pdmesh: router (`kv_aware` | `round_robin`) + N decode workers on the `sim`
   backend with the `dynamo-mocker` timing profile (the mocker's formulas,
-  services/model/profiles.json) + the OpenAI gateway.
+  services/model/profiles.json); the router process is pdmesh's whole front (gRPC
+  and the OpenAI HTTP API it serves itself, --http-port), as Dynamo's frontend is.
 
 Both get the same block size, KV blocks per worker, speedup, max_num_seqs and
 token budget per pass, and load the same tokenizer folder. Every run starts
@@ -29,9 +30,9 @@ Measured per run: TTFT and ITL p50/p99, TPOT, output tokens/s, prefix reuse
 `prompt_tokens_details.cached_tokens`: both systems report the engine's own
 prefix-cache hit there; each system's own counters are printed next to it),
 CPU seconds of each system's processes (Dynamo: frontend, mockers; pdmesh:
-router, gateway, workers), the request balance over workers, and the mean
+router, workers), the request balance over workers, and the mean
 TTFT at each hop from the systems' own metrics (Dynamo: engines, frontend;
-pdmesh: router, gateway) next to the client's. Counters are read before and
+pdmesh: router flow, HTTP door) next to the client's. Counters are read before and
 after the load, so probes do not count. Before each load, a near-zero-load
 probe (sequential requests with fresh 64-token prompts, 2 output tokens)
 gives the TTFT beyond the modeled prefill time: each system's own overhead
@@ -43,7 +44,9 @@ share is read from its /metrics (`dynamo_router_overhead_total_ms`).
 The machine's load average and the client's send lag are printed per run: on
 a small shared machine they move the figures as much as the systems do.
 Ends with the comparison table and one line `dynamo_vs_pdmesh key=value ...`
-(Dynamo / pdmesh ratios: below 1 means Dynamo is lower).
+(Dynamo / pdmesh ratios: below 1 means Dynamo is lower), with
+`cpu_front_ratio=` (pdmesh front CPU / Dynamo frontend CPU over all runs, goal
+<= 1) and `overhead_ratio=` (pdmesh / Dynamo near-zero-load overhead, goal <= 1).
 """
 
 from __future__ import annotations
@@ -86,9 +89,7 @@ from bench.peers.dynamo.compare import (
 from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, FIRST_WORD_ID, write_folder
 from bench.stats import RequestRecord, write_records
 from bench.traces import VocabRange
-from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
-from services.gateway.launch import gateway_spec
-from services.gateway.launch import start_ready as gateway_start_ready
+from pdmesh.launcher import Launcher, ServiceSpec, flags
 from services.model.timing import load_profile
 
 HERE = Path(__file__).resolve().parent
@@ -357,6 +358,8 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
                 flags(
                     decode_workers=[d.address for d in decodes],
                     model_path=folder,
+                    http_port=0,
+                    http_served_model_name=MODEL_NAME,  # what the old gateway served it as  # the OpenAI HTTP API, in the router process (no gateway)
                     block_size=setup.block_size,
                     policy=POLICIES[policy][1],
                     # Dynamo's frontend queues nothing by default: let every engine slot be used.
@@ -370,29 +373,21 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
             ),
             timeout_s,
         )
-        gateway: RunningService = gateway_start_ready(
-            launcher,
-            gateway_spec(
-                router.address,
-                model_path=folder,
-                extra=flags(served_model_name=MODEL_NAME, log_level="warning"),
-            ),
-            timeout_s,
-        )
     except BaseException:
         launcher.close()
         raise
     return Deployment(
         "pdmesh",
-        f"http://{gateway.address}",
-        {"router": router.proc.pid, "gateway": gateway.proc.pid},
+        f"http://{router.http_address}",
+        {"router": router.proc.pid},
         [d.proc.pid for d in decodes],
         setup.workers,
         launcher.close,
         direct=decodes[0].address,
         router=router.address,
         metrics_url=f"http://127.0.0.1:{router.metrics_port}/metrics" if router.metrics_port else "",
-        gateway_metrics_url=f"http://{gateway.address}/metrics",
+        # The HTTP door's pdmesh_gateway_* metrics are on the router's own registry.
+        gateway_metrics_url=f"http://{router.http_address}/metrics",
         worker_metrics_urls=[f"http://127.0.0.1:{d.metrics_port}/metrics" for d in decodes if d.metrics_port],
         logs=[s.log_path for s in launcher.services],
     )
@@ -403,7 +398,7 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
 
 class HttpClient(OpenAIHttpClient):
     """bench.loadgen's client, except that a chunk carrying only a finish_reason (empty
-    text, no usage count) is not a token. pdmesh's gateway sends one at the end and no
+    text, no usage count) is not a token. pdmesh's HTTP door sends one at the end and no
     continuous usage, so the base client would count one token too many per request
     (an extra ~0 ms ITL); Dynamo's continuous usage already avoids it."""
 
@@ -769,7 +764,7 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
             )
         else:
             parts.append(
-                f"TTFT mean at the router {m.get('front_ttft_ms', math.nan):.1f}, at the gateway "
+                f"TTFT mean at the router {m.get('front_ttft_ms', math.nan):.1f}, at the HTTP door "
                 f"{m.get('gateway_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
             )
         print(f"  {r.row.system} {r.row.policy} {r.row.rate}: " + "; ".join(parts))
@@ -799,7 +794,16 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
     med = {k: float(np.median(v)) if v else math.nan for k, v in {**over, **hops}.items()}
     print(
         f"  beyond the modeled engine time: dynamo {med['dynamo']:.2f} ms, pdmesh {med['pdmesh']:.2f} ms "
-        f"(pdmesh: worker {med['worker']:.2f} + router hop {med['router']:.2f} + gateway hop {med['gateway']:.2f})"
+        f"(pdmesh: worker {med['worker']:.2f} + router hop {med['router']:.2f} + HTTP door {med['gateway']:.2f})"
+    )
+    front = {"dynamo": 0.0, "pdmesh": 0.0}  # CPU s of the processes in front of the workers
+    for r in results:
+        front[r.row.system] += r.row.extra.get(
+            "cpu_frontend_s" if r.row.system == "dynamo" else "cpu_router_s", 0
+        )
+    print(
+        f"front CPU over all runs: pdmesh router process {front['pdmesh']:.1f} s, "
+        f"Dynamo frontend {front['dynamo']:.1f} s"
     )
     print()
     overhead = {
@@ -807,6 +811,8 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
         "overhead_ms_pdmesh": med["pdmesh"],
         "router_hop_ms_pdmesh": med["router"],
         "router_decision_ms_dynamo": float(np.median(decisions)) if decisions else math.nan,
+        "cpu_front_ratio": front["pdmesh"] / front["dynamo"] if front["dynamo"] > 0 else math.nan,
+        "overhead_ratio": med["pdmesh"] / med["dynamo"] if med["dynamo"] > 0 else math.nan,
     }
     print(summary_line(rows, overhead))
 

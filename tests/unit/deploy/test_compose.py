@@ -16,7 +16,7 @@ from pdmesh.compose_launch import ComposeError, ComposeService, load_compose, lo
 from tests.unit.deploy import repo
 
 COMPOSE = repo.ROOT / "compose.yaml"
-ROLES = {"kvtransfer", "router", "prefill", "decode", "gateway"}
+ROLES = {"kvtransfer", "router", "prefill", "decode"}  # the router serves HTTP itself: no gateway
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,15 @@ def test_start_order_cannot_deadlock(services):
             services["router"].internal_port and services["router"].internal_port != services["router"].port
         )
         assert services[worker].env["PDMESH_ROUTER_ADDRESS"] == f"router:{services['router'].internal_port}"
-    assert services["gateway"].depends_on == {"router": "service_healthy"}
+    assert "gateway" not in services  # the router process serves the HTTP API itself
+
+
+def test_the_router_serves_and_publishes_the_http_api(raw, services):
+    for name in ("router", "router-gpu"):
+        env = raw["services"][name]["environment"]
+        assert env["PDMESH_HTTP_PORT"] == "8000", name
+        assert any(p.endswith(":8000") for p in raw["services"][name]["ports"]), name
+    assert repo.accepts(services["router"].module, ["--http-port", "8000"])
 
 
 def test_cpu_services_run_with_a_read_only_root_and_no_capabilities(raw):
@@ -120,7 +128,7 @@ def test_cpu_services_run_with_a_read_only_root_and_no_capabilities(raw):
 
 def test_ports_only_on_router_and_gateway_and_one_network(raw):
     published = {name for name, svc in raw["services"].items() if svc.get("ports")}
-    assert published == {"router", "gateway", "router-gpu", "gateway-gpu"}
+    assert published == {"router", "router-gpu"}  # gRPC, metrics and HTTP: the one front door
     for name in published:  # loopback unless PDMESH_BIND_ADDRESS says otherwise; never 50061
         for port in raw["services"][name]["ports"]:
             assert port.startswith("${PDMESH_BIND_ADDRESS:-127.0.0.1}:"), (name, port)
@@ -162,9 +170,9 @@ def test_the_launcher_refuses_a_cycle_and_an_undeclared_dependency(tmp_path):
     with pytest.raises(ComposeError, match="cycle"):
         load_compose(cyclic)
     services = load_compose(COMPOSE)
-    gateway = services["gateway"]
+    decode = services["decode"]  # names router:50061 and kvtransfer:50051
     stripped = ComposeService(
-        gateway.name, gateway.module, gateway.args, gateway.env, gateway.ready, {}, gateway.port
+        decode.name, decode.module, decode.args, decode.env, decode.ready, {}, decode.port
     )
     with pytest.raises(ComposeError, match="does not depend"):
         local_env(stripped, services, {})
@@ -197,8 +205,5 @@ def test_docker_compose_config_accepts_and_resolves_the_file(raw):
     )
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
-    assert set(resolved["services"]) == ROLES | {
-        f"{r}-gpu" for r in ("router", "prefill", "decode", "gateway")
-    }
+    assert set(resolved["services"]) == ROLES | {f"{r}-gpu" for r in ("router", "prefill", "decode")}
     assert resolved["services"]["decode"]["environment"]["PDMESH_ROUTER_ADDRESS"] == "router:50061"
-    assert resolved["services"]["gateway"]["depends_on"]["router"]["condition"] == "service_healthy"

@@ -83,7 +83,8 @@ def selects(selector: dict, labels: dict) -> bool:
 
 
 def test_every_role_has_a_deployment(docs):
-    assert set(of_kind(docs, "Deployment")) == {"kvtransfer", "router", "prefill", "decode", "gateway"}
+    # No gateway: the router serves the OpenAI-compatible HTTP API itself.
+    assert set(of_kind(docs, "Deployment")) == {"kvtransfer", "router", "prefill", "decode"}
 
 
 def test_deployments_select_their_own_pods(docs):
@@ -189,8 +190,7 @@ def test_gpu_overlay_puts_workers_on_trtllm_gpus():
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert c["image"] == f"pdmesh-trtllm:{repo.version()}"
         assert "UCX_TLS" not in env
-    for role in ("router", "gateway"):
-        assert env_of(container(deps[role]))["PDMESH_MODEL_PATH"]["value"] == "/models/model"
+    assert env_of(container(deps["router"]))["PDMESH_MODEL_PATH"]["value"] == "/models/model"
 
 
 def test_schemas_accept_the_rendered_manifests(docs, tmp_path):

@@ -30,7 +30,8 @@ def docs() -> list[dict]:
 
 def test_the_planner_pod_passes_the_restricted_profile(docs):
     found = pods(docs)
-    assert len(found) == 6  # the base's five and the planner
+    # the base's four (router with its HTTP door, kvtransfer, prefill, decode) and the planner
+    assert len(found) == 5 and any(name.endswith("planner") for name in found), sorted(found)
     for name, (pod, meta) in found.items():
         assert not violations(pod, meta), f"{name}: {violations(pod, meta)}"
     pod, _ = found["Deployment/planner"]

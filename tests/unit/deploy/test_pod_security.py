@@ -227,7 +227,7 @@ def docs(request) -> list[dict]:
 
 def test_every_pod_passes_the_restricted_profile(docs):
     found = pods(docs)
-    assert len(found) == 5
+    assert len(found) == 4  # kvtransfer, router (gRPC + HTTP), prefill, decode
     for name, (pod, meta) in found.items():
         assert not violations(pod, meta), f"{name}: {violations(pod, meta)}"
 
@@ -333,7 +333,7 @@ def test_network_policies_admit_only_the_mesh_to_workers_and_internal_ports(docs
     for role in ("prefill", "decode", "kvtransfer"):
         assert admits(role, labels["router"], "grpc") and admits(role, labels["decode"], "grpc")
         assert not admits(role, stranger, "grpc") and not admits(role, None, "grpc"), role
-    assert admits("router", None, "grpc") and admits("gateway", None, "http")  # the public doors
+    assert admits("router", None, "grpc") and admits("router", None, "http")  # the public doors
     assert admits("router", labels["decode"], "internal")
     assert not admits("router", stranger, "internal") and not admits("router", None, "internal")
 
@@ -377,6 +377,7 @@ def test_the_router_service_is_headless_for_client_side_balancing(docs):
     assert router["spec"]["clusterIP"] == "None"
     assert {p["name"]: p["port"] for p in router["spec"]["ports"]} == {
         "grpc": 50051,
+        "http": 8000,  # the OpenAI-compatible API, served by the router process itself
         "internal": 50061,
         "metrics": 9090,
     }
@@ -384,7 +385,7 @@ def test_the_router_service_is_headless_for_client_side_balancing(docs):
 
 def test_model_volume_in_every_model_reading_role(docs):
     deps = of_kind(docs, "Deployment")
-    for role in ("router", "gateway", "prefill", "decode"):
+    for role in ("router", "prefill", "decode"):
         pod = deps[role]["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         assert {"name": "model", "mountPath": "/models/model", "readOnly": True} in c["volumeMounts"], role

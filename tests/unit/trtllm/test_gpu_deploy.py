@@ -12,7 +12,7 @@ from tests.unit.deploy import repo
 
 COMPOSE = repo.ROOT / "compose.yaml"
 DOCKERFILE = repo.ROOT / "docker" / "Dockerfile.trtllm"
-GPU = {"router-gpu", "prefill-gpu", "decode-gpu", "gateway-gpu"}
+GPU = {"router-gpu", "prefill-gpu", "decode-gpu"}  # the router serves HTTP itself: no gateway
 PINNED = "1.3.0rc13"
 
 

@@ -1,0 +1,200 @@
+"""The router process's HTTP door (--http-port) as processes on loopback (tiny model):
+
+- SIGTERM drains it: new HTTP connections are refused or answered 503 at once,
+  the stream in flight runs to its end ([DONE], every token), the router exits 0
+  and the decode worker's blocks are all free again;
+- several router processes share one gRPC port and one HTTP port (SO_REUSEPORT),
+  each with its own worker view: connections reach both, both answer; and
+  `pdmesh up --routers 2` starts them that way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
+from pdmesh.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
+from tests.e2e.helpers import wait_until
+from tests.service.gateway import httpio
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+# `pdmesh up`'s line per router: name, gRPC address, metrics port.
+ROUTER_LINE = re.compile(r"\s+(router(?:-\d+)?)\s+(\S+:\d+)\s+SERVING\s+metrics :(\d+)")
+ROUTER = flags(health_interval_s=0.2, stats_interval_s=0.2, http_port=0)
+
+
+def start_decode(launcher: Launcher) -> RunningService:
+    return launcher.start_ready(
+        ServiceSpec(
+            "decode",
+            "services.decode.main",
+            flags(engine_preset="tiny", engine_num_threads=1),
+            ready_service="pdmesh.v1.DecodeService",
+        )
+    )
+
+
+def router_spec(name: str, decode: RunningService, *extra: str) -> ServiceSpec:
+    return ServiceSpec(
+        name,
+        "services.router.main",
+        ROUTER + flags(decode_workers=decode.address) + extra,
+        ready_service="pdmesh.v1.RouterService",
+    )
+
+
+def free_blocks(decode: RunningService) -> int:
+    stub = decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(decode.address))
+    return stub.Stats(worker_pb2.StatsRequest(), timeout=10).load.free_blocks
+
+
+def router_stats(router: RunningService) -> router_pb2.RouterServiceStatsResponse:
+    stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.internal_address))
+    return stub.Stats(router_pb2.RouterServiceStatsRequest(), timeout=10)
+
+
+def refused_or_503(address: str) -> bool:
+    try:
+        return httpio.request(address, "GET", "/health")[0] == 503
+    except OSError:  # the listener is closed: a load balancer takes it as down
+        return True
+
+
+def test_sigterm_drains_the_http_door_and_the_stream_in_flight_finishes(tmp_path):
+    launcher = Launcher(tmp_path)
+    try:
+        decode = start_decode(launcher)
+        router = launcher.start_ready(router_spec("router", decode, *flags(drain_grace_s=120)))
+        door = router.http_address
+        free = free_blocks(decode)
+        tokens = 400
+        body = {
+            "prompt": "drain me",
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        body["stream_options"] = {"include_usage": True}
+        sock = httpio.open_request(door, "/v1/completions", body)
+        got = httpio.read_until(sock, b'"text":')  # tokens are flowing
+        router.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: refused_or_503(door), what="the door to stop taking requests")
+        assert router_stats(router).inflight == 1  # the stream is still running after the refusal
+        sock.settimeout(120)
+        while b"data: [DONE]" not in got:
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream was cut off: {got[-300:]!r}"
+            got += chunk
+        sock.close()
+        events = httpio.sse_events(got[got.index(b"\r\n\r\n") + 4 :].replace(b"\r\n", b"\n"))
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == tokens
+        assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "length"
+        assert router.proc.wait(60) == 0
+        wait_until(lambda: free_blocks(decode) == free, what="the decode worker to free the blocks")
+    finally:
+        launcher.close()
+
+
+def _generate_on_a_new_connection(address: str) -> str:
+    with grpc.insecure_channel(address) as ch:  # a new channel is a new TCP connection
+        req = router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=2))
+        msgs = list(router_pb2_grpc.RouterServiceStub(ch).Generate(req, timeout=60))
+    return msgs[-1].final.worker_id
+
+
+def test_two_routers_share_the_grpc_and_http_ports(tmp_path):
+    launcher = Launcher(tmp_path)
+    try:
+        decode = start_decode(launcher)
+        first = launcher.start_ready(router_spec("router", decode, *flags(so_reuseport=1)))
+        second = launcher.start_ready(
+            router_spec(
+                "router-1", decode, *flags(so_reuseport=1, port=first.port, http_port=first.http_port)
+            )
+        )
+        assert (second.port, second.http_port) == (first.port, first.http_port)
+        assert second.internal_port != first.internal_port  # each its own membership and view
+        for _ in range(24):  # the kernel spreads connections by their 4-tuple: both get some
+            status, _, raw = httpio.request(
+                first.http_address, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}
+            )
+            assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+        http_counts = [router_stats(r).requests_total for r in (first, second)]
+        assert all(n > 0 for n in http_counts) and sum(http_counts) == 24, http_counts
+        for _ in range(24):
+            assert _generate_on_a_new_connection(first.address)
+        grpc_counts = [
+            router_stats(r).requests_total - n for r, n in zip((first, second), http_counts, strict=True)
+        ]
+        assert all(n > 0 for n in grpc_counts) and sum(grpc_counts) == 24, grpc_counts
+    finally:
+        launcher.close()
+
+
+def _requests_counted(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdmesh_gateway_requests_total{")
+    )
+
+
+def test_pdmesh_up_routers_2_serves_both_doors_from_two_processes(tmp_path):
+    cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--router-port", "0", "--http-port", "0"]
+    cmd += ["--routers", "2", "--prefill", "0", "--workdir", str(tmp_path / "up")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_")}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def found(pattern: str):
+        if proc.poll() is not None:
+            pytest.fail("pdmesh up exited:\n" + "".join(lines))
+        return next((m for line in lines if (m := re.search(pattern, line))), None)
+
+    try:
+        wait_until(lambda: found(r"serving on (\S+) \(router\)"), timeout=300, what="pdmesh up")
+        routers = {
+            m.group(1): (m.group(2), int(m.group(3))) for line in lines if (m := ROUTER_LINE.match(line))
+        }
+        assert set(routers) == {"router", "router-1"}, lines
+        assert routers["router"][0] == routers["router-1"][0]  # one gRPC port
+        door = found(r"http\s+http://(\S+)/v1").group(1)
+        for _ in range(24):  # new connection each: the kernel spreads them over the two processes
+            status, _, _ = httpio.request(door, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        counts = [_requests_counted(port) for _, port in routers.values()]
+        assert all(n > 0 for n in counts) and sum(counts) == 24, counts
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(5)

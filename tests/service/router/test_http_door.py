@@ -1,0 +1,102 @@
+"""The router's HTTP door (services/router/http_door.py) in-process, on port 0, in front of
+the real router and fake decode workers (fakes.py), over a real socket.
+
+What the process-level tests (tests/e2e/test_gateway_e2e.py, test_http_door_e2e.py)
+cannot stage: a worker dying mid-stream (the SSE stream is migrated and reads as the
+undisturbed one), a stream the client closes while the worker stalls (the decode call
+is cancelled), and the door's drain state (503 before the listener closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from services.common.server import ServerConfig
+from services.common.tls import TlsConfig
+from services.router.config import HttpDoorConfig
+from services.router.http_door import HttpDoor
+from tests.service.gateway import httpio
+from tests.support.poll import eventually
+
+MODEL = "builtin-tiny"
+
+
+@contextlib.asynccontextmanager
+async def door_of(handle):
+    door = HttpDoor(
+        handle.router, HttpDoorConfig(port=0, request_timeout_s=30), ServerConfig(port=0), TlsConfig()
+    )
+    await door.start()
+    try:
+        yield door
+    finally:
+        await door.stop()
+
+
+async def post(address: str, body: dict):
+    return await asyncio.to_thread(
+        httpio.request, address, "POST", "/v1/completions", {"model": MODEL, **body}
+    )
+
+
+def streamed_text(raw: bytes) -> tuple[str, list]:
+    events = httpio.sse_events(raw)
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    return text, events
+
+
+async def test_a_stream_migrated_mid_way_reads_as_the_undisturbed_one(mesh):
+    a, b = await mesh.decode("a"), await mesh.decode("b")
+    h = await mesh.router([a, b], policy="round_robin")
+    async with door_of(h) as door:
+        body = {
+            "prompt": "migrate me",
+            "max_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        status, _, raw = await post(door.address, body)
+        want, events = streamed_text(raw)
+        assert status == 200 and events[-1] == "[DONE]"
+        victim = a if not a.calls else b  # round robin: the worker the first request skipped
+        victim.die_after = 5
+        status, _, raw = await post(door.address, body)
+        assert victim.reached.is_set() and victim.calls
+        got, events = streamed_text(raw)
+        assert status == 200 and got == want
+        assert events[-2]["usage"]["completion_tokens"] == 12
+        assert h.router.stats().migrations >= 1
+
+
+async def test_a_client_closing_its_stream_cancels_the_decode_call(mesh):
+    a = await mesh.decode("a")
+    a.stall_after = 3
+    h = await mesh.router([a])
+    async with door_of(h) as door:
+        body = {"model": MODEL, "prompt": "stall", "max_tokens": 50, "stream": True}
+        sock = await asyncio.to_thread(httpio.open_request, door.address, "/v1/completions", body)
+        await asyncio.to_thread(httpio.read_until, sock, b'"text":')
+        await asyncio.wait_for(a.reached.wait(), 30)
+        httpio.hang_up(sock)
+        await asyncio.wait_for(a.cancelled_event.wait(), 30)  # the worker saw its call cancelled
+        await eventually(lambda: not h.router.flows, what="the flow to close")
+        assert h.router.stats().requests_cancelled == 1
+
+
+async def test_a_draining_door_answers_503_and_no_worker_is_503_too(mesh):
+    a = await mesh.decode("a")
+    h = await mesh.router([a])
+    async with door_of(h) as door:
+        status, _, _ = await asyncio.to_thread(httpio.request, door.address, "GET", "/health")
+        assert status == 200
+        door.upstream.draining = True  # what SIGTERM sets before the listener closes
+        status, _, _ = await asyncio.to_thread(httpio.request, door.address, "GET", "/health")
+        assert status == 503
+        status, headers, _ = await post(door.address, {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and headers["retry-after"] == "1"
+        door.upstream.draining = False
+        await a.stop()  # no decode worker: the flow's Unavailable is a 503 as well
+        await eventually(lambda: h.healthy_decode() == 0, what="the router to see the worker gone")
+        status, _, raw = await post(door.address, {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and b"service_unavailable_error" in raw
