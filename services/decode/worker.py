@@ -38,8 +38,16 @@ import structlog
 
 from services.common import tracing
 from services.common.errors import DeadlineExceeded
-from services.common.wait_estimator import WaitEstimator
-from services.decode.disagg_policy import Candidate, Decision, DisaggregationPolicy, Mode, Path, Reason
+from services.common.wait_estimator import PathRates
+from services.decode.disagg_policy import (
+    Candidate,
+    Decision,
+    DisaggregationPolicy,
+    Mode,
+    Path,
+    Reason,
+    RunningDecode,
+)
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
@@ -154,14 +162,26 @@ class DecodeWorker:
         self.max_request_s = max_request_s
         self.probe = probe
         self.own_dispatches = OwnDispatches()
-        self.waits = WaitEstimator()
+        # The time rule's inputs, fed at every first token, decode interval,
+        # remote prefill and KV pull (not only at decisions).
+        self.rates = PathRates()
+        self.waits = self.rates.local
+        self._live: dict[str, _Live] = {}  # requests past their first token here
 
     def local_wait_s(self, stats: EngineStats | None = None) -> float:
         """Estimated wait before a new local prefill would start (the measured rate
         updated from `stats`, the engine's now when None)."""
         s = self.engine.stats() if stats is None else stats
-        self.waits.observe(s.prompt_tokens_computed, s.tokens_waiting)
+        self.rates.observe_local(s.prompt_tokens_computed, s.tokens_waiting)
         return self.waits.wait_s(s.tokens_waiting)
+
+    def running_decodes(self, now: float | None = None) -> list[RunningDecode]:
+        """The decodes a local prefill would stall, as the policy prices them."""
+        now = time.monotonic() if now is None else now
+        return [
+            RunningDecode(lv.decoded, max(lv.max_tokens - 1 - lv.decoded, 0), now - lv.first_at)
+            for lv in self._live.values()
+        ]
 
     async def generate(self, job: DecodeJob) -> AsyncIterator[Event]:
         """`Tokens` events, then one `Finished`; raises a MeshError (DeadlineExceeded)
@@ -197,22 +217,28 @@ class DecodeWorker:
     async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> Decision:
         mode = job.mode or Mode(self.policy.config.default_mode)
         candidates = self._candidates(job)
-        if candidates and self.probe is not None and self._may_go_remote(context_len - cached, mode):
+        if candidates and self.probe is not None and self.policy.may_go_remote(context_len - cached, mode):
             candidates = await self.probe.refresh(candidates)
-        candidates = self.own_dispatches.apply(candidates, self.waits.tokens_per_s)
-        return self.policy.decide(
-            context_len, cached, candidates, self.local_wait_s(), mode, self.waits.tokens_per_s
+        candidates = self.own_dispatches.apply(candidates, self.rates.remote_tokens_per_s)
+        wait = self.local_wait_s()
+        decision = self.policy.decide(
+            context_len,
+            cached,
+            candidates,
+            wait,
+            mode,
+            self.waits.tokens_per_s,
+            rates=self.rates.snapshot(),
+            running=self.running_decodes(),
         )
+        if decision.path is Path.LOCAL:
+            self.waits.started()  # measure this prefill (the backlog was sampled before it)
+        return decision
 
     def _candidates(self, job: DecodeJob) -> list[Candidate]:
         if self.remote is None:
             return []
         return list(job.candidates) if job.candidates else list(self.static_candidates)
-
-    def _may_go_remote(self, uncached: int, mode: Mode) -> bool:
-        return mode is Mode.REMOTE or (
-            mode is Mode.AUTO and uncached > self.policy.config.max_local_prefill_tokens
-        )
 
     def _record_decision(self, job: DecodeJob, decision: Decision, context_len: int, cached: int) -> None:
         self.metrics.decided(decision)
@@ -250,27 +276,37 @@ class DecodeWorker:
         if outputs is None:
             outputs = self.engine.generate(req)
         first, last = True, started
+        live = _Live(first_at=started, max_tokens=req.sampling.max_tokens - len(req.resume_token_ids))
         # Closing the stream (finished, cancelled, deadline) aborts the engine request.
-        async with aclosing(outputs) as stream:
-            while True:
-                out = await _next_before(stream, deadline, account.decision.path)
-                if out is None:
-                    return
-                if first and account.decision.path is Path.LOCAL:
-                    account.cached_tokens = out.num_cached_tokens or account.cached_tokens
-                account.local_output(out)
-                if out.token_ids:
-                    now = time.monotonic()
-                    if first:
-                        self.metrics.ttft.observe(now - started)
-                        first = False
-                    else:
-                        self.metrics.itl(now - last, len(out.token_ids))
-                    last = now
-                    yield Tokens(list(out.token_ids))
-                if out.finished:
-                    account.finish = out.finish_reason
-                    return
+        try:
+            async with aclosing(outputs) as stream:
+                while True:
+                    out = await _next_before(stream, deadline, account.decision.path)
+                    if out is None:
+                        return
+                    if first and account.decision.path is Path.LOCAL:
+                        account.cached_tokens = out.num_cached_tokens or account.cached_tokens
+                    account.local_output(out)
+                    if out.token_ids:
+                        now = time.monotonic()
+                        if first:
+                            self.metrics.ttft.observe(now - started)
+                            first = False
+                            live.first_at = now
+                            live.decoded = len(out.token_ids) - 1
+                            self._live[req.request_id] = live
+                            self.local_wait_s()  # a prefill ended: measure the rate
+                        else:
+                            self.metrics.itl(now - last, len(out.token_ids))
+                            self.rates.decode_interval(now - last, len(out.token_ids))
+                            live.decoded += len(out.token_ids)
+                        last = now
+                        yield Tokens(list(out.token_ids))
+                    if out.finished:
+                        account.finish = out.finish_reason
+                        return
+        finally:
+            self._live.pop(req.request_id, None)
 
     async def _try_remote(
         self, req: EngineRequest, account: _Account, deadline: float
@@ -280,6 +316,7 @@ class DecodeWorker:
         assert candidate is not None and self.remote is not None
         sent = max(len(req.prompt_token_ids) + len(req.resume_token_ids) - account.cached_tokens, 0)
         self.own_dispatches.begin(candidate.address, sent)
+        sent_at = time.monotonic()
         try:
             result = await self.remote.run(
                 req, candidate, min(deadline, time.monotonic() + self.prefill_timeout_s)
@@ -304,10 +341,24 @@ class DecodeWorker:
         finally:
             self.own_dispatches.end(candidate.address, sent)
         account.remote_result(result)
+        elapsed = time.monotonic() - sent_at
+        self.rates.remote_done(
+            result.prefill_computed_tokens, elapsed - result.transfer_seconds, candidate.estimated_wait_s
+        )
+        self.rates.pulled(result.bytes_transferred, result.transfer_seconds, sent)
         if result.bytes_transferred:
             self.metrics.transferred(result.bytes_transferred, result.transfer_seconds)
         tracing.annotate(kv_bytes=result.bytes_transferred)
         return result
+
+
+@dataclass
+class _Live:
+    """A request past its first token here: what its TPOT slack is made of."""
+
+    first_at: float
+    max_tokens: int
+    decoded: int = 0
 
 
 class _StreamDeadline(Exception):
