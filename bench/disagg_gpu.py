@@ -1,0 +1,225 @@
+"""The GPU-regime disaggregation study (issue 19): `python bench/disagg.py --engine sim [--quick]`.
+
+Method: the event model of bench/disagg_sim.py (NOT the sim engine's worker
+processes, which cannot run 8 workers x 15 deployments x a rate sweep on 2
+shared cores; see its docstring for what is shared with the product: the
+timing profiles, the scheduler's policy, and the conditional rule itself,
+`DisaggregationPolicy(DisaggConfig())` on `PathRates`, run unchanged).
+
+Fleet: 8 simulated GPU instances of a profile (services/model/profiles.json;
+`splitwise-h100-llama70b` is one Llama-2-70B TP4 *instance* of 4 H100s, as
+Splitwise measured it; `llmd-h100-llama3-8b` is one H100). Deployments at
+equal instance count: aggregated (8 workers, every prefill local),
+disaggregated at every P:D split 1:7..7:1 (every prefill remote), conditional
+at the same splits (the product's default rule). KV links: NVLink 450 GB/s a
+direction (H100 NVLink 4, 900 GB/s bidirectional) and RDMA 50 GB/s (one 400
+Gb/s ConnectX-7 NIC per GPU, as in DGX H100).
+
+Workloads (lengths in tokens, Poisson arrivals at each rate):
+  mix       the long-prompt mix at GPU scale: 90% prompts U[128,512], 10% U[4096,8192], 128 out
+  azure     the Azure LLM conversation trace's lengths (bench/traces/azure_conv_2023.csv), unscaled
+  mooncake  the Mooncake conversation trace's lengths and prefix hash_ids (512-token units)
+  agent     16 agent sessions over a 4,096-token shared system+tools context, each with its own
+            4,096-token task context growing 512 tokens a turn; outputs U[16,64]
+
+SLOs (bench/disagg.py's, Splitwise's relative definition): TTFT <= 3x unloaded, TPOT <= 1.5x
+unloaded; goodput = the highest rate up to which >= 90% of requests meet both (bisected).
+Outputs: bench/results/disagg_gpu.txt (this run's table), disagg_gpu_splits.json (the best
+P:D split per profile, link and workload, for the planner), disagg_gpu_<profile>_<link>_<workload>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.disagg_sim import UNIT, Spec, goodput, unloaded_ttft_s
+from bench.traces import default_trace_path, load_azure, load_mooncake
+from services.model.timing import TimingProfile, load_profile
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GPUS = 8
+LINKS = {"nvlink": 450.0, "rdma": 50.0}  # GB/s a direction
+PROFILES = ("splitwise-h100-llama70b", "llmd-h100-llama3-8b")
+WORKLOADS = ("mix", "azure", "mooncake", "agent")
+METHOD = (
+    "method: event model (bench/disagg_sim.py) on the sim engine's timing profiles, the scheduler's "
+    "policy and the product's DisaggregationPolicy(DisaggConfig()) + PathRates; not engine processes"
+)
+
+
+def mix_specs(n: int, seed: int) -> list[Spec]:
+    rng = random.Random(seed)
+    return [
+        Spec(rng.randint(4096, 8192) if rng.random() < 0.10 else rng.randint(128, 512), 128) for _ in range(n)
+    ]
+
+
+def azure_specs(n: int, seed: int) -> list[Spec]:
+    reqs = load_azure(default_trace_path("azure"))
+    start = random.Random(seed).randrange(0, max(1, len(reqs) - n))
+    return [Spec(max(1, r.input_len), max(2, r.output_len)) for r in reqs[start : start + n]]
+
+
+def mooncake_specs(n: int, seed: int) -> list[Spec]:
+    reqs = load_mooncake(default_trace_path("mooncake"))
+    start = random.Random(seed).randrange(0, max(1, len(reqs) - n))
+    return [Spec(r.input_len, max(2, r.output_len), tuple(r.hash_ids)) for r in reqs[start : start + n]]
+
+
+def agent_specs(n: int, seed: int, sessions: int = 16) -> list[Spec]:
+    rng = random.Random(seed)
+    shared = tuple(range(4096 // UNIT))  # one system + tools context for every agent
+    ids = iter(range(10_000, 10**9))
+    hist = {s: [next(ids) for _ in range(4096 // UNIT)] for s in range(sessions)}
+    out = []
+    for _ in range(n):
+        s = rng.randrange(sessions)
+        units = (*shared, *hist[s])
+        out.append(Spec(len(units) * UNIT + rng.randint(0, UNIT - 1), rng.randint(16, 64), units))
+        hist[s].append(next(ids))  # the turn's tool output joins the session's context
+        if len(hist[s]) > 48:  # a session that grew past ~28k tokens starts over
+            hist[s] = [next(ids) for _ in range(4096 // UNIT)]
+    return out
+
+
+SPECS = {"mix": mix_specs, "azure": azure_specs, "mooncake": mooncake_specs, "agent": agent_specs}
+
+
+def capacity_guess(prof: TimingProfile, specs: list[Spec]) -> float:
+    """Requests/s the fleet could roughly serve: GPU-seconds per request at batch 32."""
+    per = [unloaded_ttft_s(prof, s.prompt) + s.output * prof.decode_ms(32, 32 * s.prompt) / 32 / 1000 for s in specs]
+    return GPUS / (sum(per) / len(per))
+
+
+def study(
+    prof: TimingProfile, specs: list[Spec], rates: list[float], seed: int, refine: int
+) -> dict[str, object]:
+    agg, agg_curve, _ = goodput(prof, 0, GPUS, "agg", specs, rates, seed, refine=refine)
+    out: dict[str, object] = {"agg": agg, "curves": {"agg": agg_curve}, "splits": {}}
+    best = {"disagg": (0.0, None, None), "cond": (0.0, None, None)}
+    for p in range(1, GPUS):
+        for mode in ("disagg", "cond"):
+            g, curve, dec = goodput(prof, p, GPUS - p, mode, specs, rates, seed, refine=refine)
+            out["splits"][f"{mode} {p}:{GPUS - p}"] = {"goodput": g, "decisions": dec}
+            if g > best[mode][0] or best[mode][1] is None:
+                best[mode] = (g, f"{p}:{GPUS - p}", curve)
+    for mode, (g, split, curve) in best.items():
+        out[mode], out[f"{mode}_split"] = g, split
+        out["curves"][f"{mode} {split}"] = curve
+    return out
+
+
+def plot(name: str, title: str, curves: dict[str, list[tuple[float, float]]]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, curve in curves.items():
+        ax.plot([r / GPUS for r, _ in curve], [a * 100 for _, a in curve], marker="o", label=label)
+    ax.axhline(90, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("request rate per GPU instance (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_title(title, fontsize=8)
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=8)
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"disagg_gpu_{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", default="sim")
+    ap.add_argument("--quick", action="store_true", help="the long-prompt mix, 70B, RDMA only")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--profiles", default=",".join(PROFILES))
+    ap.add_argument("--links", default=",".join(LINKS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    n = args.requests or (300 if args.quick else 600)
+    profiles = ["splitwise-h100-llama70b"] if args.quick else args.profiles.split(",")
+    links = ["rdma"] if args.quick else args.links.split(",")
+    workloads = ["mix"] if args.quick else args.workloads.split(",")
+    grid = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0] if not args.quick else [0.2, 0.4, 0.6, 0.8, 1.0, 1.5]
+    lines = [
+        f"disagg_gpu: {GPUS} instances, requests/point={n}, SLO TTFT<=3x TPOT<=1.5x unloaded, goodput at "
+        f">=90% attainment (bisected); {METHOD}",
+    ]
+    print(lines[0], flush=True)
+    header = (
+        f"{'profile':<24} {'link':<6} {'workload':<9} {'agg':>7} {'disagg':>7} {'split':>5} {'cond':>7} "
+        f"{'split':>5} {'cond/best':>9} {'cond/agg':>8}  (goodput req/s per instance)"
+    )
+    table, splits, quick = [header], {}, None
+    for pname in profiles:
+        base = load_profile(pname)
+        for link in links:
+            prof = replace(base, kv_bandwidth_gbps=LINKS[link])
+            for w in workloads:
+                specs = SPECS[w](n, args.seed)
+                cap = capacity_guess(prof, specs)
+                rates = [round(cap * x, 4) for x in grid]
+                res = study(prof, specs, rates, args.seed + 1, refine=3 if args.quick else 4)
+                best = max(res["agg"], res["disagg"])
+                cb = res["cond"] / best if best else float("inf")
+                ca = res["cond"] / res["agg"] if res["agg"] else float("inf")
+                row = (
+                    f"{pname:<24} {link:<6} {w:<9} {res['agg'] / GPUS:>7.3f} {res['disagg'] / GPUS:>7.3f} "
+                    f"{res['disagg_split']:>5} {res['cond'] / GPUS:>7.3f} {res['cond_split']:>5} {cb:>9.2f} {ca:>8.2f}"
+                )
+                print(row, flush=True)
+                table.append(row)
+                splits.setdefault(pname, {}).setdefault(link, {})[w] = {
+                    "best_disagg_split": res["disagg_split"],
+                    "best_cond_split": res["cond_split"],
+                    "goodput_per_instance": {
+                        "agg": res["agg"] / GPUS,
+                        "disagg": res["disagg"] / GPUS,
+                        "cond": res["cond"] / GPUS,
+                    },
+                    "all_splits": {k: v["goodput"] / GPUS for k, v in res["splits"].items()},
+                    "cond_decisions_at_goodput": res["splits"][f"cond {res['cond_split']}"]["decisions"],
+                }
+                plot(
+                    f"{pname}_{link}_{w}",
+                    f"{pname}, {link} {LINKS[link]:g} GB/s, {w}: TTFT<=3x, TPOT<=1.5x unloaded",
+                    res["curves"],
+                )
+                if w == "mix" and quick is None:
+                    quick = (res, cb, ca)
+    print("\n".join(table[:1]))
+    RESULTS.mkdir(exist_ok=True)
+    if not args.quick:
+        (RESULTS / "disagg_gpu.txt").write_text("\n".join(lines + table) + "\n")
+        (RESULTS / "disagg_gpu_splits.json").write_text(
+            json.dumps({"_doc": METHOD, "instances": GPUS, "best": splits}, indent=2) + "\n"
+        )
+        print(f"wrote {RESULTS / 'disagg_gpu.txt'} and {RESULTS / 'disagg_gpu_splits.json'}")
+    if quick is not None:
+        res, cb, ca = quick
+        print(
+            f"disagg_gpu goodput_agg={res['agg'] / GPUS:.3f} goodput_disagg={res['disagg'] / GPUS:.3f} "
+            f"goodput_cond={res['cond'] / GPUS:.3f} cond_vs_best={cb:.2f} cond_vs_agg={ca:.2f} "
+            f"best_split={res['cond_split']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
