@@ -95,7 +95,10 @@ SPECS = {"mix": mix_specs, "azure": azure_specs, "mooncake": mooncake_specs, "ag
 
 def capacity_guess(prof: TimingProfile, specs: list[Spec]) -> float:
     """Requests/s the fleet could roughly serve: GPU-seconds per request at batch 32."""
-    per = [unloaded_ttft_s(prof, s.prompt) + s.output * prof.decode_ms(32, 32 * s.prompt) / 32 / 1000 for s in specs]
+    per = [
+        unloaded_ttft_s(prof, s.prompt) + s.output * prof.decode_ms(32, 32 * s.prompt) / 32 / 1000
+        for s in specs
+    ]
     return GPUS / (sum(per) / len(per))
 
 
@@ -156,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     profiles = ["splitwise-h100-llama70b"] if args.quick else args.profiles.split(",")
     links = ["rdma"] if args.quick else args.links.split(",")
     workloads = ["mix"] if args.quick else args.workloads.split(",")
-    grid = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0] if not args.quick else [0.2, 0.4, 0.6, 0.8, 1.0, 1.5]
+    grid = (
+        [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0]
+        if not args.quick
+        else [0.2, 0.4, 0.6, 0.8, 1.0, 1.5]
+    )
     lines = [
         f"disagg_gpu: {GPUS} instances, requests/point={n}, SLO TTFT<=3x TPOT<=1.5x unloaded, goodput at "
         f">=90% attainment (bisected); {METHOD}",

@@ -70,7 +70,7 @@ class Spec:
     units: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: kept in sets
 class Req:
     id: int
     arrival: float
@@ -82,6 +82,7 @@ class Req:
     decoded: int = 0  # tokens after the first
     last_at: float = 0.0
     path: str = ""
+    predicted_wait: float = 0.0  # the local wait predicted at its decision
 
     @property
     def ok(self) -> bool:
@@ -119,6 +120,7 @@ class Gpu:
     waiting: deque = field(default_factory=deque)
     prefilling: list = field(default_factory=list)
     decoding: list = field(default_factory=list)  # Req
+    incoming: set = field(default_factory=set)  # Req whose remote prefill is in flight here
     busy: bool = False
     kv_used: int = 0
     cache: OrderedDict = field(default_factory=OrderedDict)
@@ -204,7 +206,9 @@ class Sim:
 
     def _arrive(self, r: Req) -> None:
         spec = r.spec
-        d = min(self.decode, key=lambda g: (spec.prompt - g.cached(spec)) + g.queued_tokens() + g.active_tokens())
+        d = min(
+            self.decode, key=lambda g: (spec.prompt - g.cached(spec)) + g.queued_tokens() + g.active_tokens()
+        )
         cached = d.cached(spec)
         uncached = spec.prompt - cached
         path = Path.LOCAL
@@ -226,30 +230,35 @@ class Sim:
                 spec.prompt,
                 cached,
                 [c for c, _ in cands],
-                rates.local.wait_s(waiting),
+                rates.local_wait_s(waiting),
                 Mode.AUTO,
                 rates.local.tokens_per_s,
                 rates=rates.snapshot(),
                 running=[
-                    RunningDecode(q.decoded, q.spec.output - 1 - q.decoded, self.now - (q.first_at or self.now))
+                    RunningDecode(
+                        q.decoded, q.spec.output - 1 - q.decoded, self.now - (q.first_at or self.now)
+                    )
                     for q in d.decoding
-                ],
+                ]
+                + [RunningDecode(0, q.spec.output - 1, 0.0) for q in d.incoming],
             )
             path = decision.path
-            if path is Path.LOCAL:
-                rates.local.started()
+            r.predicted_wait = rates.local_wait_s(waiting)
         self.decisions[path.value] += 1
         r.path = path.value
         if path is Path.LOCAL:
-            d.waiting.append(Job(r, uncached, cached))
+            d.waiting.append(Job(r, uncached, cached, computed=uncached))
             self._kick(d)
         else:
             c, p = cands[0]
             pc = p.cached(spec)
-            job = Job(r, spec.prompt - pc, pc, remote_to=d, dispatched=self.now, predicted_wait=c.estimated_wait_s)
+            job = Job(
+                r, spec.prompt - pc, pc, remote_to=d, dispatched=self.now, predicted_wait=c.estimated_wait_s
+            )
             job.sent_tokens, job.computed = uncached, spec.prompt - pc
             # The decode GPU reserves the KV before the remote prefill starts (reserve_external).
             d.kv_used += spec.prompt + spec.output
+            d.incoming.add(r)
             p.waiting.append(job)
             self._kick(p)
 
@@ -315,7 +324,7 @@ class Sim:
             if j.remote_to is None:
                 self._first_token(g, j.req)
                 if g.rates is not None:
-                    g.rates.observe_local(g.prompt_computed, g.queued_tokens())
+                    g.rates.local_done(j.computed, now - j.req.arrival, j.req.predicted_wait)
             else:
                 g.kv_used -= j.req.spec.prompt
                 self._transfer(j, now)
@@ -345,6 +354,7 @@ class Sim:
             d.rates.remote_done(j.computed, elapsed - dur, j.predicted_wait)
             d.rates.pulled(j.sent_tokens * self.prof.kv_bytes_per_token, dur, j.sent_tokens)
         d.remember(j.req.spec)
+        d.incoming.discard(j.req)
         self._first_token(d, j.req)
         self._kick(d)
 
@@ -367,7 +377,13 @@ def attainment(reqs: Sequence[Req]) -> float:
 
 
 def simulate(
-    prof: TimingProfile, n_prefill: int, n_decode: int, mode: str, specs: Sequence[Spec], rate: float, seed: int
+    prof: TimingProfile,
+    n_prefill: int,
+    n_decode: int,
+    mode: str,
+    specs: Sequence[Spec],
+    rate: float,
+    seed: int,
 ) -> tuple[float, dict[str, int]]:
     sim = Sim(prof, n_prefill, n_decode, mode, seed)
     reqs = sim.run(make_requests(prof, specs, rate, seed))

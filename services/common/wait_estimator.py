@@ -82,10 +82,11 @@ class Ewma:
 
 
 class LowQuantile:
-    """A running low quantile: falls fast to a lower sample, rises slowly to a higher
-    one (the unloaded decode step, from inter-token latencies seen under load)."""
+    """A running low quantile: falls at once to a lower sample, rises slowly to a higher
+    one (the unloaded decode step, from inter-token latencies seen under load: the
+    fastest step seen, drifting up if the hardware slows)."""
 
-    def __init__(self, down: float = 0.5, up: float = 0.01):
+    def __init__(self, down: float = 1.0, up: float = 0.01):
         self.value: float | None = None
         self._down, self._up = down, up
 
@@ -98,8 +99,8 @@ class LowQuantile:
 
 class PathRates:
     """The rates the decode worker's time rule runs on, fed continuously: every
-    local prefill (`local`: the engine's prompt-token counter while it had
-    prefill work), every remote prefill (`remote_done`: its queue + compute,
+    local prefill (`local_done`: its queue + compute less its predicted
+    wait, per token computed), every remote prefill (`remote_done`: its queue + compute,
     less the wait that was predicted for it, per token computed), every KV pull
     (bytes, seconds, tokens), every decode interval (`decode_interval`).
 
@@ -114,7 +115,8 @@ class PathRates:
         alpha: float = 0.3,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.local = WaitEstimator(prior_tokens_per_s, alpha, clock)
+        self.local = WaitEstimator(prior_tokens_per_s, alpha, clock)  # the token rule's
+        self.local_rate = Ewma(prior_tokens_per_s, alpha)
         self.remote = Ewma(prior_tokens_per_s, alpha)
         self.link = Ewma(0.0, alpha)  # bytes per second; 0 = not measured
         self.kv_bytes_per_token = Ewma(0.0, alpha)
@@ -122,13 +124,29 @@ class PathRates:
         self.unloaded_tpot = LowQuantile()
 
     def observe_local(self, prompt_tokens_computed: int, tokens_waiting: int) -> None:
+        """The engine's counters (the token rule's wait estimate learns from them)."""
         self.local.observe(prompt_tokens_computed, tokens_waiting)
+
+    def local_done(self, computed_tokens: int, queue_compute_s: float, predicted_wait_s: float) -> None:
+        """A local prefill's first token came `queue_compute_s` after its decision,
+        `predicted_wait_s` of which was its predicted queue. Per prefill, like the
+        remote one, not from the engine's counters between two observations: a
+        counter moves once a pass, and on a GPU a pass is longer than the gap
+        between two requests, so counter rates alias. An over-predicted wait
+        shortens the compute and raises the rate, which shortens the next
+        prediction: the estimate settles where predictions match."""
+        compute = queue_compute_s - predicted_wait_s
+        if computed_tokens > 0 and queue_compute_s > 0:
+            self.local_rate.update(computed_tokens / max(compute, 0.1 * queue_compute_s))
+
+    def local_wait_s(self, tokens_waiting: int) -> float:
+        return tokens_waiting / self.local_tokens_per_s
 
     def remote_done(self, computed_tokens: int, queue_compute_s: float, predicted_wait_s: float) -> None:
         """A remote prefill's first token arrived `queue_compute_s` after it was sent
         (its KV pull excluded), `predicted_wait_s` of which was its predicted queue."""
         compute = queue_compute_s - predicted_wait_s
-        if computed_tokens > 0 and compute > 0:
+        if computed_tokens > 0 and queue_compute_s > 0:
             # Floor the compute time at a tenth of the whole: a wait over-predicted
             # must not turn into an absurd rate.
             self.remote.update(computed_tokens / max(compute, 0.1 * queue_compute_s))
@@ -146,8 +164,8 @@ class PathRates:
 
     @property
     def local_tokens_per_s(self) -> float:
-        if self.local.samples or not self.remote.samples:
-            return self.local.tokens_per_s
+        if self.local_rate.samples or not self.remote.samples:
+            return self.local_rate.value
         return self.remote.value
 
     @property

@@ -15,14 +15,17 @@ on each path:
 and what a local prefill costs the decodes already running here: each of them
 stalls for the prefill's whole compute time (`uncached / local rate`), which
 eats into its TPOT slack (`tpot_slo * its tokens - its projected decode
-time`). Score, in requests meeting their SLOs (goodput):
+time`, the local prefills already queued included). Score, in requests meeting their SLOs (goodput):
 
     local  = [local TTFT <= TTFT SLO] - sum over running decodes of min(1, stall / slack)
     remote = [remote TTFT <= TTFT SLO]
 
 The higher score wins (reasons `local_slo`, `remote_slo`); on a tie the lower
 predicted TTFT (`local_faster`, `remote_faster`). A decode already past its
-SLO has no slack left to lose and does not count. The stall term is the
+SLO has no slack left to lose and does not count; one whose remote prefill is
+in flight will join the batch and counts as running. Before any decode step
+has been measured there is no TPOT SLO to price against, and every running
+decode counts as lost. The stall term is the
 expected number of running decodes pushed past their TPOT SLO, to first order:
 consuming a fraction x of a decode's slack is taken as a chance x of missing.
 
@@ -143,7 +146,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class RunningDecode:
-    """A request decoding on this worker, as far as a local prefill's stall matters to it."""
+    """A request decoding on this worker (or about to: its remote prefill is in flight),
+    as far as a local prefill's stall matters to it."""
 
     decoded: int  # tokens it has produced after its first
     remaining: int  # tokens it may still produce (max_tokens left)
@@ -246,10 +250,16 @@ class DisaggregationPolicy:
         )
         tpot_slo = cfg.tpot_slo_s or cfg.tpot_slo_x * rates.unloaded_tpot_s
         cost = 0.0
-        if stall > 0 and tpot_slo > 0:
+        if stall > 0 and tpot_slo <= 0:
+            # No decode step measured yet, so no TPOT SLO to price against: every running
+            # decode counts as lost (a fresh worker learns the step from its first decodes).
+            cost = float(len(running))
+        elif stall > 0:
+            step = max(rates.tpot_s, rates.unloaded_tpot_s)
             for r in running:
                 budget = tpot_slo * (r.decoded + r.remaining)
-                slack = budget - (r.elapsed_s + r.remaining * max(rates.tpot_s, rates.unloaded_tpot_s))
+                # The local prefills queued ahead will stall it too, whatever this decision.
+                slack = budget - (r.elapsed_s + local_wait_s + r.remaining * step)
                 if slack > 0:  # already past its SLO: nothing left to lose
                     cost += min(1.0, stall / slack)
         return Prediction(ttft_slo, tpot_slo, local, remote, stall, cost)

@@ -109,6 +109,8 @@ class _Account:
     prefill_worker_id: str = ""
     kv_bytes: int = 0
     finish: FinishReason | None = None
+    decided_at: float = 0.0  # time.monotonic() of the decision
+    predicted_wait: float = 0.0  # the local wait predicted then
 
     def local_output(self, out: RequestOutput) -> None:
         self.completion_tokens += len(out.token_ids)
@@ -167,6 +169,7 @@ class DecodeWorker:
         self.rates = PathRates()
         self.waits = self.rates.local
         self._live: dict[str, _Live] = {}  # requests past their first token here
+        self._incoming: dict[str, int] = {}  # remote prefills in flight -> their max_tokens
 
     def local_wait_s(self, stats: EngineStats | None = None) -> float:
         """Estimated wait before a new local prefill would start (the measured rate
@@ -178,10 +181,11 @@ class DecodeWorker:
     def running_decodes(self, now: float | None = None) -> list[RunningDecode]:
         """The decodes a local prefill would stall, as the policy prices them."""
         now = time.monotonic() if now is None else now
-        return [
+        live = [
             RunningDecode(lv.decoded, max(lv.max_tokens - 1 - lv.decoded, 0), now - lv.first_at)
             for lv in self._live.values()
         ]
+        return live + [RunningDecode(0, max(n - 1, 0), 0.0) for n in self._incoming.values()]
 
     async def generate(self, job: DecodeJob) -> AsyncIterator[Event]:
         """`Tokens` events, then one `Finished`; raises a MeshError (DeadlineExceeded)
@@ -193,8 +197,9 @@ class DecodeWorker:
         req = job.request
         context_len = len(req.prompt_token_ids) + len(req.resume_token_ids)
         cached = self.engine.prefix_lookup([*req.prompt_token_ids, *req.resume_token_ids])
-        decision = await self._decide(job, context_len, cached)
+        decision, wait = await self._decide(job, context_len, cached)
         account = _Account(decision, prompt_tokens=len(req.prompt_token_ids), cached_tokens=cached)
+        account.decided_at, account.predicted_wait = time.monotonic(), wait
         self._record_decision(job, decision, context_len, cached)
         outcome = "cancelled"
         try:
@@ -214,13 +219,17 @@ class DecodeWorker:
 
     # ---- the decision --------------------------------------------------------
 
-    async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> Decision:
+    async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> tuple[Decision, float]:
+        """The decision and the local wait predicted for it."""
         mode = job.mode or Mode(self.policy.config.default_mode)
         candidates = self._candidates(job)
         if candidates and self.probe is not None and self.policy.may_go_remote(context_len - cached, mode):
             candidates = await self.probe.refresh(candidates)
         candidates = self.own_dispatches.apply(candidates, self.rates.remote_tokens_per_s)
-        wait = self.local_wait_s()
+        s = self.engine.stats()
+        wait = self.local_wait_s(s)  # the token rule's (engine counters)
+        if not self.policy.config.token_rule:
+            wait = self.rates.local_wait_s(s.tokens_waiting)  # per-prefill measured rate
         decision = self.policy.decide(
             context_len,
             cached,
@@ -233,7 +242,7 @@ class DecodeWorker:
         )
         if decision.path is Path.LOCAL:
             self.waits.started()  # measure this prefill (the backlog was sampled before it)
-        return decision
+        return decision, wait
 
     def _candidates(self, job: DecodeJob) -> list[Candidate]:
         if self.remote is None:
@@ -296,6 +305,10 @@ class DecodeWorker:
                             live.decoded = len(out.token_ids) - 1
                             self._live[req.request_id] = live
                             self.local_wait_s()  # a prefill ended: measure the rate
+                            if account.decision.path is Path.LOCAL:
+                                self.rates.local_done(
+                                    account.computed_tokens, now - account.decided_at, account.predicted_wait
+                                )
                         else:
                             self.metrics.itl(now - last, len(out.token_ids))
                             self.rates.decode_interval(now - last, len(out.token_ids))
@@ -317,6 +330,7 @@ class DecodeWorker:
         sent = max(len(req.prompt_token_ids) + len(req.resume_token_ids) - account.cached_tokens, 0)
         self.own_dispatches.begin(candidate.address, sent)
         sent_at = time.monotonic()
+        self._incoming[req.request_id] = req.sampling.max_tokens - len(req.resume_token_ids)
         try:
             result = await self.remote.run(
                 req, candidate, min(deadline, time.monotonic() + self.prefill_timeout_s)
@@ -340,6 +354,7 @@ class DecodeWorker:
             return None
         finally:
             self.own_dispatches.end(candidate.address, sent)
+            self._incoming.pop(req.request_id, None)
         account.remote_result(result)
         elapsed = time.monotonic() - sent_at
         self.rates.remote_done(

@@ -89,7 +89,7 @@ def test_a_busy_prefill_worker_keeps_the_request_local_when_local_meets_the_slo(
 
 def test_when_both_miss_the_stall_decides_and_else_the_faster_path():
     busy = Candidate("p", "a:1", estimated_wait_s=5.0)
-    running = [RunningDecode(decoded=10, remaining=100, elapsed_s=10 * 0.03)]
+    running = [RunningDecode(decoded=10, remaining=1000, elapsed_s=10 * 0.03)]
     d = decide(2000, candidates=[busy], wait=2.0, running=running)  # both miss; local stalls
     assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_SLO)
     d = decide(2000, candidates=[busy], wait=2.0)  # both miss, nothing to stall: local is sooner
@@ -176,13 +176,18 @@ def test_path_rates_measure_every_prefill_pull_and_decode_interval():
     r = rates.snapshot()
     assert r.remote_tokens_per_s == pytest.approx(4000) and r.local_tokens_per_s == pytest.approx(4000)
     assert r.link_bytes_per_s == pytest.approx(2e9) and r.kv_bytes_per_token == pytest.approx(100_000)
-    # A local prefill: counters at the decision (no backlog yet), started(), then the first token.
+    # A local prefill of 3,000 tokens, first token 1.5 s after its decision, 0.5 s of it the
+    # predicted queue: 3,000 tokens/s, and the local wait follows it.
+    rates.local_done(3000, queue_compute_s=1.5, predicted_wait_s=0.5)
+    assert rates.snapshot().local_tokens_per_s == pytest.approx(3000)
+    assert rates.snapshot().remote_tokens_per_s == pytest.approx(4000)
+    assert rates.local_wait_s(6000) == pytest.approx(2.0)
+    # The token rule's estimate still learns from the engine's counters.
     rates.observe_local(prompt_tokens_computed=0, tokens_waiting=0)
     rates.local.started()
     clock.t = 1.0
-    rates.observe_local(prompt_tokens_computed=3000, tokens_waiting=0)
-    assert rates.snapshot().local_tokens_per_s == pytest.approx(3000)
-    assert rates.snapshot().remote_tokens_per_s == pytest.approx(4000)
+    rates.observe_local(prompt_tokens_computed=2000, tokens_waiting=0)
+    assert rates.local.tokens_per_s == pytest.approx(2000)
     # Decode intervals: the current step and a low quantile of it (the unloaded step).
     for itl in (0.05, 0.03, 0.03, 0.05, 0.05):
         rates.decode_interval(itl, 1)
@@ -192,12 +197,36 @@ def test_path_rates_measure_every_prefill_pull_and_decode_interval():
 
 def test_path_rates_ignore_what_cannot_be_a_rate():
     rates = PathRates(prior_tokens_per_s=1000.0, alpha=1.0, clock=Clock())
-    rates.remote_done(0, 1.0, 0.0)
-    rates.remote_done(100, 0.5, 0.9)  # the wait was over-predicted: no compute left to time
+    rates.remote_done(0, 1.0, 0.0)  # nothing computed (all cached there)
+    rates.local_done(100, 0.0, 0.0)  # no time
     rates.pulled(0, 0.0, 0)
     rates.decode_interval(0.0, 1)
     r = rates.snapshot()
-    assert r.remote_tokens_per_s == 1000.0 and r.link_bytes_per_s == math.inf and r.unloaded_tpot_s == 0.0
-    # A wait over-predicted by most of the time floors the compute at a tenth of the whole.
-    rates.remote_done(100, 1.0, 0.95)
-    assert rates.snapshot().remote_tokens_per_s == pytest.approx(1000.0)
+    assert (r.remote_tokens_per_s, r.local_tokens_per_s) == (1000.0, 1000.0)
+    assert r.link_bytes_per_s == math.inf and r.unloaded_tpot_s == 0.0
+    # A wait over-predicted past the whole time floors the compute at a tenth of it.
+    rates.remote_done(100, 0.5, 0.9)
+    assert rates.snapshot().remote_tokens_per_s == pytest.approx(100 / 0.05)
+
+
+def test_remote_prefills_in_flight_here_count_as_running_decodes():
+    """They join the batch when their KV lands, and a local prefill then stalls them too."""
+    incoming = [RunningDecode(decoded=0, remaining=200, elapsed_s=0.0)] * 8
+    d = decide(2000, running=incoming)  # 0.2 s stall against 200 x 15 ms of slack each
+    assert d.prediction.stall_cost == pytest.approx(8 * 0.2 / (0.045 * 200 - 0.03 * 200))
+    assert d.reason is Reason.REMOTE_SLO
+
+
+def test_before_any_decode_step_is_measured_every_running_decode_counts_as_lost():
+    fresh = Rates(local_tokens_per_s=10_000, remote_tokens_per_s=10_000)  # no TPOT measured yet
+    d = decide(2000, rates=fresh, running=[RunningDecode(1, 100, 0.01)] * 2)
+    assert d.prediction.tpot_slo_s == 0.0 and d.prediction.stall_cost == 2.0
+    assert d.path is Path.REMOTE
+    assert decide(2000, rates=fresh).reason is Reason.LOCAL_FASTER  # nothing to stall
+
+
+def test_the_local_wait_eats_into_the_slack():
+    running = [RunningDecode(decoded=100, remaining=100, elapsed_s=100 * 0.03)]
+    near = decide(200, wait=0.2, running=running).prediction.stall_cost
+    far = decide(200, wait=0.0, running=running).prediction.stall_cost
+    assert near > far > 0
