@@ -93,27 +93,27 @@ def agent_specs(n: int, seed: int, sessions: int = 16) -> list[Spec]:
 SPECS = {"mix": mix_specs, "azure": azure_specs, "mooncake": mooncake_specs, "agent": agent_specs}
 
 
-def capacity_guess(prof: TimingProfile, specs: list[Spec]) -> float:
+def capacity_guess(prof: TimingProfile, specs: list[Spec], gpus: int = GPUS) -> float:
     """Requests/s the fleet could roughly serve: GPU-seconds per request at batch 32."""
     per = [
         unloaded_ttft_s(prof, s.prompt) + s.output * prof.decode_ms(32, 32 * s.prompt) / 32 / 1000
         for s in specs
     ]
-    return GPUS / (sum(per) / len(per))
+    return gpus / (sum(per) / len(per))
 
 
 def study(
-    prof: TimingProfile, specs: list[Spec], rates: list[float], seed: int, refine: int
+    prof: TimingProfile, specs: list[Spec], rates: list[float], seed: int, refine: int, gpus: int = GPUS
 ) -> dict[str, object]:
-    agg, agg_curve, _ = goodput(prof, 0, GPUS, "agg", specs, rates, seed, refine=refine)
+    agg, agg_curve, _ = goodput(prof, 0, gpus, "agg", specs, rates, seed, refine=refine)
     out: dict[str, object] = {"agg": agg, "curves": {"agg": agg_curve}, "splits": {}}
     best = {"disagg": (0.0, None, None), "cond": (0.0, None, None)}
-    for p in range(1, GPUS):
+    for p in range(1, gpus):
         for mode in ("disagg", "cond"):
-            g, curve, dec = goodput(prof, p, GPUS - p, mode, specs, rates, seed, refine=refine)
-            out["splits"][f"{mode} {p}:{GPUS - p}"] = {"goodput": g, "decisions": dec}
+            g, curve, dec = goodput(prof, p, gpus - p, mode, specs, rates, seed, refine=refine)
+            out["splits"][f"{mode} {p}:{gpus - p}"] = {"goodput": g, "decisions": dec}
             if g > best[mode][0] or best[mode][1] is None:
-                best[mode] = (g, f"{p}:{GPUS - p}", curve)
+                best[mode] = (g, f"{p}:{gpus - p}", curve)
     for mode, (g, split, curve) in best.items():
         out[mode], out[f"{mode}_split"] = g, split
         out["curves"][f"{mode} {split}"] = curve
@@ -145,6 +145,39 @@ def plot(name: str, title: str, curves: dict[str, list[tuple[float, float]]]) ->
     return path
 
 
+def cpu_mix_specs(n: int, seed: int) -> list[Spec]:
+    """bench/disagg.py's CPU long-prompt mix: 90% 64-256 tokens, 10% 2,048-2,304, 32 out."""
+    rng = random.Random(seed)
+    return [
+        Spec(rng.randint(2048, 2304) if rng.random() < 0.10 else rng.randint(64, 256), 32) for _ in range(n)
+    ]
+
+
+def cpu_azure_specs(n: int, seed: int) -> list[Spec]:
+    """bench/disagg.py's CPU azure workload: the trace's lengths / 4."""
+    return [Spec(max(1, round(s.prompt / 4)), max(2, round(s.output / 4))) for s in azure_specs(n, seed)]
+
+
+def cpu_check(n: int, seed: int) -> list[str]:
+    """The same rule on the CPU profile (`cpu-small-bfloat16`, measured from the torch engine) at the
+    CPU study's 2 workers: agg 2, disagg and cond 1:1. Same event model, same defaults."""
+    prof = load_profile("cpu-small-bfloat16")
+    rows = []
+    for w, make in (("mix", cpu_mix_specs), ("azure", cpu_azure_specs)):
+        specs = make(n, seed)
+        cap = capacity_guess(prof, specs, gpus=2)
+        rates = [round(cap * x, 4) for x in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5)]
+        res = study(prof, specs, rates, seed + 1, refine=4, gpus=2)
+        best = max(res["agg"], res["disagg"])
+        rows.append(
+            f"cpu-small-bfloat16 (2 workers) {w:<6} agg={res['agg']:.3f} disagg={res['disagg']:.3f} "
+            f"cond={res['cond']:.3f} req/s cond/best={res['cond'] / best if best else float('inf'):.2f} "
+            f"cond/agg={res['cond'] / res['agg'] if res['agg'] else float('inf'):.2f}"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="sim")
@@ -154,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--links", default=",".join(LINKS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-check", action="store_true", help="also the CPU profile at 2 workers")
     args = ap.parse_args(argv)
     n = args.requests or (300 if args.quick else 600)
     profiles = ["splitwise-h100-llama70b"] if args.quick else args.profiles.split(",")
@@ -210,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if w == "mix" and quick is None:
                     quick = (res, cb, ca)
-    print("\n".join(table[:1]))
+    if args.cpu_check:
+        table += ["", *cpu_check(n, args.seed)]
     RESULTS.mkdir(exist_ok=True)
     if not args.quick:
         (RESULTS / "disagg_gpu.txt").write_text("\n".join(lines + table) + "\n")

@@ -26,7 +26,7 @@ class Rates:
     remote_tokens_per_s: float = 1000.0  # a prefill worker's compute, queue excluded
     kv_bytes_per_token: float = 0.0  # what one prompt token's KV pull moves
     link_bytes_per_s: float = math.inf  # KV pull bandwidth
-    tpot_s: float = 0.0  # decode step here now (inter-token latency)
+    tpot_s: float = 0.0  # recent mean inter-token latency here, stalls included
     unloaded_tpot_s: float = 0.0  # decode step here unloaded (a low quantile of it)
 
 
@@ -81,6 +81,33 @@ class Ewma:
         self.samples += 1
 
 
+class TimeAverage:
+    """seconds / tokens over a window that decays in time (`tau_s`): the recent mean
+    inter-token latency across every running request, stalls included, weighted by
+    time rather than by sample (a pass that stalls 50 requests is one event, not 50)."""
+
+    def __init__(self, tau_s: float, clock: Callable[[], float]):
+        self._tau, self._clock = tau_s, clock
+        self._num = self._den = 0.0
+        self._at: float | None = None
+
+    def update(self, seconds: float, tokens: int) -> None:
+        self._decay()
+        self._num += seconds
+        self._den += tokens
+
+    def _decay(self) -> None:
+        now = self._clock()
+        if self._at is not None and now > self._at:
+            w = math.exp(-(now - self._at) / self._tau)
+            self._num, self._den = self._num * w, self._den * w
+        self._at = now
+
+    @property
+    def value(self) -> float:
+        return self._num / self._den if self._den > 0 else 0.0
+
+
 class LowQuantile:
     """A running low quantile: falls at once to a lower sample, rises slowly to a higher
     one (the unloaded decode step, from inter-token latencies seen under load: the
@@ -120,7 +147,7 @@ class PathRates:
         self.remote = Ewma(prior_tokens_per_s, alpha)
         self.link = Ewma(0.0, alpha)  # bytes per second; 0 = not measured
         self.kv_bytes_per_token = Ewma(0.0, alpha)
-        self.tpot = Ewma(0.0, 0.1)
+        self.tpot = TimeAverage(10.0, clock)
         self.unloaded_tpot = LowQuantile()
 
     def observe_local(self, prompt_tokens_computed: int, tokens_waiting: int) -> None:
@@ -159,7 +186,7 @@ class PathRates:
 
     def decode_interval(self, seconds: float, tokens: int) -> None:
         if seconds > 0 and tokens > 0:
-            self.tpot.update(seconds / tokens)
+            self.tpot.update(seconds, tokens)
             self.unloaded_tpot.update(seconds / tokens)
 
     @property

@@ -13,21 +13,29 @@ on each path:
              + uncached * KV bytes per token / link bandwidth
 
 and what a local prefill costs the decodes already running here: each of them
-stalls for the prefill's whole compute time (`uncached / local rate`), which
-eats into its TPOT slack (`tpot_slo * its tokens - its projected decode
-time`, the local prefills already queued included). Score, in requests meeting their SLOs (goodput):
+stalls for the prefill's whole compute time (`uncached / local rate`) against
+its TPOT slack, `tpot_slo * its tokens - (elapsed + queued local prefills +
+remaining tokens * the recent mean inter-token latency here)`. That mean is
+time-averaged over every running request and includes the stalls this worker
+has been taking, so the slack left is what future stalls at the current pace
+will leave. Score, in requests meeting their SLOs (goodput):
 
-    local  = [local TTFT <= TTFT SLO] - sum over running decodes of min(1, stall / slack)
+    local  = [local TTFT <= TTFT SLO] - (running decodes with 0 < slack <= stall)
     remote = [remote TTFT <= TTFT SLO]
 
-The higher score wins (reasons `local_slo`, `remote_slo`); on a tie the lower
-predicted TTFT (`local_faster`, `remote_faster`). A decode already past its
-SLO has no slack left to lose and does not count; one whose remote prefill is
-in flight will join the batch and counts as running. Before any decode step
-has been measured there is no TPOT SLO to price against, and every running
-decode counts as lost. The stall term is the
-expected number of running decodes pushed past their TPOT SLO, to first order:
-consuming a fraction x of a decode's slack is taken as a chance x of missing.
+The higher score wins (reasons `local_slo`, `remote_slo`). On a tie, the path
+that uses less of the SLO budgets (`local_cheaper`, `remote_cheaper`): local
+uses `local TTFT / TTFT SLO` of this request's budget plus `stall / slack` of
+every running decode's, remote `remote TTFT / TTFT SLO`: both are fractions,
+so the tie-break is as hardware-free as the score. The stall term counts the
+decodes this prefill would push past their SLO: one already past is lost
+either way, one with slack to spare absorbs it (and later decisions see the
+slack it used). A request whose remote prefill is in flight will join the
+batch and counts as running. Before any decode step has been measured there
+is no TPOT SLO to price against, and every running decode counts as lost.
+(An expected-value price, `min(1, stall / slack)` per decode, was tried
+first: in the event model it sent to the prefill worker short prompts that a
+decode could absorb, and lost to aggregation on the CPU profile.)
 
 SLOs: absolute (`ttft_slo_s`, `tpot_slo_s`) when set; by default relative to
 unloaded latency as Splitwise defines them (TTFT <= `ttft_slo_x` x the
@@ -79,8 +87,8 @@ class Reason(enum.Enum):
     PREFILL_BUSY = "prefill_busy"  # token override: best candidate would start later than local
     LOCAL_SLO = "local_slo"  # time rule: local scores more requests within SLO
     REMOTE_SLO = "remote_slo"  # time rule: remote scores more (local misses TTFT or stalls decodes)
-    LOCAL_FASTER = "local_faster"  # time rule: a tie, local's predicted TTFT is lower
-    REMOTE_FASTER = "remote_faster"  # time rule: a tie, remote's predicted TTFT is lower
+    LOCAL_CHEAPER = "local_cheaper"  # time rule: a tie, local uses less of the SLO budgets
+    REMOTE_CHEAPER = "remote_cheaper"  # time rule: a tie, remote uses less of the SLO budgets
     FORCED_LOCAL = "forced_local"
     FORCED_REMOTE = "forced_remote"
     FALLBACK = "fallback"  # the remote path failed; local once
@@ -163,7 +171,8 @@ class Prediction:
     local_ttft_s: float
     remote_ttft_s: float
     stall_s: float
-    stall_cost: float  # expected running decodes pushed past their TPOT SLO by a local prefill
+    stall_cost: float  # running decodes a local prefill would push past their TPOT SLO
+    slack_used: float  # the fractions of their TPOT slack it would use, summed
 
 
 @dataclass(frozen=True)
@@ -249,20 +258,22 @@ class DisaggregationPolicy:
             prompt_tokens / rates.local_tokens_per_s + rates.unloaded_tpot_s
         )
         tpot_slo = cfg.tpot_slo_s or cfg.tpot_slo_x * rates.unloaded_tpot_s
-        cost = 0.0
+        cost = used = 0.0
         if stall > 0 and tpot_slo <= 0:
             # No decode step measured yet, so no TPOT SLO to price against: every running
             # decode counts as lost (a fresh worker learns the step from its first decodes).
-            cost = float(len(running))
+            cost = used = float(len(running))
         elif stall > 0:
             step = max(rates.tpot_s, rates.unloaded_tpot_s)
             for r in running:
                 budget = tpot_slo * (r.decoded + r.remaining)
                 # The local prefills queued ahead will stall it too, whatever this decision.
                 slack = budget - (r.elapsed_s + local_wait_s + r.remaining * step)
-                if slack > 0:  # already past its SLO: nothing left to lose
-                    cost += min(1.0, stall / slack)
-        return Prediction(ttft_slo, tpot_slo, local, remote, stall, cost)
+                if 0 < slack <= stall:  # this stall pushes it past (one already past is lost anyway)
+                    cost += 1.0
+                if slack > 0:
+                    used += min(1.0, stall / slack)
+        return Prediction(ttft_slo, tpot_slo, local, remote, stall, cost, used)
 
     def _time_rule(
         self,
@@ -280,6 +291,6 @@ class DisaggregationPolicy:
             return Decision(Path.LOCAL, Reason.LOCAL_SLO, prediction=p)
         if remote > local:
             return Decision(Path.REMOTE, Reason.REMOTE_SLO, best, p)
-        if p.local_ttft_s <= p.remote_ttft_s:
-            return Decision(Path.LOCAL, Reason.LOCAL_FASTER, prediction=p)
-        return Decision(Path.REMOTE, Reason.REMOTE_FASTER, best, p)
+        if p.local_ttft_s / p.ttft_slo_s + p.slack_used <= p.remote_ttft_s / p.ttft_slo_s:
+            return Decision(Path.LOCAL, Reason.LOCAL_CHEAPER, prediction=p)
+        return Decision(Path.REMOTE, Reason.REMOTE_CHEAPER, best, p)

@@ -42,17 +42,17 @@ def test_the_default_is_the_time_rule_and_the_token_threshold_an_override():
     assert decide(101, rule=old).reason is Reason.LONG_PROMPT
 
 
-def test_idle_everywhere_the_faster_path_wins_a_tie():
+def test_idle_everywhere_the_cheaper_path_wins_a_tie():
     # Both meet the TTFT SLO and no decode runs here: local skips the transfer.
     d = decide(2000)
-    assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_FASTER)
+    assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_CHEAPER)
     p = d.prediction
     assert p.local_ttft_s == pytest.approx(0.2)
     assert p.remote_ttft_s == pytest.approx(0.2 + 2000 * 100_000 / 1e9)
     assert p.ttft_slo_s == pytest.approx(3.0 * (0.2 + 0.03)) and p.tpot_slo_s == pytest.approx(0.045)
     # With a local queue longer than the transfer, remote is the faster of two that meet.
     d = decide(2000, wait=0.3)
-    assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_FASTER) and d.candidate == IDLE
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_CHEAPER) and d.candidate == IDLE
 
 
 def test_a_local_queue_past_the_ttft_slo_sends_the_request_remote():
@@ -61,39 +61,44 @@ def test_a_local_queue_past_the_ttft_slo_sends_the_request_remote():
 
 
 def test_running_decodes_with_little_slack_make_a_local_prefill_too_expensive():
-    # 8 decodes at 40 of their 45 ms budget, 100 tokens left: 0.5 s slack each; a 0.2 s stall
-    # costs each 40% of it, 3.2 requests in all: worth more than this one request's TTFT.
-    tight = [RunningDecode(decoded=100, remaining=100, elapsed_s=100 * 0.04)] * 8
-    tight_rates = Rates(**{**GPU.__dict__, "tpot_s": 0.04})
+    # 8 decodes, 100 tokens in and 100 to go at 44.5 ms a token against a 45 ms SLO: 0.15 s of
+    # slack each; a 0.2 s local prefill pushes all 8 past it: worth more than this request's TTFT.
+    tight = [RunningDecode(decoded=100, remaining=100, elapsed_s=4.4)] * 8
+    tight_rates = Rates(**{**GPU.__dict__, "tpot_s": 0.0445})
     d = decide(2000, rates=tight_rates, running=tight)
     assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_SLO)
-    assert d.prediction.stall_cost == pytest.approx(8 * 0.2 / (0.045 * 200 - (4.0 + 100 * 0.04)))
-    # A short prompt stalls them 5 ms: cheap; but remote also meets: the cheap stall still loses
-    # to a free remote prefill.
-    assert decide(50, rates=tight_rates, running=tight).path is Path.REMOTE
+    assert d.prediction.stall_cost == 8.0
+    # A 5 ms stall pushes none past, but uses a third of 8 slacks: more of the budgets than remote.
+    d = decide(50, rates=tight_rates, running=tight)
+    assert d.prediction.stall_cost == 0.0 and d.reason is Reason.REMOTE_CHEAPER
+    # One decode with seconds of slack absorbs it: local, the cheaper in budget.
+    roomy = [RunningDecode(decoded=10, remaining=1000, elapsed_s=0.3)]
+    assert decide(50, running=roomy).reason is Reason.LOCAL_CHEAPER
 
 
 def test_decodes_already_past_their_slo_are_not_counted():
     late = [RunningDecode(decoded=100, remaining=10, elapsed_s=100 * 0.06)] * 8
     d = decide(2000, running=late)
-    assert d.prediction.stall_cost == 0.0 and d.reason is Reason.LOCAL_FASTER
+    assert d.prediction.stall_cost == 0.0 and d.reason is Reason.LOCAL_CHEAPER
 
 
 def test_a_busy_prefill_worker_keeps_the_request_local_when_local_meets_the_slo():
     busy = Candidate("p", "a:1", estimated_wait_s=5.0)
-    roomy = [RunningDecode(decoded=10, remaining=1000, elapsed_s=10 * 0.03)]  # ~14 s of slack
+    roomy = [RunningDecode(decoded=10, remaining=1000, elapsed_s=10 * 0.03)]  # ~15 s of slack
     d = decide(2000, candidates=[busy], running=roomy)
     assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_SLO)
-    assert 0 < d.prediction.stall_cost < 0.1
+    assert d.prediction.stall_cost == 0.0 and 0 < d.prediction.slack_used < 0.1
 
 
-def test_when_both_miss_the_stall_decides_and_else_the_faster_path():
+def test_when_both_miss_the_stall_decides_and_else_the_cheaper_path():
     busy = Candidate("p", "a:1", estimated_wait_s=5.0)
-    running = [RunningDecode(decoded=10, remaining=1000, elapsed_s=10 * 0.03)]
-    d = decide(2000, candidates=[busy], wait=2.0, running=running)  # both miss; local stalls
+    # Slack 9 - (2.4 elapsed + 2.0 queued locally + 100 x 44.5 ms) = 0.15 s < the 0.2 s stall.
+    running = [RunningDecode(decoded=100, remaining=100, elapsed_s=2.4)]
+    rates = Rates(**{**GPU.__dict__, "tpot_s": 0.0445})
+    d = decide(2000, candidates=[busy], wait=2.0, running=running, rates=rates)  # both miss; local stalls
     assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_SLO)
     d = decide(2000, candidates=[busy], wait=2.0)  # both miss, nothing to stall: local is sooner
-    assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_FASTER)
+    assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_CHEAPER)
 
 
 def test_the_rule_is_the_same_on_a_cpu_and_a_gpu():
@@ -135,7 +140,7 @@ def test_absolute_slos_replace_the_relative_ones():
     assert d.prediction.ttft_slo_s == 0.1 and d.prediction.tpot_slo_s == 0.05
     loose = DisaggregationPolicy(DisaggConfig(ttft_slo_s=10.0))
     # Local's 1.2 s meets 10 s: no longer an SLO decision (as with the default), only the faster path.
-    assert decide(2000, wait=1.0, rule=loose).reason is Reason.REMOTE_FASTER
+    assert decide(2000, wait=1.0, rule=loose).reason is Reason.REMOTE_CHEAPER
     with pytest.raises(ConfigError, match="ttft_slo_s"):
         DisaggConfig(ttft_slo_s=0)
     with pytest.raises(ConfigError, match="slo_x"):
@@ -212,9 +217,10 @@ def test_path_rates_ignore_what_cannot_be_a_rate():
 def test_remote_prefills_in_flight_here_count_as_running_decodes():
     """They join the batch when their KV lands, and a local prefill then stalls them too."""
     incoming = [RunningDecode(decoded=0, remaining=200, elapsed_s=0.0)] * 8
-    d = decide(2000, running=incoming)  # 0.2 s stall against 200 x 15 ms of slack each
-    assert d.prediction.stall_cost == pytest.approx(8 * 0.2 / (0.045 * 200 - 0.03 * 200))
-    assert d.reason is Reason.REMOTE_SLO
+    d = decide(2000, running=incoming)  # a 0.2 s stall against 200 x 15 ms of slack each
+    assert d.prediction.slack_used == pytest.approx(8 * 0.2 / (0.045 * 200 - 0.03 * 200))
+    assert d.reason is Reason.REMOTE_CHEAPER
+    assert decide(2000).reason is Reason.LOCAL_CHEAPER  # nothing in flight: local skips the pull
 
 
 def test_before_any_decode_step_is_measured_every_running_decode_counts_as_lost():
@@ -222,11 +228,11 @@ def test_before_any_decode_step_is_measured_every_running_decode_counts_as_lost(
     d = decide(2000, rates=fresh, running=[RunningDecode(1, 100, 0.01)] * 2)
     assert d.prediction.tpot_slo_s == 0.0 and d.prediction.stall_cost == 2.0
     assert d.path is Path.REMOTE
-    assert decide(2000, rates=fresh).reason is Reason.LOCAL_FASTER  # nothing to stall
+    assert decide(2000, rates=fresh).reason is Reason.LOCAL_CHEAPER  # nothing to stall
 
 
 def test_the_local_wait_eats_into_the_slack():
     running = [RunningDecode(decoded=100, remaining=100, elapsed_s=100 * 0.03)]
-    near = decide(200, wait=0.2, running=running).prediction.stall_cost
-    far = decide(200, wait=0.0, running=running).prediction.stall_cost
+    near = decide(200, wait=0.2, running=running).prediction.slack_used
+    far = decide(200, wait=0.0, running=running).prediction.slack_used
     assert near > far > 0
