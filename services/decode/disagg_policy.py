@@ -20,22 +20,27 @@ time-averaged over every running request and includes the stalls this worker
 has been taking, so the slack left is what future stalls at the current pace
 will leave. Score, in requests meeting their SLOs (goodput):
 
-    local  = [local TTFT <= TTFT SLO] - (running decodes with 0 < slack <= stall)
+    local  = [local TTFT <= TTFT SLO] - sum over running decodes of min(1, (stall / slack)^2)
     remote = [remote TTFT <= TTFT SLO]
 
 The higher score wins (reasons `local_slo`, `remote_slo`). On a tie, the path
 that uses less of the SLO budgets (`local_cheaper`, `remote_cheaper`): local
 uses `local TTFT / TTFT SLO` of this request's budget plus `stall / slack` of
 every running decode's, remote `remote TTFT / TTFT SLO`: both are fractions,
-so the tie-break is as hardware-free as the score. The stall term counts the
-decodes this prefill would push past their SLO: one already past is lost
-either way, one with slack to spare absorbs it (and later decisions see the
-slack it used). A request whose remote prefill is in flight will join the
-batch and counts as running. Before any decode step has been measured there
-is no TPOT SLO to price against, and every running decode counts as lost.
-(An expected-value price, `min(1, stall / slack)` per decode, was tried
-first: in the event model it sent to the prefill worker short prompts that a
-decode could absorb, and lost to aggregation on the CPU profile.)
+so the tie-break is as hardware-free as the score. The stall term is the
+number of running decodes this prefill is expected to push past their SLO: a
+stall that uses a fraction x of a decode's slack loses it with probability x^2
+(a small bite is nearly free, since the decode absorbs it unless later stalls
+add up; one near the whole slack nearly always loses it; more than the whole
+always). One already past is lost either way and does not count. A request
+whose remote prefill is in flight will join the batch and counts as running.
+Before any decode step has been measured there is no TPOT SLO to price
+against, and every running decode counts as lost. Both the hard threshold
+(lost only when stall >= slack) and the linear price x were tried in the
+event model of bench/disagg_sim.py: the threshold lost to disaggregation on the
+70B long-prompt mix (decodes near their SLO lose it to batch growth after a
+stall that "fit"), the linear price to aggregation on the CPU profile (it sent
+away short prompts a decode absorbs); x^2 was the best of the three on both.
 
 SLOs: absolute (`ttft_slo_s`, `tpot_slo_s`) when set; by default relative to
 unloaded latency as Splitwise defines them (TTFT <= `ttft_slo_x` x the
@@ -171,7 +176,7 @@ class Prediction:
     local_ttft_s: float
     remote_ttft_s: float
     stall_s: float
-    stall_cost: float  # running decodes a local prefill would push past their TPOT SLO
+    stall_cost: float  # running decodes a local prefill is expected to push past their TPOT SLO
     slack_used: float  # the fractions of their TPOT slack it would use, summed
 
 
@@ -269,10 +274,9 @@ class DisaggregationPolicy:
                 budget = tpot_slo * (r.decoded + r.remaining)
                 # The local prefills queued ahead will stall it too, whatever this decision.
                 slack = budget - (r.elapsed_s + local_wait_s + r.remaining * step)
-                if 0 < slack <= stall:  # this stall pushes it past (one already past is lost anyway)
-                    cost += 1.0
-                if slack > 0:
+                if slack > 0:  # one already past is lost either way
                     used += min(1.0, stall / slack)
+                    cost += min(1.0, (stall / slack) ** 2)
         return Prediction(ttft_slo, tpot_slo, local, remote, stall, cost, used)
 
     def _time_rule(
