@@ -390,6 +390,9 @@ def simulate(
     return attainment(reqs), sim.decisions
 
 
+_simulate = simulate
+
+
 def goodput(
     prof: TimingProfile,
     n_prefill: int,
@@ -400,9 +403,17 @@ def goodput(
     seed: int,
     target: float = 0.9,
     refine: int = 3,
+    repeats: int = 1,
 ) -> tuple[float, list[tuple[float, float]], dict[str, int]]:
     """(goodput, the curve over `rates`, decisions at the goodput rate): the highest rate up to
-    which attainment stays >= target, refined by bisection between the last good and first bad."""
+    which attainment stays >= target, refined by bisection between the last good and first bad.
+    `repeats` > 1: attainment pooled over that many arrival seeds (seed, seed + 1, ...)."""
+
+    def simulate(prof, n_prefill, n_decode, mode, specs, rate, seed):
+        runs = [_simulate(prof, n_prefill, n_decode, mode, specs, rate, seed + k) for k in range(repeats)]
+        dec = {k: sum(r[1][k] for r in runs) for k in runs[0][1]}
+        return sum(r[0] for r in runs) / repeats, dec
+
     curve, last_good, first_bad, decisions = [], 0.0, math.inf, {}
     for rate in sorted(rates):
         att, dec = simulate(prof, n_prefill, n_decode, mode, specs, rate, seed)
