@@ -23,6 +23,10 @@ both (failures are misses).
                                                  bench/results/; last line
                                                  `goodput agg=.. disagg=.. cond=.. cond_vs_agg=..`
                                                  (highest rate with >= 90% attainment, long-prompt mix)
+    python bench/disagg.py --engine sim [--quick]  the GPU-regime study (issue 19), bench/disagg_gpu.py:
+                                                 8 simulated GPUs, an event model on the sim timing
+                                                 profiles with the product's rule; last line
+                                                 `disagg_gpu goodput_agg=.. ... best_split=..`
 """
 
 from __future__ import annotations
@@ -224,7 +228,13 @@ def plot(workload: str, curves: dict[str, list[tuple[float, float]]], scaling: s
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if ("--engine" in argv and argv[argv.index("--engine") + 1 :][:1] == ["sim"]) or "--engine=sim" in argv:
+        from bench import disagg_gpu  # the GPU-regime study: an event model, see its docstring
+
+        return disagg_gpu.main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=("torch", "sim"), default="torch", help="sim: bench/disagg_gpu.py")
     ap.add_argument("--quick", action="store_true", help="fewer requests and rates (make bench)")
     ap.add_argument("--fixed-rate", type=float, default=None, help="issue 5: one rate, TTFT/TPOT per mode")
     ap.add_argument("--rates", type=str, default=None, help="comma-separated sweep rates (req/s)")

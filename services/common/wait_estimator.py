@@ -4,12 +4,30 @@ wait = prompt tokens queued ahead / prefill throughput, where throughput is
 an exponentially weighted average of prompt tokens computed per second while
 the engine had prefill work (idle time does not dilute it). Until the first
 measurement the configured prior is used. Plain and clock-injected.
+
+`PathRates` gathers everything the decode worker's time rule
+(services/decode/disagg_policy.py) needs: local and remote prefill rates, KV
+bytes per token and link bandwidth, the decode step now and unloaded.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the decode worker has measured (PathRates.snapshot()); seconds and tokens."""
+
+    local_tokens_per_s: float = 1000.0  # local prefill, while prefilling
+    remote_tokens_per_s: float = 1000.0  # a prefill worker's compute, queue excluded
+    kv_bytes_per_token: float = 0.0  # what one prompt token's KV pull moves
+    link_bytes_per_s: float = math.inf  # KV pull bandwidth
+    tpot_s: float = 0.0  # recent mean inter-token latency here, stalls included
+    unloaded_tpot_s: float = 0.0  # decode step here unloaded (a low quantile of it)
 
 
 class WaitEstimator:
@@ -26,6 +44,7 @@ class WaitEstimator:
         self._clock = clock
         self._last: tuple[float, int] | None = None
         self._was_busy = False
+        self.samples = 0
 
     def observe(self, prompt_tokens_computed: int, tokens_waiting: int) -> None:
         """Feed the engine's cumulative prompt-token counter and current backlog."""
@@ -35,8 +54,157 @@ class WaitEstimator:
             dt, dc = now - t0, prompt_tokens_computed - c0
             if dt > 0.05 and dc > 0:
                 self.tokens_per_s += self._alpha * (dc / dt - self.tokens_per_s)
+                self.samples += 1
         self._last = (now, prompt_tokens_computed)
         self._was_busy = tokens_waiting > 0
 
     def wait_s(self, tokens_waiting: int) -> float:
         return tokens_waiting / self.tokens_per_s
+
+    def started(self) -> None:
+        """A prefill was just queued here: the interval to the next observation is busy
+        (the counters at the last observation showed no backlog, but now there is one)."""
+        self._was_busy = True
+
+
+class Ewma:
+    """An exponentially weighted mean with a prior."""
+
+    def __init__(self, prior: float, alpha: float = 0.3):
+        self.value = prior
+        self.alpha = alpha
+        self.samples = 0
+
+    def update(self, x: float) -> None:
+        # The first sample replaces the prior: a prior is a guess, a sample is not.
+        self.value = x if not self.samples else self.value + self.alpha * (x - self.value)
+        self.samples += 1
+
+
+class TimeAverage:
+    """seconds / tokens over a window that decays in time (`tau_s`): the recent mean
+    inter-token latency across every running request, stalls included, weighted by
+    time rather than by sample (a pass that stalls 50 requests is one event, not 50)."""
+
+    def __init__(self, tau_s: float, clock: Callable[[], float]):
+        self._tau, self._clock = tau_s, clock
+        self._num = self._den = 0.0
+        self._at: float | None = None
+
+    def update(self, seconds: float, tokens: int) -> None:
+        self._decay()
+        self._num += seconds
+        self._den += tokens
+
+    def _decay(self) -> None:
+        now = self._clock()
+        if self._at is not None and now > self._at:
+            w = math.exp(-(now - self._at) / self._tau)
+            self._num, self._den = self._num * w, self._den * w
+        self._at = now
+
+    @property
+    def value(self) -> float:
+        return self._num / self._den if self._den > 0 else 0.0
+
+
+class LowQuantile:
+    """A running low quantile: falls at once to a lower sample, rises slowly to a higher
+    one (the unloaded decode step, from inter-token latencies seen under load: the
+    fastest step seen, drifting up if the hardware slows)."""
+
+    def __init__(self, down: float = 1.0, up: float = 0.01):
+        self.value: float | None = None
+        self._down, self._up = down, up
+
+    def update(self, x: float) -> None:
+        if self.value is None:
+            self.value = x
+        else:
+            self.value += (self._down if x < self.value else self._up) * (x - self.value)
+
+
+class PathRates:
+    """The rates the decode worker's time rule runs on, fed continuously: every
+    local prefill (`local_done`: its queue + compute less its predicted
+    wait, per token computed), every remote prefill (`remote_done`: its queue + compute,
+    less the wait that was predicted for it, per token computed), every KV pull
+    (bytes, seconds, tokens), every decode interval (`decode_interval`).
+
+    A rate not measured yet borrows its twin's (prefill and decode workers run
+    the same engine): a decode worker that has only sent prompts away still
+    knows roughly how fast it would prefill one itself, and the reverse.
+    """
+
+    def __init__(
+        self,
+        prior_tokens_per_s: float = 1000.0,
+        alpha: float = 0.3,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.local = WaitEstimator(prior_tokens_per_s, alpha, clock)  # the token rule's
+        self.local_rate = Ewma(prior_tokens_per_s, alpha)
+        self.remote = Ewma(prior_tokens_per_s, alpha)
+        self.link = Ewma(0.0, alpha)  # bytes per second; 0 = not measured
+        self.kv_bytes_per_token = Ewma(0.0, alpha)
+        self.tpot = TimeAverage(10.0, clock)
+        self.unloaded_tpot = LowQuantile()
+
+    def observe_local(self, prompt_tokens_computed: int, tokens_waiting: int) -> None:
+        """The engine's counters (the token rule's wait estimate learns from them)."""
+        self.local.observe(prompt_tokens_computed, tokens_waiting)
+
+    def local_done(self, computed_tokens: int, queue_compute_s: float, predicted_wait_s: float) -> None:
+        """A local prefill's first token came `queue_compute_s` after its decision,
+        `predicted_wait_s` of which was its predicted queue. Per prefill, like the
+        remote one, not from the engine's counters between two observations: a
+        counter moves once a pass, and on a GPU a pass is longer than the gap
+        between two requests, so counter rates alias. An over-predicted wait
+        shortens the compute and raises the rate, which shortens the next
+        prediction: the estimate settles where predictions match."""
+        compute = queue_compute_s - predicted_wait_s
+        if computed_tokens > 0 and queue_compute_s > 0:
+            self.local_rate.update(computed_tokens / max(compute, 0.1 * queue_compute_s))
+
+    def local_wait_s(self, tokens_waiting: int) -> float:
+        return tokens_waiting / self.local_tokens_per_s
+
+    def remote_done(self, computed_tokens: int, queue_compute_s: float, predicted_wait_s: float) -> None:
+        """A remote prefill's first token arrived `queue_compute_s` after it was sent
+        (its KV pull excluded), `predicted_wait_s` of which was its predicted queue."""
+        compute = queue_compute_s - predicted_wait_s
+        if computed_tokens > 0 and queue_compute_s > 0:
+            # Floor the compute time at a tenth of the whole: a wait over-predicted
+            # must not turn into an absurd rate.
+            self.remote.update(computed_tokens / max(compute, 0.1 * queue_compute_s))
+
+    def pulled(self, nbytes: int, seconds: float, tokens: int) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.link.update(nbytes / seconds)
+        if nbytes > 0 and tokens > 0:
+            self.kv_bytes_per_token.update(nbytes / tokens)
+
+    def decode_interval(self, seconds: float, tokens: int) -> None:
+        if seconds > 0 and tokens > 0:
+            self.tpot.update(seconds, tokens)
+            self.unloaded_tpot.update(seconds / tokens)
+
+    @property
+    def local_tokens_per_s(self) -> float:
+        if self.local_rate.samples or not self.remote.samples:
+            return self.local_rate.value
+        return self.remote.value
+
+    @property
+    def remote_tokens_per_s(self) -> float:
+        return self.remote.value if self.remote.samples else self.local_tokens_per_s
+
+    def snapshot(self) -> Rates:
+        return Rates(
+            local_tokens_per_s=self.local_tokens_per_s,
+            remote_tokens_per_s=self.remote_tokens_per_s,
+            kv_bytes_per_token=self.kv_bytes_per_token.value,
+            link_bytes_per_s=self.link.value if self.link.samples else math.inf,
+            tpot_s=self.tpot.value,
+            unloaded_tpot_s=self.unloaded_tpot.value or 0.0,
+        )

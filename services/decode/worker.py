@@ -38,8 +38,16 @@ import structlog
 
 from services.common import tracing
 from services.common.errors import DeadlineExceeded
-from services.common.wait_estimator import WaitEstimator
-from services.decode.disagg_policy import Candidate, Decision, DisaggregationPolicy, Mode, Path, Reason
+from services.common.wait_estimator import PathRates
+from services.decode.disagg_policy import (
+    Candidate,
+    Decision,
+    DisaggregationPolicy,
+    Mode,
+    Path,
+    Reason,
+    RunningDecode,
+)
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
@@ -101,6 +109,8 @@ class _Account:
     prefill_worker_id: str = ""
     kv_bytes: int = 0
     finish: FinishReason | None = None
+    decided_at: float = 0.0  # time.monotonic() of the decision
+    predicted_wait: float = 0.0  # the local wait predicted then
 
     def local_output(self, out: RequestOutput) -> None:
         self.completion_tokens += len(out.token_ids)
@@ -154,14 +164,28 @@ class DecodeWorker:
         self.max_request_s = max_request_s
         self.probe = probe
         self.own_dispatches = OwnDispatches()
-        self.waits = WaitEstimator()
+        # The time rule's inputs, fed at every first token, decode interval,
+        # remote prefill and KV pull (not only at decisions).
+        self.rates = PathRates()
+        self.waits = self.rates.local
+        self._live: dict[str, _Live] = {}  # requests past their first token here
+        self._incoming: dict[str, int] = {}  # remote prefills in flight -> their max_tokens
 
     def local_wait_s(self, stats: EngineStats | None = None) -> float:
         """Estimated wait before a new local prefill would start (the measured rate
         updated from `stats`, the engine's now when None)."""
         s = self.engine.stats() if stats is None else stats
-        self.waits.observe(s.prompt_tokens_computed, s.tokens_waiting)
+        self.rates.observe_local(s.prompt_tokens_computed, s.tokens_waiting)
         return self.waits.wait_s(s.tokens_waiting)
+
+    def running_decodes(self, now: float | None = None) -> list[RunningDecode]:
+        """The decodes a local prefill would stall, as the policy prices them."""
+        now = time.monotonic() if now is None else now
+        live = [
+            RunningDecode(lv.decoded, max(lv.max_tokens - 1 - lv.decoded, 0), now - lv.first_at)
+            for lv in self._live.values()
+        ]
+        return live + [RunningDecode(0, max(n - 1, 0), 0.0) for n in self._incoming.values()]
 
     async def generate(self, job: DecodeJob) -> AsyncIterator[Event]:
         """`Tokens` events, then one `Finished`; raises a MeshError (DeadlineExceeded)
@@ -173,8 +197,9 @@ class DecodeWorker:
         req = job.request
         context_len = len(req.prompt_token_ids) + len(req.resume_token_ids)
         cached = self.engine.prefix_lookup([*req.prompt_token_ids, *req.resume_token_ids])
-        decision = await self._decide(job, context_len, cached)
+        decision, wait = await self._decide(job, context_len, cached)
         account = _Account(decision, prompt_tokens=len(req.prompt_token_ids), cached_tokens=cached)
+        account.decided_at, account.predicted_wait = time.monotonic(), wait
         self._record_decision(job, decision, context_len, cached)
         outcome = "cancelled"
         try:
@@ -194,29 +219,41 @@ class DecodeWorker:
 
     # ---- the decision --------------------------------------------------------
 
-    async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> Decision:
+    async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> tuple[Decision, float]:
+        """The decision and the local wait predicted for it."""
         mode = job.mode or Mode(self.policy.config.default_mode)
         candidates = self._candidates(job)
         if not candidates:
             # Local whatever the wait: skip the engine stats walk the wait estimate needs
             # (a per-request cost at near-zero load, issue 16 item 4).
-            return self.policy.decide(context_len, cached, (), 0.0, mode, self.waits.tokens_per_s)
-        if candidates and self.probe is not None and self._may_go_remote(context_len - cached, mode):
+            decision = self.policy.decide(context_len, cached, (), 0.0, mode, self.waits.tokens_per_s)
+            self.waits.started()
+            return decision, 0.0
+        if self.probe is not None and self.policy.may_go_remote(context_len - cached, mode):
             candidates = await self.probe.refresh(candidates)
-        candidates = self.own_dispatches.apply(candidates, self.waits.tokens_per_s)
-        return self.policy.decide(
-            context_len, cached, candidates, self.local_wait_s(), mode, self.waits.tokens_per_s
+        candidates = self.own_dispatches.apply(candidates, self.rates.remote_tokens_per_s)
+        s = self.engine.stats()
+        wait = self.local_wait_s(s)  # the token rule's (engine counters)
+        if not self.policy.config.token_rule:
+            wait = self.rates.local_wait_s(s.tokens_waiting)  # per-prefill measured rate
+        decision = self.policy.decide(
+            context_len,
+            cached,
+            candidates,
+            wait,
+            mode,
+            self.waits.tokens_per_s,
+            rates=self.rates.snapshot(),
+            running=self.running_decodes(),
         )
+        if decision.path is Path.LOCAL:
+            self.waits.started()  # measure this prefill (the backlog was sampled before it)
+        return decision, wait
 
     def _candidates(self, job: DecodeJob) -> list[Candidate]:
         if self.remote is None:
             return []
         return list(job.candidates) if job.candidates else list(self.static_candidates)
-
-    def _may_go_remote(self, uncached: int, mode: Mode) -> bool:
-        return mode is Mode.REMOTE or (
-            mode is Mode.AUTO and uncached > self.policy.config.max_local_prefill_tokens
-        )
 
     def _record_decision(self, job: DecodeJob, decision: Decision, context_len: int, cached: int) -> None:
         self.metrics.decided(decision)
@@ -254,27 +291,41 @@ class DecodeWorker:
         if outputs is None:
             outputs = self.engine.generate(req)
         first, last = True, started
+        live = _Live(first_at=started, max_tokens=req.sampling.max_tokens - len(req.resume_token_ids))
         # Closing the stream (finished, cancelled, deadline) aborts the engine request.
-        async with aclosing(outputs) as stream:
-            while True:
-                out = await _next_before(stream, deadline, account.decision.path)
-                if out is None:
-                    return
-                if first and account.decision.path is Path.LOCAL:
-                    account.cached_tokens = out.num_cached_tokens or account.cached_tokens
-                account.local_output(out)
-                if out.token_ids:
-                    now = time.monotonic()
-                    if first:
-                        self.metrics.ttft.observe(now - started)
-                        first = False
-                    else:
-                        self.metrics.itl(now - last, len(out.token_ids))
-                    last = now
-                    yield Tokens(list(out.token_ids))
-                if out.finished:
-                    account.finish = out.finish_reason
-                    return
+        try:
+            async with aclosing(outputs) as stream:
+                while True:
+                    out = await _next_before(stream, deadline, account.decision.path)
+                    if out is None:
+                        return
+                    if first and account.decision.path is Path.LOCAL:
+                        account.cached_tokens = out.num_cached_tokens or account.cached_tokens
+                    account.local_output(out)
+                    if out.token_ids:
+                        now = time.monotonic()
+                        if first:
+                            self.metrics.ttft.observe(now - started)
+                            first = False
+                            live.first_at = now
+                            live.decoded = len(out.token_ids) - 1
+                            self._live[req.request_id] = live
+                            self.local_wait_s()  # a prefill ended: measure the rate
+                            if account.decision.path is Path.LOCAL:
+                                self.rates.local_done(
+                                    account.computed_tokens, now - account.decided_at, account.predicted_wait
+                                )
+                        else:
+                            self.metrics.itl(now - last, len(out.token_ids))
+                            self.rates.decode_interval(now - last, len(out.token_ids))
+                            live.decoded += len(out.token_ids)
+                        last = now
+                        yield Tokens(list(out.token_ids))
+                    if out.finished:
+                        account.finish = out.finish_reason
+                        return
+        finally:
+            self._live.pop(req.request_id, None)
 
     async def _try_remote(
         self, req: EngineRequest, account: _Account, deadline: float
@@ -284,6 +335,8 @@ class DecodeWorker:
         assert candidate is not None and self.remote is not None
         sent = max(len(req.prompt_token_ids) + len(req.resume_token_ids) - account.cached_tokens, 0)
         self.own_dispatches.begin(candidate.address, sent)
+        sent_at = time.monotonic()
+        self._incoming[req.request_id] = req.sampling.max_tokens - len(req.resume_token_ids)
         try:
             result = await self.remote.run(
                 req, candidate, min(deadline, time.monotonic() + self.prefill_timeout_s)
@@ -307,11 +360,26 @@ class DecodeWorker:
             return None
         finally:
             self.own_dispatches.end(candidate.address, sent)
+            self._incoming.pop(req.request_id, None)
         account.remote_result(result)
+        elapsed = time.monotonic() - sent_at
+        self.rates.remote_done(
+            result.prefill_computed_tokens, elapsed - result.transfer_seconds, candidate.estimated_wait_s
+        )
+        self.rates.pulled(result.bytes_transferred, result.transfer_seconds, sent)
         if result.bytes_transferred:
             self.metrics.transferred(result.bytes_transferred, result.transfer_seconds)
         tracing.annotate(kv_bytes=result.bytes_transferred)
         return result
+
+
+@dataclass
+class _Live:
+    """A request past its first token here: what its TPOT slack is made of."""
+
+    first_at: float
+    max_tokens: int
+    decoded: int = 0
 
 
 class _StreamDeadline(Exception):
