@@ -188,9 +188,9 @@ class LLMEngine:
         """Write transferred KV into blocks reserved for transfer (layout checked first)."""
         layout.check_compatible(self.spec.layout)
         expected = (len(block_ids), *self.spec.layout.block_shape)
-        if tuple(blocks.shape) != expected or blocks.dtype != self.spec.layout.torch_dtype:
+        if tuple(blocks.shape) != expected or blocks.dtype != self.spec.layout.storage_dtype:
             raise LayoutMismatch(
-                f"KV blocks {tuple(blocks.shape)} {blocks.dtype} != {expected} {layout.dtype}"
+                f"KV blocks {tuple(blocks.shape)} {blocks.dtype} != {expected} {self.spec.layout.storage_dtype}"
             )
         writable = {
             b
