@@ -63,13 +63,15 @@ def test_quantized_linear_matches_the_dense_one(cls, bound, bias):
     assert got.shape == cls(dense)(x[None]).shape[1:]  # leading dims kept
 
 
-def test_quantize_linears_skips_the_lm_head_and_reports_bytes():
+def test_quantize_linears_keeps_the_lm_head_in_int8_and_reports_bytes():
     model = nn.Sequential()
     model.add_module("a", nn.Linear(64, 64))
     model.add_module("lm_head", nn.Linear(64, 10))
-    report = quantize_linears(model, "int4")
-    assert isinstance(model.a, Int4Linear) and isinstance(model.lm_head, nn.Linear)
-    assert report.num_linears == 1 and report.quant_bytes * 4 < report.fp_bytes
+    model.add_module("kept", nn.Linear(64, 10))
+    report = quantize_linears(model, "int4", int8_only=("lm_head",), skip=("kept",))
+    assert isinstance(model.a, Int4Linear) and isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.kept, nn.Linear)
+    assert report.num_linears == 2 and report.quant_bytes * 3 < report.fp_bytes
     assert 0 < report.max_rel_error < 0.1
     with pytest.raises(ValueError, match="weight scheme"):
         quantize_linears(model, "int3")
@@ -144,7 +146,7 @@ def test_engine_with_quantized_weights_runs_and_is_fingerprinted_apart(make_engi
     fp, quant = make_engine(), make_engine(weights=weights)
     out = quant.generate(requests())
     assert all(len(v) == 32 for v in out.values())
-    assert quant.runner.quant_report.num_linears == 2 * quant.spec.model.num_layers * 2
+    assert quant.runner.quant_report.num_linears == 2 * quant.spec.model.num_layers * 2 + 1
     assert quant.runner.quant_report.quant_bytes * 3 < quant.runner.quant_report.fp_bytes
     # Same shapes, other weights: its KV is not the fp engine's.
     assert quant.spec.layout.fingerprint != fp.spec.layout.fingerprint
