@@ -78,6 +78,14 @@ class LLMEngine:
         # False when the last step could neither compute nor preempt anything: only
         # an outside change (release, abort, cancel) can unblock the queue then.
         self.last_step_progressed = True
+        report = getattr(self.runner, "quant_report", None)  # a SimRunner has none
+        self._quant_stats = {
+            "weight_scheme": config.weights,
+            "weight_bytes": report.quant_bytes if report is not None else 0,
+            "weight_quant_error": report.max_rel_error if report is not None else 0.0,
+            "kv_scheme": self.spec.layout.quant,
+            "kv_pool_bytes": self.spec.num_blocks * self.spec.layout.block_bytes,
+        }
 
     # ---- requests -------------------------------------------------------
 
@@ -245,6 +253,7 @@ class LLMEngine:
             prompt_tokens_cached=sched.prompt_tokens_cached,
             prompt_tokens_transferred=self.prompt_tokens_transferred,
             preemptions=sched.num_preemptions,
+            **self._quant_stats,
         )
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -191,3 +191,21 @@ def test_import_refuses_another_quantization_or_model(make_engine, prefill_kw, d
         decode.import_blocks(res.transfer_block_ids, prefill.export_blocks(held.block_ids), held.layout)
     assert prefill.release("m")
     decode.abort("m")
+
+
+def test_stats_and_metrics_count_bytes_by_scheme(make_engine):
+    from prometheus_client import CollectorRegistry
+
+    from services.worker.metrics import EngineCollector
+
+    fp, quant = make_engine(), make_engine(weights="int4", kv_cache_quant="int8")
+    s, f = quant.stats(), fp.stats()
+    assert (s.weight_scheme, s.kv_scheme, f.weight_scheme, f.kv_scheme) == ("int4", "int8", "fp", "none")
+    assert s.weight_bytes > 0 and 0 < s.weight_quant_error < 0.1 and f.weight_bytes == 0
+    assert s.kv_pool_bytes * 3 < f.kv_pool_bytes  # same block count, int8 blocks
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(quant.stats, "decode"))
+    labels = {"role": "decode", "scheme": "int8"}
+    assert registry.get_sample_value("pdmesh_kv_pool_bytes", labels) == s.kv_pool_bytes
+    labels["scheme"] = "int4"
+    assert registry.get_sample_value("pdmesh_engine_weight_quant_error", labels) == s.weight_quant_error
