@@ -18,8 +18,8 @@ from services.engine.api import EngineRequest
 from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, QuantKvLayer
 from services.engine.engine_spec import EngineSpec
 from services.engine.loader import load_model
-from services.engine.packing import can_pack, pack_linears
-from services.engine.quantize import quantize_linears
+from services.engine.packing import PackedLinear, can_pack, pack_linears
+from services.engine.quantize import MAX_QUANT_ROWS, quantize_linears
 from services.engine.sampler import Sampler, SampleRow
 from services.engine.sequence import Sequence
 
@@ -42,9 +42,14 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.device = torch.device(cfg.device)
         self.model = load_model(spec)
-        # Quantize before packing: packing then takes only what stays dense (the LM head).
-        self.quant_report = quantize_linears(self.model, cfg.weights)
-        if cfg.pack_weights and can_pack(self.device, spec.layout.torch_dtype):
+        packs = cfg.pack_weights and can_pack(self.device, spec.layout.torch_dtype)
+        # Quantized linears keep a packed dense copy for batched steps when the engine batches
+        # (quantize.MAX_QUANT_ROWS); packing then takes what stays dense.
+        dense = None
+        if packs and cfg.max_num_seqs > MAX_QUANT_ROWS:
+            dense = lambda linear: PackedLinear(linear, cfg.max_num_seqs)  # noqa: E731
+        self.quant_report = quantize_linears(self.model, cfg.weights, dense=dense)
+        if packs:
             pack_linears(self.model, batch_hint=cfg.max_num_seqs)
         self.kv_pool = spec.layout.allocate_pool(spec.num_blocks, self.device)
         # Per-layer views [N, 2, bs, Hkv, Dh] of the one pool tensor; with int8 KV, a

@@ -20,12 +20,19 @@ Its error lands straight on the logits: bench/quant_accuracy.py prints what it c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 WEIGHT_SCHEMES = ("fp", "int8", "int4")
+# The packed kernels are GEMV-shaped: their time grows with the rows (one thread, bf16,
+# [M,576]x[576,3072]: int4 142 / 736 / 2,450 us at M = 1 / 8 / 32, the oneDNN-packed bf16
+# matmul 271 / 228 / 259 us). Steps with more rows than this use a packed dense copy when the
+# module has one (`dense=`): batch-1 decode reads int4 bytes, batched steps run at dense speed,
+# at the price of holding both copies.
+MAX_QUANT_ROWS = 2
 INT4_GROUP = 32  # tinygemm's CPU kernel supports 32..256; 32 is Q4_1's group and the most accurate
 
 
@@ -84,8 +91,9 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dense: nn.Module | None = None):
         super().__init__()
+        self.dense = dense
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize_int8(linear.weight.detach())
         self.register_buffer("weight", q)
@@ -99,6 +107,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.dense is not None and x.numel() > MAX_QUANT_ROWS * shape[-1]:
+            return self.dense(x)
         y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scales)
         if self.bias is not None:
             y = y.float() + self.bias
@@ -109,8 +119,9 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+    def __init__(self, linear: nn.Linear, dense: nn.Module | None = None, group: int = INT4_GROUP):
         super().__init__()
+        self.dense = dense
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
         q, scale, zero = quantize_int4(linear.weight.detach(), group)
         self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(q, 1))
@@ -126,6 +137,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.dense is not None and x.numel() > MAX_QUANT_ROWS * shape[-1]:
+            return self.dense(x)
         y = torch._weight_int4pack_mm_for_cpu(
             x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.group, self.scales_and_zeros
         )
@@ -149,10 +162,15 @@ def _rel_error(w: torch.Tensor, deq: torch.Tensor) -> float:
 
 
 def quantize_linears(
-    model: nn.Module, scheme: str, int8_only: tuple[str, ...] = (), skip: tuple[str, ...] = ()
+    model: nn.Module,
+    scheme: str,
+    int8_only: tuple[str, ...] = (),
+    skip: tuple[str, ...] = (),
+    dense: Callable[[nn.Linear], nn.Module] | None = None,
 ) -> QuantReport:
     """Replace the nn.Linear modules of `model` for `scheme`: those named in `int8_only` in int8
-    whatever the scheme, those named in `skip` not at all."""
+    whatever the scheme, those named in `skip` not at all. `dense(linear)`: a dense module each
+    quantized one keeps for steps of more than MAX_QUANT_ROWS rows (e.g. a PackedLinear)."""
     if scheme not in WEIGHT_SCHEMES:
         raise ValueError(f"weight scheme must be one of {WEIGHT_SCHEMES}, got {scheme!r}")
     if scheme == "fp":
@@ -168,7 +186,8 @@ def quantize_linears(
     for name, linear in targets:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         int8 = name.rsplit(".", 1)[-1] in int8_only or not int4_fits(linear)
-        new = Int8Linear(linear) if int8 else cls(linear)
+        keep = None if dense is None else dense(linear)
+        new = Int8Linear(linear, keep) if int8 else cls(linear, keep)
         setattr(parent, name.rsplit(".", 1)[-1], new)
         count += 1
         fp_bytes += linear.weight.numel() * linear.weight.element_size()

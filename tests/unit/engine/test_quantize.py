@@ -209,3 +209,26 @@ def test_stats_and_metrics_count_bytes_by_scheme(make_engine):
     assert registry.get_sample_value("pdmesh_kv_pool_bytes", labels) == s.kv_pool_bytes
     labels["scheme"] = "int4"
     assert registry.get_sample_value("pdmesh_engine_weight_quant_error", labels) == s.weight_quant_error
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_batched_steps_use_the_dense_copy_and_small_ones_the_packed_kernel(cls):
+    from services.engine.quantize import MAX_QUANT_ROWS
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    calls = []
+
+    class Dense(nn.Module):
+        def forward(self, x):
+            calls.append(x.shape[0])
+            with torch.no_grad():
+                return linear(x)
+
+    q = cls(linear, Dense())
+    small, big = torch.randn(MAX_QUANT_ROWS, 64), torch.randn(MAX_QUANT_ROWS + 1, 64)
+    q(small)
+    assert calls == []
+    q(big)
+    assert calls == [MAX_QUANT_ROWS + 1]
+    assert cls(linear)(big).shape == (MAX_QUANT_ROWS + 1, 32)  # without a copy: the kernel
