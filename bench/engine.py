@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
 
         smollm2_main(args)
         return
+    if args.weights != "fp":  # the small run compares against transformers on the same fp weights
+        ap.error("--weights applies to --model smollm2 (bench/quant_accuracy.py covers `small`)")
     args.dtype = args.dtype or "bfloat16"
     plan = QUICK if args.quick else FULL
 
