@@ -16,7 +16,8 @@ shows as < ~95%). It prints the ratios it claims; the last line is one summary l
 `engine cb_vs_seq=... vs_hf_b1=... prefix_ttft_ratio=...`.
 Run: `python bench/engine.py` (full) or `python bench/engine.py --quick` (< 2 min).
 `--model smollm2`: the real default model against transformers and llama.cpp instead
-(bench/engine_smollm2.py; the last line is `engine_smollm2 ...`).
+(bench/engine_smollm2.py; the last line is `engine_smollm2 ...`); `--weights int4|int8`
+quantizes the engine's linears (services/engine/quantize.py).
 """
 
 from __future__ import annotations
@@ -185,6 +186,13 @@ def main(argv: list[str] | None = None) -> None:
         help="default: bfloat16 for small; for smollm2 bfloat16 only where the CPU has native bf16",
     )
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--weights",
+        default="fp",
+        choices=("fp", "int8", "int4"),
+        help="the engine's linear weights (services/engine/quantize.py); smollm2: int4 is the "
+        "like-for-like match of llama.cpp on the Q4_1 file",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.model == "smollm2":
@@ -192,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
 
         smollm2_main(args)
         return
+    if args.weights != "fp":  # the small run compares against transformers on the same fp weights
+        ap.error("--weights applies to --model smollm2 (bench/quant_accuracy.py covers `small`)")
     args.dtype = args.dtype or "bfloat16"
     plan = QUICK if args.quick else FULL
 

@@ -159,18 +159,21 @@ def main(args) -> None:
     torch.set_num_threads(args.threads)
     path = smollm2_path()
     dtype = args.dtype or cpu_default_dtype()
+    weights = getattr(args, "weights", "fp")
     b1, streams, n = (4, [8, 32], 32) if args.quick else (8, [8, 32], 64)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
     print(
         f"engine bench (smollm2): {DEFAULT_MODEL} from {path.name}; CPU {cpu_model()} "
-        f"(native bf16: {', '.join(native) or 'no'}); dtype {dtype}; {args.threads} thread(s) each; "
-        f"torch {torch.__version__}; {os.cpu_count()} CPUs, shared with other work"
+        f"(native bf16: {', '.join(native) or 'no'}); dtype {dtype}; weights {weights}; "
+        f"{args.threads} thread(s) each; torch {torch.__version__}; {os.cpu_count()} CPUs, "
+        f"shared with other work (load average {' '.join(f'{x:.1f}' for x in os.getloadavg())})"
     )
     config = EngineConfig(
         model_path=str(path),
         model_id=DEFAULT_MODEL,
         dtype=dtype,
+        weights=weights,
         num_threads=args.threads,
         num_blocks=1024,
         max_num_seqs=max(streams),
@@ -226,6 +229,7 @@ def main(args) -> None:
     summary = {
         "cpu": f'"{cpu_model()}"',
         "dtype": dtype,
+        "weights": weights,
         "threads": args.threads,
         "ours_b1_tok_s": f"{ours_b1:.1f}",
         "hf_b1_tok_s": f"{hf_b1:.1f}",
@@ -252,4 +256,8 @@ def main(args) -> None:
         summary["vs_llamacpp_b1"] = f"{ours_b1 / b['tok_s']:.2f}"
         for k in streams:
             summary[f"vs_llamacpp_{k}"] = f"{ours_n[k][0] / lc['streams'][str(k)]['tok_s']:.2f}"
+        # Issue 22's names: batch 1, and 32 streams against llama.cpp's best rate on the file.
+        best = max(r["tok_s"] for r in lc["streams"].values())
+        summary["b1_vs_llamacpp"] = summary["vs_llamacpp_b1"]
+        summary["s32_vs_llamacpp"] = f"{ours_n[max(streams)][0] / best:.2f}"
     print("engine_smollm2 " + " ".join(f"{k}={v}" for k, v in summary.items()))

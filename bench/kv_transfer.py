@@ -14,11 +14,16 @@ off the KV of a 2,048-token prompt of the `small` preset through each transport,
 and what the integrity check costs on that handoff (issue 13): the holder's
 per-block xxh3-128 digests plus the receiver's check of the pulled blocks
 (`kvtransfer.digest`), each timed on the same bytes right after a NIXL pull,
-against the NIXL handoff time (target <= 10%).
+against the NIXL handoff time (target <= 10%). Then (issue 22) the same 2,048-token
+handoff with the `small` preset's KV in float32, bfloat16 and int8 (int8 blocks with their
+per-block, per-head float32 scales inside each block, kvtransfer/layout.py), each between a
+fresh holder process and this one, over NIXL and gRPC: bytes and time against float32.
 GB/s = 1e9 bytes per second.
 
 Last line: `kv_transfer nixl_gbps=.. grpc_gbps=.. memcpy_gbps=.. nixl_vs_memcpy=.. nixl_vs_grpc=..
-digest_vs_handoff=..` (the GB/s figures at 64 MiB).
+digest_vs_handoff=.. int8_bytes_ratio=.. int8_handoff_vs_fp32=..` (the GB/s figures at 64 MiB;
+the int8 ratios against float32 for the 2,048-token handoff, the time one over NIXL; goals
+<= 0.3 and <= 0.4).
 Run: `python bench/kv_transfer.py` (full) or `python bench/kv_transfer.py --quick` (< 2 min).
 """
 
@@ -73,9 +78,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def small_layout() -> KvLayout:
-    """The KV layout the torch engine uses for the `small` preset with its default settings."""
-    return EngineSpec.resolve(EngineConfig(preset="small")).layout
+def small_layout(**overrides) -> KvLayout:
+    """The KV layout the torch engine uses for the `small` preset with its default settings
+    (and `overrides`: dtype, kv_cache_quant). Without the fingerprint: the holder is a raw pool."""
+    layout = EngineSpec.resolve(EngineConfig(preset="small", **overrides)).layout
+    return KvLayout(
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size, layout.quant
+    )
+
+
+def layout_arg(layout: KvLayout) -> str:
+    """kv_peer's --layout."""
+    return (
+        f"{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.dtype},"
+        f"{layout.block_size},{layout.quant}"
+    )
 
 
 def start_kv_service(tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -96,11 +113,13 @@ def start_kv_service(tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, layout: KvLayout, kv_address: str, peer: Peer):
+    def __init__(
+        self, args: argparse.Namespace, layout: KvLayout, kv_address: str, peer: Peer, num_blocks: int = 0
+    ):
         self.args = args
         self.layout = layout
         self.peer = peer
-        self.num_blocks = max(PAYLOADS_MIB) * MIB // layout.block_bytes
+        self.num_blocks = num_blocks or max(PAYLOADS_MIB) * MIB // layout.block_bytes
         self.channel = grpc.aio.insecure_channel(kv_address)
         directory = AgentDirectory(kvtransfer_pb2_grpc.KvTransferServiceStub(self.channel))
         self.pool = PoolView(layout.allocate_pool(self.num_blocks), layout)
@@ -226,7 +245,7 @@ async def run(args: argparse.Namespace) -> None:
             f"bench-holder-{os.getpid()}",
             seed=1,
             num_blocks=num_blocks,
-            layout=f"{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.dtype},{layout.block_size}",
+            layout=layout_arg(layout),
             chunk_bytes=args.grpc_chunk_kib * 1024,
             agent_lease_ms=10_000,
             lease_ttl_s=120,
@@ -278,6 +297,10 @@ async def run(args: argparse.Namespace) -> None:
                     f"holder digests {digest_s * 1e3:.2f} ms + receiver check {check_s * 1e3:.2f} ms = "
                     f"{digest_ratio:.0%} of the NIXL pull ({pull_s * 1e3:.2f} ms, median of the same runs)"
                 )
+            await bench.close()
+            bench = None
+            peer.stop()
+            schemes = await handoff_by_scheme(args, tmp, kv_address)
         finally:
             if bench is not None:
                 await bench.close()
@@ -302,11 +325,65 @@ async def run(args: argparse.Namespace) -> None:
         f"{digest.default_threads()} thread(s)): "
         f"{digest_ratio:.0%} -> {'met' if digest_ratio <= 0.10 else 'MISSED'}"
     )
+    fp32, int8 = schemes["float32"], schemes["int8"]
+    bytes_ratio = int8[0] / fp32[0]
+    time_ratio = int8[1] / fp32[1]
+    print(
+        f"  target int8 KV bytes <= 0.3 of float32: {bytes_ratio:.3f} -> {'met' if bytes_ratio <= 0.3 else 'MISSED'}"
+    )
+    print(
+        f"  target int8 handoff time <= 0.4 of float32 (NIXL): {time_ratio:.2f} -> "
+        f"{'met' if time_ratio <= 0.4 else 'MISSED'} (gRPC: {int8[2] / fp32[2]:.2f})"
+    )
     nixl, grpc_, mem = rows[64]
     print(
         f"kv_transfer nixl_gbps={nixl:.2f} grpc_gbps={grpc_:.2f} memcpy_gbps={mem:.2f} "
-        f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f} digest_vs_handoff={digest_ratio:.2f}"
+        f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f} digest_vs_handoff={digest_ratio:.2f} "
+        f"int8_bytes_ratio={bytes_ratio:.3f} int8_handoff_vs_fp32={time_ratio:.2f}"
     )
+
+
+async def handoff_by_scheme(args: argparse.Namespace, tmp: Path, kv_address: str) -> dict:
+    """Per KV scheme: (bytes, NIXL ms, gRPC ms) of the 2,048-token handoff, a fresh holder each."""
+    out = {}
+    print()
+    print(f"  handoff of a {PROMPT_TOKENS}-token prompt's KV by scheme (`small` preset):")
+    for name, overrides in (
+        ("float32", {"dtype": "float32"}),
+        ("bfloat16", {"dtype": "bfloat16"}),
+        ("int8", {"dtype": "float32", "kv_cache_quant": "int8"}),
+    ):
+        layout = small_layout(**overrides)
+        n = PROMPT_TOKENS // layout.block_size
+        peer = Peer(
+            tmp,
+            kv_address,
+            f"bench-holder-{name}-{os.getpid()}",
+            seed=2,
+            num_blocks=n,
+            layout=layout_arg(layout),
+            chunk_bytes=args.grpc_chunk_kib * 1024,
+            agent_lease_ms=10_000,
+            lease_ttl_s=120,
+        )
+        bench = None
+        try:
+            await peer.ready()
+            bench = Bench(args, layout, kv_address, peer, num_blocks=n)
+            await bench.nixl.start()
+            ids = list(range(n))
+            nixl, grpc_, _ = await bench.measure(ids, ids, max(5, reps_for(1, args.quick)))
+            nbytes = n * layout.block_bytes
+            out[name] = (nbytes, nbytes / nixl / 1e6, nbytes / grpc_ / 1e6)
+            print(
+                f"    {name:9s} {nbytes / MIB:6.2f} MiB ({layout.block_bytes} B/block): "
+                f"nixl {out[name][1]:.2f} ms, grpc {out[name][2]:.2f} ms"
+            )
+        finally:
+            if bench is not None:
+                await bench.close()
+            peer.stop()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

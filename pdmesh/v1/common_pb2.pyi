@@ -85,20 +85,26 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "block_bytes")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "block_bytes", "kv_quant", "kv_scale_layout", "model_fingerprint")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_QUANT_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     block_size: int
     block_bytes: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    kv_quant: str
+    kv_scale_layout: str
+    model_fingerprint: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_quant: _Optional[str] = ..., kv_scale_layout: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class NixlBlockDescriptors(_message.Message):
     __slots__ = ("agent_name", "layout", "block_ids", "num_tokens", "kv_source_address", "block_digests", "digest_algorithm")

@@ -177,6 +177,13 @@ class EngineStats:
     prompt_tokens_cached: int
     prompt_tokens_transferred: int
     preemptions: int
+    # Quantization (issue 22): the linears' scheme, their bytes as stored and the worst
+    # relative round-trip error over them; the KV pool's scheme and bytes.
+    weight_scheme: str = "fp"
+    weight_bytes: int = 0
+    weight_quant_error: float = 0.0
+    kv_scheme: str = "none"
+    kv_pool_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from services.model.model_config import PRESETS
 
 BACKENDS = ("torch", "sim", "trtllm")
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_SCHEMES = ("fp", "int8", "int4")  # services/engine/quantize.py
+KV_SCHEMES = ("none", "int8")  # kvtransfer/layout.py KV_QUANT
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,13 @@ class EngineConfig:
     )
     max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
     num_threads: int = setting(0, "torch intra-op threads of the step loop; 0 = torch's default")
+    weights: str = setting(
+        "fp",
+        f"linear weights, one of {WEIGHT_SCHEMES}: fp = dtype; int8 / int4 = weight-only quantized (CPU)",
+    )
+    kv_cache_quant: str = setting(
+        "none", f"KV pool scheme, one of {KV_SCHEMES}: int8 = int8 blocks with per-block, per-head scales"
+    )
     pack_weights: bool = setting(True, "prepack linear weights with oneDNN on CPU (faster small batches)")
     seed: int = setting(0, "seed of the built-in model's random weights")
     enable_prefix_caching: bool = setting(True, "reuse KV of cached prompt prefixes")
@@ -58,6 +67,14 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+        for name, allowed in (
+            ("weights", WEIGHT_SCHEMES),
+            ("kv_cache_quant", KV_SCHEMES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.weights != "fp" and self.device != "cpu":
+            raise ValueError("EngineConfig.weights int8/int4 uses torch's CPU kernels: device must be 'cpu'")
         positive = (
             "block_size",
             "kv_cache_bytes",

@@ -8,7 +8,9 @@ LLMEngine and ModelRunner are built from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
 
 from kvtransfer.layout import KvLayout
 from services.engine.api import EngineCapabilities, EngineInfo, Tokenizer
@@ -44,6 +46,8 @@ class EngineSpec:
             head_dim=model.head_dim,
             dtype=config.dtype,
             block_size=config.block_size,
+            quant=config.kv_cache_quant,
+            fingerprint=model_fingerprint(config, model),
         )
         max_len = _context_limit(config, model)
         num_blocks = config.num_blocks
@@ -65,6 +69,20 @@ class EngineSpec:
             capabilities=EngineCapabilities(moves_kv_itself=False, exports_kv_pool=True),
         )
         return cls(config, model, tokenizer, layout, num_blocks, max_len, info)
+
+
+def model_fingerprint(config: EngineConfig, model: ModelConfig) -> str:
+    """A short hash of what makes one engine's KV usable by another: the model's config, which
+    weights (model id; the seed of the built-in ones) and how they are quantized. KV from an int4
+    engine differs from the fp one's by more than the KV quantization a receiver expects.
+    The dtype and KV scheme are checked as layout fields of their own."""
+    ident = {
+        "model": asdict(model),
+        "model_id": config.resolved_model_id,
+        "seed": config.seed if config.model_path is None else None,
+        "weights": config.weights,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _dynamic_limit(model: ModelConfig) -> int:

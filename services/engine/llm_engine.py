@@ -78,6 +78,14 @@ class LLMEngine:
         # False when the last step could neither compute nor preempt anything: only
         # an outside change (release, abort, cancel) can unblock the queue then.
         self.last_step_progressed = True
+        report = getattr(self.runner, "quant_report", None)  # a SimRunner has none
+        self._quant_stats = {
+            "weight_scheme": config.weights,
+            "weight_bytes": report.quant_bytes if report is not None else 0,
+            "weight_quant_error": report.max_rel_error if report is not None else 0.0,
+            "kv_scheme": self.spec.layout.quant,
+            "kv_pool_bytes": self.spec.num_blocks * self.spec.layout.block_bytes,
+        }
 
     # ---- requests -------------------------------------------------------
 
@@ -188,9 +196,9 @@ class LLMEngine:
         """Write transferred KV into blocks reserved for transfer (layout checked first)."""
         layout.check_compatible(self.spec.layout)
         expected = (len(block_ids), *self.spec.layout.block_shape)
-        if tuple(blocks.shape) != expected or blocks.dtype != self.spec.layout.torch_dtype:
+        if tuple(blocks.shape) != expected or blocks.dtype != self.spec.layout.storage_dtype:
             raise LayoutMismatch(
-                f"KV blocks {tuple(blocks.shape)} {blocks.dtype} != {expected} {layout.dtype}"
+                f"KV blocks {tuple(blocks.shape)} {blocks.dtype} != {expected} {self.spec.layout.storage_dtype}"
             )
         writable = {
             b
@@ -245,6 +253,7 @@ class LLMEngine:
             prompt_tokens_cached=sched.prompt_tokens_cached,
             prompt_tokens_transferred=self.prompt_tokens_transferred,
             preemptions=sched.num_preemptions,
+            **self._quant_stats,
         )
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

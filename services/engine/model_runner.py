@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.api import EngineRequest
-from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, QuantKvLayer
 from services.engine.engine_spec import EngineSpec
 from services.engine.loader import load_model
-from services.engine.packing import can_pack, pack_linears
+from services.engine.packing import PackedLinear, can_pack, pack_linears
+from services.engine.quantize import MAX_QUANT_ROWS, quantize_linears
 from services.engine.sampler import Sampler, SampleRow
 from services.engine.sequence import Sequence
 
@@ -41,11 +42,23 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.device = torch.device(cfg.device)
         self.model = load_model(spec)
-        if cfg.pack_weights and can_pack(self.device, spec.layout.torch_dtype):
+        packs = cfg.pack_weights and can_pack(self.device, spec.layout.torch_dtype)
+        # Quantized linears keep a packed dense copy for batched steps when the engine batches
+        # (quantize.MAX_QUANT_ROWS); packing then takes what stays dense.
+        dense = None
+        if packs and cfg.max_num_seqs > MAX_QUANT_ROWS:
+            dense = lambda linear: PackedLinear(linear, cfg.max_num_seqs)  # noqa: E731
+        self.quant_report = quantize_linears(self.model, cfg.weights, dense=dense)
+        if packs:
             pack_linears(self.model, batch_hint=cfg.max_num_seqs)
         self.kv_pool = spec.layout.allocate_pool(spec.num_blocks, self.device)
-        # Per-layer views [N, 2, bs, Hkv, Dh] of the one pool tensor.
-        self.kv_layers = [self.kv_pool[:, i] for i in range(spec.model.num_layers)]
+        # Per-layer views [N, 2, bs, Hkv, Dh] of the one pool tensor; with int8 KV, a
+        # QuantKvLayer of the int8 values and their [N, 2, Hkv] scales (attention.py).
+        data, scales = spec.layout.kv_views(self.kv_pool)
+        if scales is None:
+            self.kv_layers = [data[:, i] for i in range(spec.model.num_layers)]
+        else:
+            self.kv_layers = [QuantKvLayer(data[:, i], scales[:, i]) for i in range(spec.model.num_layers)]
         self.sampler = Sampler()
 
     @torch.inference_mode()

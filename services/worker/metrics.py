@@ -61,3 +61,22 @@ class EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["role"])
             c.add_metric([self._role], value)
             yield c
+        # Bytes by scheme (issue 22): what quantization saves, and what it costs in accuracy.
+        for name, doc, scheme, value in (
+            (
+                "pdmesh_engine_weight_bytes",
+                "bytes of the quantized linears as stored (0 = fp)",
+                s.weight_scheme,
+                s.weight_bytes,
+            ),
+            (
+                "pdmesh_engine_weight_quant_error",
+                "worst relative round-trip error of a quantized linear's weight",
+                s.weight_scheme,
+                s.weight_quant_error,
+            ),
+            ("pdmesh_kv_pool_bytes", "bytes of the KV pool", s.kv_scheme, s.kv_pool_bytes),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["role", "scheme"])
+            g.add_metric([self._role, str(scheme)], value)
+            yield g

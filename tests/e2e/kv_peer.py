@@ -45,8 +45,9 @@ REPO = Path(__file__).resolve().parents[2]
 def parse_layout(text: str):
     from kvtransfer.layout import KvLayout
 
-    layers, heads, dim, dtype, block = text.split(",")
-    return KvLayout(int(layers), int(heads), int(dim), dtype, int(block))
+    # "layers,heads,dim,dtype,block[,quant]" (quant: kvtransfer.layout.KV_QUANT, default none)
+    layers, heads, dim, dtype, block, *quant = text.split(",")
+    return KvLayout(int(layers), int(heads), int(dim), dtype, int(block), *quant)
 
 
 _control = sys.stdout  # replaced in main() by a private copy of fd 1

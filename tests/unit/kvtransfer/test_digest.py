@@ -126,3 +126,16 @@ def test_transports_from_the_factory_require_digests():
     p = pool()
     t = create_transport("grpc", agent_name="a", pool=p, worker_id="w", directory=None)
     assert t.integrity.require is True
+
+
+def test_int8_block_digests_cover_the_scales_inside_each_block():
+    from kvtransfer.layout import KvLayout
+
+    q = KvLayout(2, 2, 16, "float32", 4, quant="int8")
+    p = pool(layout=q, n=4)
+    _, scales = q.kv_views(p.pool)
+    scales[2] = 0.5
+    before = digest.block_digest(p, 2)
+    scales[2, 1, 0, 1] = 1.0  # one scale of block 2: its values would dequantize to twice themselves
+    assert digest.block_digest(p, 2) != before
+    assert digest.block_digest(p, 1) == digest.block_digest(pool(layout=q, n=4), 1)

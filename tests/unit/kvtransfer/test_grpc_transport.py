@@ -271,3 +271,31 @@ async def test_same_block_bytes_but_another_layout_is_refused_by_the_source(pair
     )
     assert "reader's pool" in str(err)
     await wrong.transport.close()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        KvLayout(2, 2, 16, "float32", 4, quant="int8"),  # receiver's pool is int8, holder's fp32
+        KvLayout(2, 2, 16, "float32", 4, fingerprint="other-model"),
+    ],
+    ids=["quant", "fingerprint"],
+)
+async def test_pull_into_another_scheme_or_model_is_refused_before_any_byte(pair, other):
+    holder, _ = pair
+    h = holder.export("q-" + other.quant, [1, 2])
+    if other.fingerprint:  # the holder's engine names its model; the reader's names another
+        h = BlockHandle(
+            h.handle_id,
+            h.agent_name,
+            KvLayout(2, 2, 16, "float32", 4, fingerprint="holder-model"),
+            h.block_ids,
+            h.num_tokens,
+            h.kv_source_address,
+            "dec-1",
+        )
+    wrong = Receiver(layout=other)
+    err = await expect_failure(FailureKind.LAYOUT_MISMATCH, wrong.pull(h, h.block_ids, [0, 1]), wrong)
+    assert ("quant" if other.quant != "none" else "fingerprint") in str(err)
+    assert wrong.blocks.num_free == N
+    await wrong.transport.close()

@@ -123,3 +123,56 @@ def test_decoder_skips_unknown_fields_and_refuses_garbage():
     for bad in (b"\x12\x05ab", b"\x08", b"\x0b", b"\x31\x00"):
         with pytest.raises(WireError):
             decode_chunk(bad)
+
+
+# ---- quantized KV and model fingerprints (issue 22) -------------------------------
+
+INT8 = KvLayout(8, 4, 64, "bfloat16", 16, quant="int8", fingerprint="abc123")
+
+
+def test_quantized_layout_round_trips_with_scheme_scales_and_fingerprint():
+    msg = layout_to_proto(INT8)
+    assert (msg.kv_quant, msg.kv_scale_layout, msg.model_fingerprint) == (
+        "int8",
+        INT8.scale_layout,
+        "abc123",
+    )
+    assert msg.block_bytes == INT8.block_bytes == 8 * 2 * 16 * 4 * 64 + 8 * 2 * 4 * 4
+    assert layout_from_proto(msg) == INT8
+    # A sender from before quantized KV leaves the fields empty: plain, unfingerprinted.
+    assert layout_from_proto(layout_to_proto(SMALL)) == SMALL
+
+
+def test_wire_layout_with_another_scale_layout_or_unknown_scheme_is_refused():
+    msg = layout_to_proto(INT8)
+    msg.kv_scale_layout = "float16[layer,kv,head,token]/block"
+    with pytest.raises(LayoutMismatch, match="scale layout"):
+        layout_from_proto(msg)
+    msg = layout_to_proto(SMALL)
+    msg.kv_scale_layout = INT8.scale_layout  # scales claimed for an unquantized layout
+    with pytest.raises(LayoutMismatch, match="scale layout"):
+        layout_from_proto(msg)
+    msg = layout_to_proto(INT8)
+    msg.kv_quant = "fp4"
+    with pytest.raises(LayoutMismatch, match="quantization"):
+        layout_from_proto(msg)
+
+
+@pytest.mark.parametrize(
+    ("other", "field"),
+    [
+        (KvLayout(8, 4, 64, "bfloat16", 16, quant="int8", fingerprint="abc123"), None),
+        (KvLayout(8, 4, 64, "bfloat16", 16, fingerprint="abc123"), "quant"),
+        (KvLayout(8, 4, 64, "bfloat16", 16, quant="int8", fingerprint="def456"), "fingerprint"),
+        # An unfingerprinted raw pool (a transport test's) is not refused for want of one.
+        (KvLayout(8, 4, 64, "bfloat16", 16, quant="int8"), None),
+    ],
+)
+def test_check_compatible_refuses_another_scheme_or_model(other, field):
+    if field is None:
+        INT8.check_compatible(other)
+        return
+    with pytest.raises(LayoutMismatch, match=field):
+        INT8.check_compatible(other)
+    with pytest.raises(LayoutMismatch, match=field):
+        other.check_compatible(INT8)
