@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/common.proto\x12\tpdmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc1\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x07\n\x05_seed\"P\n\x0fWorkflowContext\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x12\n\nstep_index\x18\x02 \x01(\r\x12\x14\n\x0ctokens_spent\x18\x03 \x01(\x04\"p\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x04\"~\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\"\xc2\x01\n\x14NixlBlockDescriptors\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.KvLayout\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x19\n\x11kv_source_address\x18\x05 \x01(\t\x12\x15\n\rblock_digests\x18\x06 \x01(\x0c\x12\x18\n\x10\x64igest_algorithm\x18\x07 \x01(\t\"\xc0\x02\n\x0b\x45ngineState\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x19\n\x0copaque_state\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x18\n\x10\x66irst_gen_tokens\x18\x03 \x03(\r\x12\x1b\n\x0e\x63tx_request_id\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\r\x12\x1e\n\x11\x64isagg_request_id\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x18\n\x0b\x63tx_dp_rank\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1e\n\x11\x63tx_info_endpoint\x18\x08 \x01(\tH\x04\x88\x01\x01\x42\x0f\n\r_opaque_stateB\x11\n\x0f_ctx_request_idB\x14\n\x12_disagg_request_idB\x0e\n\x0c_ctx_dp_rankB\x14\n\x12_ctx_info_endpoint\"\xe8\x01\n\x08KvHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x11\n\tissued_to\x18\x02 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x03 \x01(\x03\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x36\n\x0bnixl_blocks\x18\x06 \x01(\x0b\x32\x1f.pdmesh.v1.NixlBlockDescriptorsH\x00\x12.\n\x0c\x65ngine_state\x18\x07 \x01(\x0b\x32\x16.pdmesh.v1.EngineStateH\x00\x42\t\n\x07payload\"\xa3\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.pdmesh.v1.WorkerRole\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12/\n\x0b\x61\x63\x63\x65lerator\x18\x06 \x01(\x0e\x32\x1a.pdmesh.v1.AcceleratorKind\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x16\n\x0e\x65ngine_backend\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x15\n\rkv_agent_name\x18\x0b \x01(\t\"\xa9\x01\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0etokens_waiting\x18\x03 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x19\n\x11\x65stimated_wait_ms\x18\x06 \x01(\x01\x12\x1c\n\x14\x61\x63tive_decode_blocks\x18\x07 \x01(\r\"\xa8\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06stored\x18\x02 \x01(\x0b\x32\x19.pdmesh.v1.KvBlocksStoredH\x00\x12-\n\x07removed\x18\x03 \x01(\x0b\x32\x1a.pdmesh.v1.KvBlocksRemovedH\x00\x12,\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.KvCacheClearedH\x00\x42\x06\n\x04kind\"P\n\x0eKvBlocksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x06H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x42\x0e\n\x0c_parent_hash\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x10\n\x0eKvCacheCleared\"\xa6\x01\n\x0e\x45ngineCounters\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\x04\x12\x1e\n\x16\x64\x65\x63ode_tokens_computed\x18\x02 \x01(\x04\x12\x1c\n\x14prompt_tokens_cached\x18\x03 \x01(\x04\x12!\n\x19prompt_tokens_transferred\x18\x04 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02*h\n\x0f\x41\x63\x63\x65leratorKind\x12 \n\x1c\x41\x43\x43\x45LERATOR_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41\x43\x43\x45LERATOR_KIND_CPU\x10\x01\x12\x19\n\x15\x41\x43\x43\x45LERATOR_KIND_CUDA\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/common.proto\x12\tpdmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc1\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x07\n\x05_seed\"d\n\x0fWorkflowContext\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x12\n\nstep_index\x18\x02 \x01(\r\x12\x14\n\x0ctokens_spent\x18\x03 \x01(\x04\x12\x12\n\nfinal_step\x18\x04 \x01(\x08\"p\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x04\"~\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\"\xc2\x01\n\x14NixlBlockDescriptors\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.KvLayout\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x19\n\x11kv_source_address\x18\x05 \x01(\t\x12\x15\n\rblock_digests\x18\x06 \x01(\x0c\x12\x18\n\x10\x64igest_algorithm\x18\x07 \x01(\t\"\xc0\x02\n\x0b\x45ngineState\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x19\n\x0copaque_state\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x18\n\x10\x66irst_gen_tokens\x18\x03 \x03(\r\x12\x1b\n\x0e\x63tx_request_id\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\r\x12\x1e\n\x11\x64isagg_request_id\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x18\n\x0b\x63tx_dp_rank\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1e\n\x11\x63tx_info_endpoint\x18\x08 \x01(\tH\x04\x88\x01\x01\x42\x0f\n\r_opaque_stateB\x11\n\x0f_ctx_request_idB\x14\n\x12_disagg_request_idB\x0e\n\x0c_ctx_dp_rankB\x14\n\x12_ctx_info_endpoint\"\xe8\x01\n\x08KvHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x11\n\tissued_to\x18\x02 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x03 \x01(\x03\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x36\n\x0bnixl_blocks\x18\x06 \x01(\x0b\x32\x1f.pdmesh.v1.NixlBlockDescriptorsH\x00\x12.\n\x0c\x65ngine_state\x18\x07 \x01(\x0b\x32\x16.pdmesh.v1.EngineStateH\x00\x42\t\n\x07payload\"\xa3\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.pdmesh.v1.WorkerRole\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12/\n\x0b\x61\x63\x63\x65lerator\x18\x06 \x01(\x0e\x32\x1a.pdmesh.v1.AcceleratorKind\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x16\n\x0e\x65ngine_backend\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x15\n\rkv_agent_name\x18\x0b \x01(\t\"\xa9\x01\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0etokens_waiting\x18\x03 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x19\n\x11\x65stimated_wait_ms\x18\x06 \x01(\x01\x12\x1c\n\x14\x61\x63tive_decode_blocks\x18\x07 \x01(\r\"\xa8\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06stored\x18\x02 \x01(\x0b\x32\x19.pdmesh.v1.KvBlocksStoredH\x00\x12-\n\x07removed\x18\x03 \x01(\x0b\x32\x1a.pdmesh.v1.KvBlocksRemovedH\x00\x12,\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.KvCacheClearedH\x00\x42\x06\n\x04kind\"P\n\x0eKvBlocksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x06H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x42\x0e\n\x0c_parent_hash\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x10\n\x0eKvCacheCleared\"\xe9\x01\n\x0e\x45ngineCounters\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\x04\x12\x1e\n\x16\x64\x65\x63ode_tokens_computed\x18\x02 \x01(\x04\x12\x1c\n\x14prompt_tokens_cached\x18\x03 \x01(\x04\x12!\n\x19prompt_tokens_transferred\x18\x04 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x15 \x01(\x04\x12\x14\n\x0cpins_evicted\x18\x16 \x01(\x04\x12\x14\n\x0cpins_expired\x18\x17 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02*h\n\x0f\x41\x63\x63\x65leratorKind\x12 \n\x1c\x41\x43\x43\x45LERATOR_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41\x43\x43\x45LERATOR_KIND_CPU\x10\x01\x12\x19\n\x15\x41\x43\x43\x45LERATOR_KIND_CUDA\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2284
-  _globals['_FINISHREASON']._serialized_end=2404
-  _globals['_WORKERROLE']._serialized_start=2406
-  _globals['_WORKERROLE']._serialized_end=2496
-  _globals['_ACCELERATORKIND']._serialized_start=2498
-  _globals['_ACCELERATORKIND']._serialized_end=2602
+  _globals['_FINISHREASON']._serialized_start=2371
+  _globals['_FINISHREASON']._serialized_end=2491
+  _globals['_WORKERROLE']._serialized_start=2493
+  _globals['_WORKERROLE']._serialized_end=2583
+  _globals['_ACCELERATORKIND']._serialized_start=2585
+  _globals['_ACCELERATORKIND']._serialized_end=2689
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_SAMPLINGPARAMS']._serialized_start=63
   _globals['_SAMPLINGPARAMS']._serialized_end=256
   _globals['_WORKFLOWCONTEXT']._serialized_start=258
-  _globals['_WORKFLOWCONTEXT']._serialized_end=338
-  _globals['_USAGE']._serialized_start=340
-  _globals['_USAGE']._serialized_end=452
-  _globals['_KVLAYOUT']._serialized_start=454
-  _globals['_KVLAYOUT']._serialized_end=580
-  _globals['_NIXLBLOCKDESCRIPTORS']._serialized_start=583
-  _globals['_NIXLBLOCKDESCRIPTORS']._serialized_end=777
-  _globals['_ENGINESTATE']._serialized_start=780
-  _globals['_ENGINESTATE']._serialized_end=1100
-  _globals['_KVHANDLE']._serialized_start=1103
-  _globals['_KVHANDLE']._serialized_end=1335
-  _globals['_WORKERINFO']._serialized_start=1338
-  _globals['_WORKERINFO']._serialized_end=1629
-  _globals['_WORKERLOAD']._serialized_start=1632
-  _globals['_WORKERLOAD']._serialized_end=1801
-  _globals['_KVEVENT']._serialized_start=1804
-  _globals['_KVEVENT']._serialized_end=1972
-  _globals['_KVBLOCKSSTORED']._serialized_start=1974
-  _globals['_KVBLOCKSSTORED']._serialized_end=2054
-  _globals['_KVBLOCKSREMOVED']._serialized_start=2056
-  _globals['_KVBLOCKSREMOVED']._serialized_end=2095
-  _globals['_KVCACHECLEARED']._serialized_start=2097
-  _globals['_KVCACHECLEARED']._serialized_end=2113
-  _globals['_ENGINECOUNTERS']._serialized_start=2116
-  _globals['_ENGINECOUNTERS']._serialized_end=2282
+  _globals['_WORKFLOWCONTEXT']._serialized_end=358
+  _globals['_USAGE']._serialized_start=360
+  _globals['_USAGE']._serialized_end=472
+  _globals['_KVLAYOUT']._serialized_start=474
+  _globals['_KVLAYOUT']._serialized_end=600
+  _globals['_NIXLBLOCKDESCRIPTORS']._serialized_start=603
+  _globals['_NIXLBLOCKDESCRIPTORS']._serialized_end=797
+  _globals['_ENGINESTATE']._serialized_start=800
+  _globals['_ENGINESTATE']._serialized_end=1120
+  _globals['_KVHANDLE']._serialized_start=1123
+  _globals['_KVHANDLE']._serialized_end=1355
+  _globals['_WORKERINFO']._serialized_start=1358
+  _globals['_WORKERINFO']._serialized_end=1649
+  _globals['_WORKERLOAD']._serialized_start=1652
+  _globals['_WORKERLOAD']._serialized_end=1821
+  _globals['_KVEVENT']._serialized_start=1824
+  _globals['_KVEVENT']._serialized_end=1992
+  _globals['_KVBLOCKSSTORED']._serialized_start=1994
+  _globals['_KVBLOCKSSTORED']._serialized_end=2074
+  _globals['_KVBLOCKSREMOVED']._serialized_start=2076
+  _globals['_KVBLOCKSREMOVED']._serialized_end=2115
+  _globals['_KVCACHECLEARED']._serialized_start=2117
+  _globals['_KVCACHECLEARED']._serialized_end=2133
+  _globals['_ENGINECOUNTERS']._serialized_start=2136
+  _globals['_ENGINECOUNTERS']._serialized_end=2369
 # @@protoc_insertion_point(module_scope)
