@@ -287,6 +287,7 @@ class Sim:
         name = step.wf.kind.name  # wait = admission queue + the worker's local queue
         self.max_wait[name] = max(self.max_wait[name], self.now - step.queued_at)
         bm = fleet.bms[w]
+        bm.expire_pins()  # as the engine's scheduler does each step
         fleet.running[w] += 1
         tokens = step.prompt + step.out_tokens
         seq = Sequence(EngineRequest(f"{step.wf.id}/{step.index}", tokens), BLOCK, None)
