@@ -18,7 +18,8 @@ prefix, then the shortest queue (a prefix-aware router, used by every policy).
 Workflows: single-call chat, 10-20-call copilot, 40-60-call research agent;
 each call's prompt is the conversation so far plus a new user/tool message;
 think/tool gaps between calls; one deadline per workflow (every step carries
-it as its gRPC deadline). Offered load = overload x the fleet's capacity
+it as its gRPC deadline). Deterministic for a seed (token ids from crc32 of the
+workflow id, not Python's per-process string hash). Offered load = overload x the fleet's capacity
 (slot-seconds of the workload's steps at ideal cache reuse).
 
 Policies (same workload, same fleet):
@@ -39,6 +40,7 @@ import itertools
 import math
 import random
 import sys
+import zlib
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -192,7 +194,7 @@ class Sim:
         self.events: list = []
         self.ids = itertools.count()
         self.workload = [
-            replace(w, context=[], tokens_rng=random.Random(hash(w.id) & 0xFFFF)) for w in workload
+            replace(w, context=[], tokens_rng=random.Random(zlib.crc32(w.id.encode()))) for w in workload
         ]
         for w in self.workload:
             w.deadline = w.arrival + w.kind.slack * self.unloaded_s(w)
