@@ -63,14 +63,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class WorkflowContext(_message.Message):
-    __slots__ = ("workflow_id", "step_index", "tokens_spent")
+    __slots__ = ("workflow_id", "step_index", "tokens_spent", "final_step")
     WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_SPENT_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STEP_FIELD_NUMBER: _ClassVar[int]
     workflow_id: str
     step_index: int
     tokens_spent: int
-    def __init__(self, workflow_id: _Optional[str] = ..., step_index: _Optional[int] = ..., tokens_spent: _Optional[int] = ...) -> None: ...
+    final_step: bool
+    def __init__(self, workflow_id: _Optional[str] = ..., step_index: _Optional[int] = ..., tokens_spent: _Optional[int] = ..., final_step: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "computed_tokens")
@@ -237,15 +239,21 @@ class KvCacheCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "decode_tokens_computed", "prompt_tokens_cached", "prompt_tokens_transferred", "preemptions")
+    __slots__ = ("prompt_tokens_computed", "decode_tokens_computed", "prompt_tokens_cached", "prompt_tokens_transferred", "preemptions", "pinned_blocks", "pins_evicted", "pins_expired")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    PINS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     decode_tokens_computed: int
     prompt_tokens_cached: int
     prompt_tokens_transferred: int
     preemptions: int
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_transferred: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    pinned_blocks: int
+    pins_evicted: int
+    pins_expired: int
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_transferred: _Optional[int] = ..., preemptions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_evicted: _Optional[int] = ..., pins_expired: _Optional[int] = ...) -> None: ...

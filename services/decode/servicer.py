@@ -126,6 +126,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             sampling=sampling,
             resume_token_ids=tuple(r.resume_token_ids),
             priority=r.priority,
+            # Pins this step's KV for the workflow's next step (EngineConfig.workflow_pin_ttl_s).
+            workflow_id=r.workflow.workflow_id,
+            workflow_final=r.workflow.final_step,
         )
         candidates = [
             Candidate(c.worker_id or c.address, c.address, c.estimated_wait_ms / 1000.0)

@@ -84,6 +84,11 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     resume_token_ids: Sequence[int] = ()
     priority: int = 0
+    # Agent workflow this request is a step of (WorkflowContext.workflow_id; "" =
+    # none): with EngineConfig.workflow_pin_ttl_s its cached blocks stay pinned
+    # for the next step. `workflow_final`: the last step; its end releases the pin.
+    workflow_id: str = ""
+    workflow_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,11 @@ class EngineStats:
     weight_quant_error: float = 0.0
     kv_scheme: str = "none"
     kv_pool_bytes: int = 0
+    # Workflow KV pins (BlockManager): blocks held now, lifetime pins released
+    # under pressure and on their TTL.
+    pinned_blocks: int = 0
+    pins_evicted: int = 0
+    pins_expired: int = 0
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -337,7 +338,12 @@ class TorchEngine:
         items: list[tuple[str, str, Any]] = []
         while True:
             idle = not core.has_unfinished_requests() or not core.last_step_progressed
-            for cmd in self._take_commands(block=idle):
+            # An idle engine still wakes for the next workflow pin's TTL, so its
+            # blocks go back to the pool without waiting for a request.
+            bm = core.block_manager
+            expiry = bm.next_pin_expiry()
+            timeout = None if expiry is None else max(expiry - time.monotonic(), 0.0)
+            for cmd in self._take_commands(block=idle, timeout=timeout):
                 if cmd is _STOP:
                     items += [("abort", rid, _aborted(rid)) for rid in core.abort_all()]
                     self._post(self._deliver, items, True)
@@ -345,6 +351,8 @@ class TorchEngine:
                 result = cmd(core)
                 if isinstance(result, list):  # deliveries; other results went through a future
                     items += result
+            if expiry is not None:
+                bm.expire_pins()
             if core.has_unfinished_requests():
                 items += self._step(core)
             seq = core.block_manager.events.last_seq
@@ -352,8 +360,13 @@ class TorchEngine:
                 self._post(self._deliver, items, seq != last_event)
                 items, last_event = [], seq
 
-    def _take_commands(self, block: bool) -> list[Any]:
-        cmds = [self._commands.get()] if block else []
+    def _take_commands(self, block: bool, timeout: float | None = None) -> list[Any]:
+        cmds = []
+        if block:
+            try:
+                cmds.append(self._commands.get(timeout=timeout))
+            except queue.Empty:  # the timeout passed: a pin to expire
+                return []
         while True:
             try:
                 cmds.append(self._commands.get_nowait())

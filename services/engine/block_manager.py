@@ -10,13 +10,25 @@ hash (it stays a cache hit) and joins the tail; blocks without a hash join the
 head, so they are reused before any cached block is evicted. A sequence frees
 its blocks last-first, so a chain is evicted from its end and a surviving
 prefix stays matchable.
+
+Workflow pins: between two steps of an agent workflow (a tool call, the user
+thinking) the engine keeps the workflow's cached blocks out of the free queue
+for `pin_ttl_s`, so the next step's prompt (the conversation so far) is still a
+cache hit (cf. Continuum). A pin holds one reference per block. It ends on its
+TTL (`expire_pins`, counted as expired), when the workflow ends (`unpin`), when
+the next step pins again (replaced), or under pressure: an allocation that
+would fail releases pins lowest value first (fewest blocks = least recompute
+lost, then the soonest to expire), counted as evicted.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from services.engine.kv_events import KvEventLog
 from services.engine.sequence import Sequence
@@ -34,8 +46,31 @@ class Block:
         self.parent_hash: int | None = None
 
 
+@dataclass
+class _Pin:
+    block_ids: list[int]
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class PinStats:
+    pinned_blocks: int  # blocks held by pins now
+    pinned_workflows: int
+    pins_expired: int  # lifetime: released on their TTL
+    pins_evicted: int  # lifetime: released under pressure
+    pins_released: int  # lifetime: released at the workflow's end
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, event_capacity: int):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        event_capacity: int,
+        pin_ttl_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -45,6 +80,11 @@ class BlockManager:
         self.events = KvEventLog(event_capacity)
         # Guards `_cached` + the event log together, for readers on other threads.
         self._lock = threading.Lock()
+        self.pin_ttl_s = pin_ttl_s  # 0 = workflows are not pinned
+        self._clock = clock
+        self._pins: dict[str, _Pin] = {}  # workflow id -> its pin
+        self._pinned_blocks = 0
+        self._pins_expired = self._pins_evicted = self._pins_released = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,11 +131,18 @@ class BlockManager:
         need = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(cached))
         # A hit nobody references sits in the free queue: taking it uses a free slot.
         idle_hits = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        if need + idle_hits > len(self._free):
+        short = need + idle_hits > len(self._free)
+        if short and not self._pins:
             return False
+        for block_id in cached:  # hold the hits, so releasing pins cannot evict them
+            self._ref(block_id)
+        if short:
+            self._release_pins_for(need)
+            if need > len(self._free):
+                for block_id in reversed(cached):  # undo: all or nothing
+                    self._unref(block_id)
+                return False
         if cached:
-            for block_id in cached:
-                self._ref(block_id)
             seq.block_table.extend(cached)
             seq.num_registered_blocks = len(seq.block_table)
         evicted: list[int] = []
@@ -108,12 +155,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first; blocks stay cached until evicted."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            self._unref(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
 
@@ -157,6 +199,87 @@ class BlockManager:
         with self._lock:
             pairs = [(self.blocks[b].parent_hash, h) for h, b in self._cached.items()]
             return self.events.last_seq, pairs
+
+    # ---- workflow pins ------------------------------------------------------
+
+    def pin(self, workflow_id: str, seq: Sequence) -> int:
+        """Keep `seq`'s cached blocks (its full, hashed prefix) for the next step of
+        `workflow_id`, for pin_ttl_s; call before `free(seq)`. Replaces the
+        workflow's previous pin. Returns the blocks pinned."""
+        if not workflow_id or self.pin_ttl_s <= 0 or not self.enable_prefix_caching:
+            return 0
+        keep: list[int] = []
+        for block_id in seq.block_table[: seq.num_registered_blocks]:
+            if self.blocks[block_id].block_hash is None:
+                break  # a prefix only: later blocks could not be matched anyway
+            keep.append(block_id)
+        for block_id in keep:
+            self._ref(block_id)
+        self._drop_pin(workflow_id)  # after taking the new refs: shared blocks never hit 0
+        if keep:
+            self._pins[workflow_id] = _Pin(keep, self._clock() + self.pin_ttl_s)
+            self._pinned_blocks += len(keep)
+        return len(keep)
+
+    def unpin(self, workflow_id: str) -> bool:
+        """The workflow ended: release its pin. False if it had none."""
+        if self._drop_pin(workflow_id):
+            self._pins_released += 1
+            return True
+        return False
+
+    def expire_pins(self, now: float | None = None) -> int:
+        """Release pins past their TTL; returns how many."""
+        now = self._clock() if now is None else now
+        done = [w for w, p in self._pins.items() if p.expires_at <= now]
+        for w in done:
+            self._drop_pin(w)
+        self._pins_expired += len(done)
+        return len(done)
+
+    def next_pin_expiry(self) -> float | None:
+        """When the soonest pin expires (None: no pins)."""
+        return min((p.expires_at for p in self._pins.values()), default=None)
+
+    def pinned(self, workflow_id: str) -> int:
+        """Blocks pinned for `workflow_id` (0: none)."""
+        pin = self._pins.get(workflow_id)
+        return len(pin.block_ids) if pin else 0
+
+    def pin_stats(self) -> PinStats:
+        return PinStats(
+            pinned_blocks=self._pinned_blocks,
+            pinned_workflows=len(self._pins),
+            pins_expired=self._pins_expired,
+            pins_evicted=self._pins_evicted,
+            pins_released=self._pins_released,
+        )
+
+    def _release_pins_for(self, need: int) -> None:
+        """Pressure: release pins, lowest value first, until `need` blocks are free."""
+        order = sorted(self._pins.items(), key=lambda kv: (len(kv[1].block_ids), kv[1].expires_at))
+        for workflow_id, _ in order:
+            if len(self._free) >= need:
+                return
+            self._drop_pin(workflow_id)
+            self._pins_evicted += 1
+
+    def _drop_pin(self, workflow_id: str) -> bool:
+        pin = self._pins.pop(workflow_id, None)
+        if pin is None:
+            return False
+        self._pinned_blocks -= len(pin.block_ids)
+        for block_id in reversed(pin.block_ids):  # last first, as free() does
+            self._unref(block_id)
+        return True
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

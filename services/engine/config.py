@@ -55,6 +55,9 @@ class EngineConfig:
     seed: int = setting(0, "seed of the built-in model's random weights")
     enable_prefix_caching: bool = setting(True, "reuse KV of cached prompt prefixes")
     kv_event_buffer: int = setting(4096, "KV events kept for subscribers that fall behind")
+    workflow_pin_ttl_s: float = setting(
+        0.0, "keep a workflow step's cached blocks for its next step this long (0 = off)"
+    )
     sim_profile: str = setting("dynamo-mocker", "sim backend: timing profile in services/model/profiles.json")
     sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
 
@@ -89,6 +92,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
+        if not (self.workflow_pin_ttl_s >= 0 and math.isfinite(self.workflow_pin_ttl_s)):
+            raise ValueError(f"EngineConfig.workflow_pin_ttl_s must be >= 0, got {self.workflow_pin_ttl_s}")
         if self.num_threads < 0:
             raise ValueError(f"EngineConfig.num_threads must be >= 0, got {self.num_threads}")
         if not (self.sim_speedup > 0 and math.isfinite(self.sim_speedup)):

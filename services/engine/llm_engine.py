@@ -64,7 +64,11 @@ class LLMEngine:
         self.block_size = config.block_size
         self.runner = (runner_factory or ModelRunner)(self.spec)
         block_manager = BlockManager(
-            self.spec.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_event_buffer
+            self.spec.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.kv_event_buffer,
+            pin_ttl_s=config.workflow_pin_ttl_s,
         )
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # The Scheduler drives it (allocation, freeing, the prefix cache); this class
@@ -235,6 +239,7 @@ class LLMEngine:
         """Counters and queue sizes. Thread-safe: walks copies of the queues (copied under the GIL)."""
         sched, bm = self.scheduler, self.block_manager
         waiting, running, held = list(sched.waiting), list(sched.running), list(sched.held.values())
+        pins = bm.pin_stats()
         return EngineStats(
             running=len(running),
             waiting=len(waiting),
@@ -254,6 +259,9 @@ class LLMEngine:
             prompt_tokens_transferred=self.prompt_tokens_transferred,
             preemptions=sched.num_preemptions,
             **self._quant_stats,
+            pinned_blocks=pins.pinned_blocks,
+            pins_evicted=pins.pins_evicted,
+            pins_expired=pins.pins_expired,
         )
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

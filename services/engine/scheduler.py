@@ -68,6 +68,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.block_manager.expire_pins()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -142,6 +143,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.held.pop(seq.request_id, None)
         self.remote.pop(seq.request_id, None)
+        if seq.workflow_id:
+            if seq.workflow_final:
+                self.block_manager.unpin(seq.workflow_id)
+            elif status is SequenceStatus.FINISHED:  # a step that ran to its end: keep its context
+                self.block_manager.pin(seq.workflow_id, seq)
         self.block_manager.free(seq)
         seq.status = status
 

@@ -44,6 +44,8 @@ class Sequence:
         self.request_id = request.request_id
         self.sampling: SamplingParams = request.sampling
         self.priority = request.priority
+        self.workflow_id = request.workflow_id
+        self.workflow_final = request.workflow_final
         # Resolved seed: the request's, or one drawn at admission for unseeded sampling.
         self.seed = seed
         self.block_size = block_size

@@ -16,6 +16,16 @@ at `next_expiry()`) and `cancel` (client went away while queued). A released
 slot goes straight to the next waiter, so while anyone waits every slot is
 taken and a newcomer cannot jump the queue.
 
+Queue order within a priority is earliest effective deadline first
+(services/router/workflow_sched.py): the request's deadline, or arrival +
+`default_horizon_s` without one (so deadline-less requests keep arrival
+order), pushed back `level_delay_s` per attained-service level of its workflow
+(tokens the workflow was served in the recent window, recorded at `release`):
+a long agent cannot starve short chats, and its extra wait is bounded. When a
+priority's queue is full, the waiter shed is the one whose loss wastes the
+fewest already-spent workflow tokens (a newcomer with none is shed itself), so
+a late step of an expensive workflow is not refused behind fresh work.
+
 Deadlines are absolute times on the controller's clock. A request that cannot
 start before its deadline is refused at once (`DeadlineUnreachable`) rather
 than queued to die: when the deadline has passed, when its tenant's bucket
@@ -36,13 +46,22 @@ from dataclasses import dataclass, field
 
 from services.common.config import require, setting
 from services.router.tenant_quota import TenantBuckets, TenantLimits
+from services.router.workflow_sched import (
+    NO_WORKFLOW,
+    AttainedService,
+    WorkflowInfo,
+    WorkflowSchedConfig,
+    effective_deadline,
+    shed_rank,
+)
 
 
 class AdmissionRejected(Exception):
     """Shed: RESOURCE_EXHAUSTED at the edge, with `retry_after_s` as a hint.
 
     `reason` is a short label for metrics: "rate_limited", "tenant_inflight",
-    "queue_full", "queue_timeout", "deadline_unreachable".
+    "queue_full", "queue_timeout", "deadline_unreachable", "shed_for_sunk_cost"
+    (a queued request displaced by one with more sunk workflow tokens).
     """
 
     def __init__(self, reason: str, message: str, retry_after_s: float | None = None):
@@ -82,6 +101,13 @@ class AdmissionConfig:
     tenant_limits: Mapping[str, TenantLimits] = field(
         default_factory=dict, metadata={"help": "quota per tenant id", "cli": False}
     )
+    edf: bool = setting(True, "order a priority's queue by deadline (else by arrival)")
+    attained_service: bool = setting(True, "defer workflows by their attained service in the window")
+    sunk_cost_shedding: bool = setting(True, "a full queue sheds the waiter with the fewest sunk tokens")
+    workflow: WorkflowSchedConfig = field(
+        default_factory=WorkflowSchedConfig,
+        metadata={"help": "attained-service levels and sunk-cost rules", "cli": False},
+    )
 
     def __post_init__(self) -> None:
         require(self.max_inflight >= 1, "max_inflight must be >= 1")
@@ -103,6 +129,7 @@ class Ticket:
     priority: int
     cost_tokens: int
     granted_at: float
+    workflow: WorkflowInfo = NO_WORKFLOW
 
 
 class WaiterState(enum.Enum):
@@ -123,6 +150,7 @@ class Waiter:
     deadline: float | None
     enqueued_at: float
     expires_at: float  # queue timeout or deadline, whichever is first
+    workflow: WorkflowInfo = NO_WORKFLOW
     state: WaiterState = WaiterState.WAITING
     ticket: Ticket | None = None
     rejection: AdmissionRejected | None = None
@@ -156,7 +184,7 @@ class AdmissionController:
         self._open_by_tenant: dict[str, int] = {}  # running + queued
         self._live: dict[int, Ticket] = {}
         # Heaps with lazy deletion: entries of waiters no longer WAITING are skipped.
-        self._queue: list[tuple[int, int, Waiter]] = []  # (-priority, id, waiter)
+        self._queue: list[tuple[int, float, int, Waiter]] = []  # (-priority, due, id, waiter)
         self._expiry: list[tuple[float, int, Waiter]] = []  # (expires_at, id, waiter)
         self._waiting_by_priority: dict[int, int] = {}
         self._expired_unreported: list[Waiter] = []
@@ -165,15 +193,22 @@ class AdmissionController:
         self._queued_total = 0
         self._cancelled_waiting = 0
         self._rejected: dict[str, int] = {}
+        self.attained = AttainedService(self.config.workflow)
 
     # ---- admission ----------------------------------------------------------
 
     def try_admit(
-        self, tenant: str, priority: int = 0, cost_tokens: int = 0, deadline: float | None = None
+        self,
+        tenant: str,
+        priority: int = 0,
+        cost_tokens: int = 0,
+        deadline: float | None = None,
+        workflow: WorkflowInfo = NO_WORKFLOW,
     ) -> Ticket | Waiter:
         """A `Ticket` when the request may start now, a `Waiter` when it queues.
 
-        Raises `DeadlineUnreachable` or `AdmissionRejected` when shed, and
+        A queued request this one displaced (sunk-cost shedding) is reported
+        by the next `expire()`. Raises `DeadlineUnreachable` or `AdmissionRejected` when shed, and
         `InvalidAdmission` for a priority outside the configured range.
         """
         cfg = self.config
@@ -207,8 +242,10 @@ class AdmissionController:
         if self.inflight < cfg.max_inflight:
             buckets.take(cost_tokens, now)
             self._open(tenant, +1)
-            return self._grant(tenant, priority, cost_tokens, now)
+            return self._grant(tenant, priority, cost_tokens, now, workflow)
         waiting_here = self._waiting_by_priority.get(priority, 0)
+        if waiting_here >= cfg.queue_limit_per_priority and self._shed_for(priority, workflow, now):
+            waiting_here -= 1
         if waiting_here >= cfg.queue_limit_per_priority:
             ahead = self._waiting_at_or_above(priority + 1)
             retry = self._clamp_retry((ahead + 1) * self._slot_interval_s())
@@ -225,30 +262,35 @@ class AdmissionController:
         expires_at = (
             now + cfg.queue_timeout_s if deadline is None else min(now + cfg.queue_timeout_s, deadline)
         )
-        waiter = Waiter(next(self._ids), tenant, priority, cost_tokens, deadline, now, expires_at)
-        heapq.heappush(self._queue, (-priority, waiter.id, waiter))
+        waiter = Waiter(next(self._ids), tenant, priority, cost_tokens, deadline, now, expires_at, workflow)
+        heapq.heappush(self._queue, (-priority, self._due(now, deadline, workflow), waiter.id, waiter))
         heapq.heappush(self._expiry, (expires_at, waiter.id, waiter))
         self._waiting_by_priority[priority] = waiting_here + 1
         self._queued_total += 1
         return waiter
 
-    def release(self, ticket: Ticket) -> list[Waiter]:
-        """The request holding `ticket` ended. Returns the waiters now granted
-        (state GRANTED, `ticket` set), to be woken by the edge. Idempotent."""
+    def release(self, ticket: Ticket, served_tokens: int = 0) -> list[Waiter]:
+        """The request holding `ticket` ended, having been served `served_tokens`
+        (prompt computed + generated; charged to its workflow's attained
+        service). Returns the waiters now granted (state GRANTED, `ticket`
+        set), to be woken by the edge. Idempotent."""
         if self._live.pop(ticket.id, None) is None:
             return []
         self._open(ticket.tenant, -1)
         now = self._clock()
+        self.attained.record(ticket.workflow.workflow_id, served_tokens, now)
         hold = max(now - ticket.granted_at, 0.0)
         self._mean_hold_s += self._EWMA_ALPHA * (hold - self._mean_hold_s)
         self._collect_expired(now)
         granted: list[Waiter] = []
         while self._queue and self.inflight < self.config.max_inflight:
-            _, _, waiter = heapq.heappop(self._queue)
+            waiter = heapq.heappop(self._queue)[-1]
             if waiter.state is not WaiterState.WAITING:
                 continue
             self._leave_queue(waiter, WaiterState.GRANTED)
-            waiter.ticket = self._grant(waiter.tenant, waiter.priority, waiter.cost_tokens, now)
+            waiter.ticket = self._grant(
+                waiter.tenant, waiter.priority, waiter.cost_tokens, now, waiter.workflow
+            )
             granted.append(waiter)
         return granted
 
@@ -303,8 +345,52 @@ class AdmissionController:
 
     # ---- internals ----------------------------------------------------------
 
-    def _grant(self, tenant: str, priority: int, cost: int, now: float) -> Ticket:
-        ticket = Ticket(next(self._ids), tenant, priority, cost, now)
+    def forget_workflow(self, workflow_id: str) -> None:
+        """The workflow ended: drop its attained service."""
+        self.attained.forget(workflow_id)
+
+    def _due(self, now: float, deadline: float | None, workflow: WorkflowInfo) -> float:
+        """Heap key within a priority: the effective deadline (EDF + attained-service
+        delay), or arrival time when EDF is off."""
+        cfg = self.config
+        level = self.attained.level(workflow.workflow_id, now) if cfg.attained_service else 0
+        if not cfg.edf:
+            return now + level * cfg.workflow.level_delay_s
+        return effective_deadline(now, deadline, level, cfg.workflow)
+
+    def _shed_for(self, priority: int, workflow: WorkflowInfo, now: float) -> bool:
+        """Make room in `priority`'s full queue for a newcomer with `workflow`'s
+        sunk cost by shedding the waiter whose loss wastes the fewest spent
+        tokens, if that is fewer than the newcomer's. True when one was shed."""
+        if not self.config.sunk_cost_shedding:
+            return False
+        # Scans the heap: bounded by queue_limit_per_priority per level, and only when one is full.
+        candidates = [
+            e[-1] for e in self._queue if e[-1].state is WaiterState.WAITING and e[-1].priority == priority
+        ]
+        victim = min(
+            candidates,
+            key=lambda w: shed_rank(w.priority, w.workflow.tokens_spent, w.enqueued_at),
+            default=None,
+        )
+        if victim is None or victim.workflow.tokens_spent >= workflow.tokens_spent:
+            return False
+        self._leave_queue(victim, WaiterState.EXPIRED)
+        self._refund(victim, now)
+        err = AdmissionRejected(
+            "shed_for_sunk_cost",
+            f"shed for a request with more sunk workflow tokens ({workflow.tokens_spent})",
+            self._clamp_retry(self.estimated_wait_s(priority)),
+        )
+        self._rejected[err.reason] = self._rejected.get(err.reason, 0) + 1
+        victim.rejection = err
+        self._expired_unreported.append(victim)
+        return True
+
+    def _grant(
+        self, tenant: str, priority: int, cost: int, now: float, workflow: WorkflowInfo = NO_WORKFLOW
+    ) -> Ticket:
+        ticket = Ticket(next(self._ids), tenant, priority, cost, now, workflow)
         self._live[ticket.id] = ticket
         self._admitted += 1
         return ticket
@@ -371,7 +457,7 @@ class AdmissionController:
         """Drop dead heap entries once they outnumber the live ones (bounded memory)."""
         live = self.queued
         if len(self._queue) > 2 * live + 64:
-            self._queue = [e for e in self._queue if e[2].state is WaiterState.WAITING]
+            self._queue = [e for e in self._queue if e[-1].state is WaiterState.WAITING]
             heapq.heapify(self._queue)
         if len(self._expiry) > 2 * live + 64:
             self._expiry = [e for e in self._expiry if e[2].state is WaiterState.WAITING]

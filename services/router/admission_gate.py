@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable
 
 from services.router.admission import AdmissionController, Ticket, Waiter
+from services.router.workflow_sched import NO_WORKFLOW, WorkflowInfo
 
 
 class AdmissionGate:
@@ -32,9 +33,13 @@ class AdmissionGate:
         cost_tokens: int,
         deadline: float | None,
         on_queued: Callable[[Waiter], None] | None = None,
+        workflow: WorkflowInfo = NO_WORKFLOW,
     ) -> Ticket:
         """A slot, at once or after queueing. Raises the core's rejections."""
-        got = self.controller.try_admit(tenant, priority, cost_tokens, deadline)
+        got = self.controller.try_admit(tenant, priority, cost_tokens, deadline, workflow)
+        if isinstance(got, Waiter):
+            # Queueing may have shed another waiter (sunk-cost shedding): fail it now.
+            self.expire_now()
         if isinstance(got, Ticket):
             return got
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
@@ -51,8 +56,9 @@ class AdmissionGate:
         finally:
             self._futures.pop(got.id, None)
 
-    def release(self, ticket: Ticket) -> None:
-        for waiter in self.controller.release(ticket):
+    def release(self, ticket: Ticket, served_tokens: int = 0) -> None:
+        """`served_tokens` are charged to the ticket's workflow (attained service)."""
+        for waiter in self.controller.release(ticket, served_tokens):
             fut = self._futures.get(waiter.id)
             if fut is None or fut.done():
                 assert waiter.ticket is not None

@@ -115,3 +115,158 @@ class CostLedger:
             prompt_tokens=self._prompt,
             completion_tokens=self._completion,
         )
+
+
+# ---- per workflow ------------------------------------------------------------
+#
+# Agentic traffic makes the workflow the unit that succeeds or fails: when step
+# k fails, the tokens of steps 0..k-1 are wasted too. `WorkflowLedger` keeps one
+# open account per workflow (bounded, LRU) and folds closed ones into per-tenant
+# counters:
+# - cost per successful workflow: tokens computed for all steps (all attempts)
+#   of workflows that completed / workflows completed;
+# - completion rate: completed / (completed + failed);
+# - wasted tokens by cause (WasteCause).
+
+
+class WasteCause(enum.Enum):
+    RECOMPUTE = "recompute"  # attempts of a successful step that did not finish it (retry/migration)
+    FAILED_STEP = "failed_step"  # the tokens of a step that failed or was cancelled
+    EARLIER_STEPS = "earlier_steps"  # steps that succeeded, of a workflow that then failed
+    SHED = "shed"  # earlier steps of a workflow whose next step was refused at admission
+    ABANDONED = "abandoned"  # earlier steps of a workflow with no final step before its idle timeout
+
+
+@dataclass(frozen=True)
+class WorkflowStats:
+    completed: int
+    failed: int
+    open: int
+    completed_tokens: int  # computed tokens of completed workflows (all steps, all attempts)
+    computed_tokens: int  # every token computed for any workflow step (closed workflows)
+    wasted: dict[WasteCause, int]
+
+    @property
+    def completion_rate(self) -> float:
+        done = self.completed + self.failed
+        return self.completed / done if done else 0.0
+
+    @property
+    def cost_per_successful_workflow(self) -> float:
+        return self.completed_tokens / self.completed if self.completed else 0.0
+
+    @property
+    def wasted_tokens(self) -> int:
+        return sum(self.wasted.values())
+
+    @property
+    def wasted_per_successful_workflow(self) -> float:
+        return self.wasted_tokens / self.completed if self.completed else 0.0
+
+
+@dataclass
+class _Account:
+    tenant: str
+    computed: int = 0
+    recompute: int = 0
+    last_seen: float = 0.0
+
+
+@dataclass
+class _TenantWorkflows:
+    completed: int = 0
+    failed: int = 0
+    completed_tokens: int = 0
+    computed_tokens: int = 0
+    wasted: dict[WasteCause, int] | None = None
+
+    def waste(self, cause: WasteCause, tokens: int) -> None:
+        if self.wasted is None:
+            self.wasted = dict.fromkeys(WasteCause, 0)
+        self.wasted[cause] += tokens
+
+
+class WorkflowLedger:
+    def __init__(self, abandon_after_s: float = 600.0, max_open: int = 100_000):
+        if abandon_after_s <= 0 or max_open < 1:
+            raise ValueError("need abandon_after_s > 0 and max_open >= 1")
+        self.abandon_after_s = abandon_after_s
+        self.max_open = max_open
+        self._open: dict[str, _Account] = {}  # insertion order = least recently seen first
+        self._tenants: dict[str, _TenantWorkflows] = {}
+
+    def record_step(self, tenant: str, workflow_id: str, cost: RequestCost, final: bool, now: float) -> None:
+        """One finished step (request) of `workflow_id`; `final`: its last step."""
+        acct = self._open.pop(workflow_id, None) or _Account(tenant)
+        acct.last_seen = now
+        acct.computed += cost.computed_tokens
+        if cost.outcome is RequestOutcome.SUCCEEDED:
+            acct.recompute += cost.wasted_tokens
+            if final:
+                self._close(workflow_id, acct, None)
+            else:
+                self._open[workflow_id] = acct
+                self._bound()
+            return
+        earlier = acct.computed - cost.computed_tokens
+        t = self._tenant(acct.tenant)
+        t.waste(WasteCause.FAILED_STEP, cost.computed_tokens)
+        t.waste(WasteCause.EARLIER_STEPS, earlier - acct.recompute)
+        self._close(workflow_id, acct, WasteCause.EARLIER_STEPS, counted=True)
+
+    def record_shed(self, tenant: str, workflow_id: str, now: float) -> None:
+        """A step of `workflow_id` was refused at admission: the workflow fails."""
+        acct = self._open.pop(workflow_id, None) or _Account(tenant, last_seen=now)
+        self._close(workflow_id, acct, WasteCause.SHED)
+
+    def expire(self, now: float) -> int:
+        """Close workflows idle longer than abandon_after_s (as failed); returns how many."""
+        old = [w for w, a in self._open.items() if now - a.last_seen >= self.abandon_after_s]
+        for w in old:
+            self._close(w, self._open.pop(w), WasteCause.ABANDONED)
+        return len(old)
+
+    def stats(self, tenant: str | None = None) -> WorkflowStats:
+        """Of one tenant, or of all together (None)."""
+        parts = [self._tenants[tenant]] if tenant in self._tenants else []
+        if tenant is None:
+            parts = list(self._tenants.values())
+        wasted = dict.fromkeys(WasteCause, 0)
+        for p in parts:
+            for c, n in (p.wasted or {}).items():
+                wasted[c] += n
+        return WorkflowStats(
+            completed=sum(p.completed for p in parts),
+            failed=sum(p.failed for p in parts),
+            open=sum(1 for a in self._open.values() if tenant is None or a.tenant == tenant),
+            completed_tokens=sum(p.completed_tokens for p in parts),
+            computed_tokens=sum(p.computed_tokens for p in parts),
+            wasted=wasted,
+        )
+
+    def tenants(self) -> list[str]:
+        return sorted(self._tenants)
+
+    def _tenant(self, tenant: str) -> _TenantWorkflows:
+        return self._tenants.setdefault(tenant, _TenantWorkflows())
+
+    def _close(
+        self, workflow_id: str, acct: _Account, cause: WasteCause | None, counted: bool = False
+    ) -> None:
+        """Fold a closed account in: completed (cause None) or failed for `cause`
+        (`counted`: its waste was already split by the caller)."""
+        t = self._tenant(acct.tenant)
+        t.computed_tokens += acct.computed
+        t.waste(WasteCause.RECOMPUTE, acct.recompute)
+        if cause is None:
+            t.completed += 1
+            t.completed_tokens += acct.computed
+            return
+        t.failed += 1
+        if not counted:
+            t.waste(cause, acct.computed - acct.recompute)
+
+    def _bound(self) -> None:
+        while len(self._open) > self.max_open:
+            w = next(iter(self._open))
+            self._close(w, self._open.pop(w), WasteCause.ABANDONED)

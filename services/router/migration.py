@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.router.cost import RequestCost, RequestOutcome
+from services.router.workflow_sched import WorkflowSchedConfig, sunk_cost_extra
 
 
 class JourneyError(Exception):
@@ -99,17 +100,26 @@ class RecoveryInputs:
     max_migrations: int
     another_worker: bool = True  # an eligible decode worker this request has not tried
     retry_budget: bool = True  # the router's retry budget would grant a retry now
+    # Tokens the request's workflow already spent on earlier steps (WorkflowContext):
+    # they are lost with it, so they earn up to `max_sunk_extra` more retries and
+    # migrations (workflow_sched.sunk_cost_extra; bounded).
+    sunk_tokens: int = 0
+    sunk_unit_tokens: int = 4_000
+    max_sunk_extra: int = 2
 
 
 def decide_recovery(f: RecoveryInputs) -> RecoveryDecision:
     """Retry, migrate, complete or give up after a failed attempt. Pure."""
+    extra = sunk_cost_extra(
+        f.sunk_tokens,
+        WorkflowSchedConfig(sunk_unit_tokens=f.sunk_unit_tokens, max_sunk_extra=f.max_sunk_extra),
+    )
+    max_retries, max_migrations = f.max_retries + extra, f.max_migrations + extra
     if not f.retryable:
         return RecoveryDecision(Recovery.GIVE_UP, "error is not retryable", Cause.NOT_RETRYABLE)
     if f.delivered == 0:
-        if f.retries >= f.max_retries:
-            return RecoveryDecision(
-                Recovery.GIVE_UP, f"retry limit {f.max_retries} reached", Cause.RETRY_LIMIT
-            )
+        if f.retries >= max_retries:
+            return RecoveryDecision(Recovery.GIVE_UP, f"retry limit {max_retries} reached", Cause.RETRY_LIMIT)
         if not f.another_worker:
             return RecoveryDecision(Recovery.GIVE_UP, "no other decode worker to try", Cause.NO_OTHER_WORKER)
         if not f.retry_budget:
@@ -119,9 +129,9 @@ def decide_recovery(f: RecoveryInputs) -> RecoveryDecision:
         return RecoveryDecision(
             Recovery.COMPLETE, "every token was delivered before the failure", Cause.ALL_DELIVERED
         )
-    if f.migrations >= f.max_migrations:
+    if f.migrations >= max_migrations:
         return RecoveryDecision(
-            Recovery.GIVE_UP, f"migration limit {f.max_migrations} reached", Cause.MIGRATION_LIMIT
+            Recovery.GIVE_UP, f"migration limit {max_migrations} reached", Cause.MIGRATION_LIMIT
         )
     if not f.another_worker:
         return RecoveryDecision(Recovery.GIVE_UP, "no other decode worker to try", Cause.NO_OTHER_WORKER)
@@ -174,7 +184,11 @@ class RequestJourney:
         prompt_token_ids: Sequence[int],
         max_tokens: int,
         config: JourneyConfig | None = None,
+        sunk_tokens: int = 0,
     ):
+        """`sunk_tokens`: what the request's workflow already spent on earlier
+        steps (WorkflowContext.tokens_spent); it raises the retry and migration
+        limits a little (decide_recovery)."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if max_tokens < 1:
@@ -183,6 +197,10 @@ class RequestJourney:
         self.config = config or JourneyConfig()
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.max_tokens = max_tokens
+        self.sunk_tokens = max(sunk_tokens, 0)
+        extra = sunk_cost_extra(self.sunk_tokens, WorkflowSchedConfig())
+        self._max_retries = self.config.max_retries + extra
+        self._max_migrations = self.config.max_migrations + extra
         self._delivered: list[int] = []
         self._attempts: list[Attempt] = []
         self._outcome: RequestOutcome | None = None
@@ -245,10 +263,10 @@ class RequestJourney:
         """The next attempt was sent to `worker_id`. `cached_tokens`: input tokens
         the router expects that worker to have cached (for the cost estimate)."""
         plan = self.next_attempt()
-        if plan.kind is AttemptKind.RETRY and self.retries >= self.config.max_retries:
-            raise JourneyError(f"retry limit {self.config.max_retries} reached")
-        if plan.kind is AttemptKind.MIGRATION and self.migrations >= self.config.max_migrations:
-            raise JourneyError(f"migration limit {self.config.max_migrations} reached")
+        if plan.kind is AttemptKind.RETRY and self.retries >= self._max_retries:
+            raise JourneyError(f"retry limit {self._max_retries} reached")
+        if plan.kind is AttemptKind.MIGRATION and self.migrations >= self._max_migrations:
+            raise JourneyError(f"migration limit {self._max_migrations} reached")
         input_tokens = len(self.prompt_token_ids) + len(self._delivered)
         attempt = Attempt(
             index=plan.index,
@@ -307,6 +325,7 @@ class RequestJourney:
                 max_migrations=self.config.max_migrations,
                 another_worker=another_worker,
                 retry_budget=retry_budget,
+                sunk_tokens=self.sunk_tokens,
             )
         )
 

@@ -11,6 +11,12 @@ retries cannot amplify an outage. The servicer calls `record_request` once per
 client request (first attempt only; retries do not earn budget); the
 recovery decision (migration.py) reads `can_retry`, and the flow then records
 the retry it starts (`record_retry`) or the one refused (`record_denied`).
+Sunk cost: a retry of a request with `sunk_tokens` behind it (tokens its
+workflow already spent) may also draw on a reserve of `sunk_reserve` retries
+per window, in proportion min(1, sunk_tokens / sunk_full_tokens): losing a
+step with 50k tokens behind it wastes them all, so it may spend more than a
+fresh chat turn, still bounded by allowance + reserve.
+
 Migrations after the first token are bounded per request by the journey's
 migration limit, not by this budget.
 
@@ -44,12 +50,16 @@ class RetryBudgetConfig:
     min_retries_per_second: float = setting(0.3, "retries allowed regardless of traffic, per second")
     window_s: float = setting(10.0, "sliding window of the retry budget")
     buckets: int = setting(10, "buckets of the sliding window")
+    sunk_reserve: float = setting(3.0, "extra retries per window for requests with sunk workflow cost")
+    sunk_full_tokens: int = setting(50_000, "sunk tokens that earn the whole reserve")
 
     def __post_init__(self) -> None:
         require(0 <= self.retry_ratio <= 1, "retry_ratio must be in [0, 1]")
         require(self.min_retries_per_second >= 0, "min_retries_per_second must be >= 0")
         require(self.window_s > 0, "window_s must be > 0")
         require(self.buckets >= 1, "buckets must be >= 1")
+        require(self.sunk_reserve >= 0, "sunk_reserve must be >= 0")
+        require(self.sunk_full_tokens >= 1, "sunk_full_tokens must be >= 1")
 
 
 class RetryBudget:
@@ -66,16 +76,18 @@ class RetryBudget:
         self._window.add(self._clock(), _REQUESTS)
         self.requests += 1
 
-    def available(self) -> float:
-        """Retries that would be granted now (may be fractional)."""
+    def available(self, sunk_tokens: int = 0) -> float:
+        """Retries that would be granted now to a request with `sunk_tokens`
+        behind it (may be fractional)."""
         requests, retries = self._window.totals(self._clock())
         cfg = self.config
         allowance = cfg.min_retries_per_second * cfg.window_s + cfg.retry_ratio * requests
+        allowance += cfg.sunk_reserve * min(max(sunk_tokens, 0) / cfg.sunk_full_tokens, 1.0)
         return max(allowance - retries, 0.0)
 
-    def can_retry(self) -> bool:
+    def can_retry(self, sunk_tokens: int = 0) -> bool:
         """Would a retry be granted now? (Changes nothing.)"""
-        return self.available() >= 1.0 - 1e-9  # tolerate float error in ratio * requests
+        return self.available(sunk_tokens) >= 1.0 - 1e-9  # tolerate float error in ratio * requests
 
     def record_retry(self) -> None:
         """A retry was started (after `can_retry` said yes): it spends budget."""
@@ -86,9 +98,9 @@ class RetryBudget:
         """A retry was refused because the budget was spent (for metrics)."""
         self.retries_denied += 1
 
-    def try_acquire_retry(self) -> bool:
+    def try_acquire_retry(self, sunk_tokens: int = 0) -> bool:
         """Take one retry from the budget; False (and counted) when it is spent."""
-        if self.can_retry():
+        if self.can_retry(sunk_tokens):
             self.record_retry()
             return True
         self.record_denied()

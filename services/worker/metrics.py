@@ -33,6 +33,7 @@ class EngineCollector:
             ("pdmesh_engine_running", "requests in the running batch", s.running),
             ("pdmesh_engine_waiting", "requests waiting to be scheduled (queue depth)", s.waiting),
             ("pdmesh_engine_tokens_waiting", "prompt tokens not yet computed", s.tokens_waiting),
+            ("pdmesh_kv_blocks_pinned", "KV blocks pinned for workflows' next steps", s.pinned_blocks),
         )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["role"])
@@ -56,6 +57,8 @@ class EngineCollector:
                 s.prompt_tokens_transferred,
             ),
             ("pdmesh_engine_preemptions", "requests preempted (recomputed later)", s.preemptions),
+            ("pdmesh_kv_pins_evicted", "workflow KV pins released under memory pressure", s.pins_evicted),
+            ("pdmesh_kv_pins_expired", "workflow KV pins released on their TTL", s.pins_expired),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["role"])

@@ -87,6 +87,9 @@ def counters_from_stats(s: EngineStats) -> common_pb2.EngineCounters:
         prompt_tokens_cached=s.prompt_tokens_cached,
         prompt_tokens_transferred=s.prompt_tokens_transferred,
         preemptions=s.preemptions,
+        pinned_blocks=s.pinned_blocks,
+        pins_evicted=s.pins_evicted,
+        pins_expired=s.pins_expired,
     )
 
 
