@@ -222,11 +222,13 @@ def _http(client: Client, method: str, path: str, body: dict | None = None) -> d
 
 
 def running_requests(container: str) -> float:
-    """pdmesh_engine_running of a decode container, read from its metrics port inside it (9090
-    is not published, and this does not depend on which router port serves ListWorkers)."""
+    """pdmesh_engine_running of a decode container, read from its metrics port inside it (its
+    PDMESH_METRICS_PORT, not published; this does not depend on which router port serves
+    ListWorkers)."""
     code = (
-        "import urllib.request;"
-        "t=urllib.request.urlopen('http://127.0.0.1:9090/metrics',timeout=5).read().decode();"
+        "import os, urllib.request;"
+        "u='http://localhost:%s/metrics' % os.environ['PDMESH_METRICS_PORT'];"
+        "t=urllib.request.urlopen(u,timeout=5).read().decode();"
         "print(sum(float(l.split()[-1]) for l in t.splitlines() if l.startswith('pdmesh_engine_running')))"
     )
     out = subprocess.run(

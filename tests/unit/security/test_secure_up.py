@@ -74,8 +74,11 @@ def test_compose_addresses_of_the_internal_port_go_to_the_routers_internal_liste
         deps=("router",),
     )
     services = {"router": router, "decode": decode}
-    env = local_env(decode, services, {"router": ["127.0.0.1:7002"]}, {"router": ["127.0.0.1:7003"]})
-    assert env["PDMESH_ROUTER_ADDRESS"] == "127.0.0.1:7003" and env["X"] == "127.0.0.1:7002"
+    # addresses are mesh hostnames: strings the rewrite maps, nothing binds them
+    env = local_env(
+        decode, services, {"router": ["router-0.mesh.test:7002"]}, {"router": ["router-0.mesh.test:7003"]}
+    )
+    assert env["PDMESH_ROUTER_ADDRESS"] == "router-0.mesh.test:7003" and env["X"] == "router-0.mesh.test:7002"
     assert local_env(router, services, {})["PDMESH_INTERNAL_PORT"] == "0"
 
 
