@@ -21,6 +21,10 @@ BENCHES = [
     ("calibrate", ["bench/calibrate.py", "--quick"]),
     ("routing", ["bench/routing.py", "--quick"]),
     ("disagg", ["bench/disagg.py", "--quick"]),
+    ("disagg_gpu", ["bench/disagg.py", "--engine", "sim", "--quick"]),
+    ("routing_decision", ["bench/routing.py", "--decision"]),
+    ("planner", ["bench/planner.py", "--quick"]),
+    ("workflows", ["bench/workflows.py", "--quick"]),
 ]
 
 
