@@ -6,14 +6,24 @@ pdmesh.launcher); tests wait on health and on observable state, never on time.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
+import pytest
 
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
 from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from tests.support.poll import wait_until  # noqa: F401 (re-exported to the e2e tests)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = flags(engine_preset="tiny", engine_num_threads=1)
 
@@ -134,3 +144,47 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if metric == name and got == want:
             return float(value)
     return 0.0
+
+
+class UpProcess:
+    """`pdmesh up ARGS` as a child in its own session, its output collected line by line by a
+    thread; `found(pattern)` is the first matching line (pytest.fail with the output once it has
+    exited); `stop(sig)` sends `sig` to the session, then SIGKILL if it outlives `wait_s`."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        if env is None:  # the caller's PDMESH_* settings would change what the test starts
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdmesh.cli", "up", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(
+            target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def found(self, pattern: str) -> re.Match | None:
+        match = next((m for line in self.lines if (m := re.search(pattern, line))), None)
+        if match is None and self.proc.poll() is not None:
+            pytest.fail("pdmesh up exited:\n" + self.output)
+        return match
+
+    def stop(self, sig: int = signal.SIGINT, wait_s: float = 90) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._reader.join(5)

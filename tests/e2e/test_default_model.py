@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from services.model.catalog import DEFAULT_MODEL, ModelNotFoundError, smollm2_path
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import UpProcess, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,31 +46,26 @@ def _require_model() -> None:
 def test_pdmesh_up_serves_smollm2_by_default(tmp_path):
     _require_model()
     env = {k: v for k, v in os.environ.items() if k != "PDMESH_MODEL"}
-    cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--router-port", "0", "--gateway-port", "0"]
-    cmd += ["--dtype", "float32", "--workdir", str(tmp_path / "up")]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
+    up = UpProcess(
+        [
+            "--router-port",
+            "0",
+            "--gateway-port",
+            "0",
+            "--dtype",
+            "float32",
+            "--workdir",
+            str(tmp_path / "up"),
+        ],
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
     )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
     try:
         serving = wait_until(
-            lambda: (
-                proc.poll() is not None
-                or next((m for line in lines if (m := re.search(r"serving on (\S+) \(router\)", line))), None)
-            ),
+            lambda: up.found(r"serving on (\S+) \(router\)"),
             timeout=300,
             what="pdmesh up to print its endpoint",
         )
-        assert proc.poll() is None, "".join(lines)
-        assert f"model {DEFAULT_MODEL}" in "".join(lines)
+        assert f"model {DEFAULT_MODEL}" in up.output
         generate = ["generate", "--address", serving.group(1), PROMPT, "--max-tokens", "12", "--ignore-eos"]
         out = subprocess.run(
             [sys.executable, "-m", "pdmesh.cli", *generate],
@@ -84,7 +77,7 @@ def test_pdmesh_up_serves_smollm2_by_default(tmp_path):
         assert out.stdout.startswith(EXPECTED), out.stdout
         assert "[5 prompt + 12 output tokens" in out.stdout
 
-        gateway = next(m.group(1) for line in lines if (m := re.search(r"(http://\S+/v1)", line)))
+        gateway = up.found(r"(http://\S+/v1)").group(1)
         models = json.load(urllib.request.urlopen(f"{gateway}/models", timeout=30))
         assert [m["id"] for m in models["data"]] == [DEFAULT_MODEL]
         body = {
@@ -102,11 +95,4 @@ def test_pdmesh_up_serves_smollm2_by_default(tmp_path):
         assert reply["usage"]["prompt_tokens"] > 30
         assert "Paris" in reply["choices"][0]["message"]["content"]
     finally:
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-            if proc.poll() is None:
-                os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(wait)
-                except subprocess.TimeoutExpired:
-                    continue
-        reader.join(5)
+        up.stop(signal.SIGTERM, wait_s=60)

@@ -11,12 +11,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -25,7 +21,7 @@ import pytest
 
 from pdmesh.launcher import Launcher, RunningService, ServiceSpec, flags
 from pdmesh.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import UpProcess, wait_until
 from tests.service.gateway import httpio
 
 pytestmark = pytest.mark.e2e
@@ -156,45 +152,32 @@ def _requests_counted(metrics_port: int) -> float:
 
 
 def test_pdmesh_up_routers_2_serves_both_doors_from_two_processes(tmp_path):
-    cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--router-port", "0", "--http-port", "0"]
-    cmd += ["--routers", "2", "--prefill", "0", "--workdir", str(tmp_path / "up")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_")}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    up = UpProcess(
+        [
+            "--router-port",
+            "0",
+            "--http-port",
+            "0",
+            "--routers",
+            "2",
+            "--prefill",
+            "0",
+            "--workdir",
+            str(tmp_path / "up"),
+        ]
     )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-
-    def found(pattern: str):
-        if proc.poll() is not None:
-            pytest.fail("pdmesh up exited:\n" + "".join(lines))
-        return next((m for line in lines if (m := re.search(pattern, line))), None)
-
     try:
-        wait_until(lambda: found(r"serving on (\S+) \(router\)"), timeout=300, what="pdmesh up")
+        wait_until(lambda: up.found(r"serving on (\S+) \(router\)"), timeout=300, what="pdmesh up")
         routers = {
-            m.group(1): (m.group(2), int(m.group(3))) for line in lines if (m := ROUTER_LINE.match(line))
+            m.group(1): (m.group(2), int(m.group(3))) for line in up.lines if (m := ROUTER_LINE.match(line))
         }
-        assert set(routers) == {"router", "router-1"}, lines
+        assert set(routers) == {"router", "router-1"}, up.output
         assert routers["router"][0] == routers["router-1"][0]  # one gRPC port
-        door = found(r"http\s+http://(\S+)/v1").group(1)
+        door = up.found(r"http\s+http://(\S+)/v1").group(1)
         for _ in range(24):  # new connection each: the kernel spreads them over the two processes
             status, _, _ = httpio.request(door, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
             assert status == 200
         counts = [_requests_counted(port) for _, port in routers.values()]
         assert all(n > 0 for n in counts) and sum(counts) == 24, counts
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        reader.join(5)
+        up.stop(signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service

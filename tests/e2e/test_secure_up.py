@@ -6,13 +6,8 @@ without, and on the internal port a worker certificate cannot speak for another 
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import ssl
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,7 +19,7 @@ from pdmesh.cli import main as pdmesh_main
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.tls import MESH_DNS_NAME, TlsConfig, client_tls, sync_channel
 from services.router.auth import append_entry, new_key
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import UpProcess, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,51 +42,31 @@ def secure_up(tmp_path_factory):
     assert pdmesh_main(argv) == 0
     key = new_key()
     append_entry(str(keys), "acme", key)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdmesh.cli",
-        "up",
-        "--model",
-        "builtin-tiny",
-        "--router-port",
-        "0",
-        "--gateway-port",
-        "0",
-        "--workdir",
-        str(root / "up"),
-        "--tls-dir",
-        str(certs),
-        "--api-keys-file",
-        str(keys),
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_")}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    up = UpProcess(
+        [
+            "--model",
+            "builtin-tiny",
+            "--router-port",
+            "0",
+            "--gateway-port",
+            "0",
+            "--workdir",
+            str(root / "up"),
+            "--tls-dir",
+            str(certs),
+            "--api-keys-file",
+            str(keys),
+        ]
     )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-
-    def found(pattern: str):
-        return next((m for line in lines if (m := re.search(pattern, line))), None) or (
-            proc.poll() is not None and pytest.fail("pdmesh up exited:\n" + "".join(lines))
-        )
 
     try:
         public = wait_until(
-            lambda: found(r"serving on (\S+) \(router\)"), timeout=300, what="pdmesh up"
+            lambda: up.found(r"serving on (\S+) \(router\)"), timeout=300, what="pdmesh up"
         ).group(1)
         internal = wait_until(
-            lambda: found(r"\(pdmesh workers\) use (\S+)"), timeout=10, what="internal"
+            lambda: up.found(r"\(pdmesh workers\) use (\S+)"), timeout=10, what="internal"
         ).group(1)
-        gateway = found(r"http\s+(https://\S+)/v1")  # the router's HTTP door
+        gateway = up.found(r"http\s+(https://\S+)/v1")  # the router's HTTP door
         yield {
             "certs": certs,
             "key": key,
@@ -100,14 +75,8 @@ def secure_up(tmp_path_factory):
             "gateway": gateway.group(1),
         }
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        reader.join(5)
-    assert "draining and stopping" in "".join(lines)
+        up.stop(signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service
+    assert "draining and stopping" in up.output
 
 
 def _generate(stub, metadata=()):
