@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from services.common.call_guards import ConnectionLimit, MeshAuthorizer
 from services.common.channels import KEEPALIVE_TIME_MS, server_keepalive_options
 from services.common.config import require, setting
+from services.common.errors import retry_after_ms
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.request_guard import MalformedRequestGuard
 from services.common.tls import TlsConfig, server_credentials
@@ -134,6 +135,9 @@ class _DrainGate(grpc.aio.ServerInterceptor):
         ser = {"request_deserializer": h.request_deserializer, "response_serializer": h.response_serializer}
 
         async def refuse(context: grpc.aio.ServicerContext) -> None:
+            # A hint like every UNAVAILABLE's: a client with no other instance waits for the restart.
+            retry_ms = retry_after_ms(None, grpc.StatusCode.UNAVAILABLE)
+            context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another instance")
 
         if h.unary_unary is not None:
