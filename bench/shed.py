@@ -21,10 +21,12 @@ the rejection latency includes the client's and the router's scheduling delays.
 
 Run: `python bench/shed.py [--burst 20] [--seconds 3]`; the last line is
 `shed rejection_p50_ms=.. rejection_p99_ms=.. shed_share=.. hint_p50_ms=..
-queued_wait_p50_ms=.. hint_vs_wait=.. hint_spread=.. admitted_ok=.. router_us_per_request=..`
+queued_wait_p50_ms=.. hint_vs_wait=.. hint_spread=.. admitted_ok=.. router_us_per_request=.. core_shed_us=.. core_shed_10k_vs_16=..`
 (hint_spread = distinct hints / queue-full sheds: the jitter; admitted_ok = share of
 admitted requests that completed; router_us_per_request = the router process's CPU
-over the burst per request sent, which does not depend on the machine's load).
+over the burst per request sent, which does not depend on the machine's load;
+core_shed_us = one rejection in the admission core alone, and core_shed_10k_vs_16 its
+cost with 10,000 waiters queued over 16: ~1 when the shed path is O(1)).
 """
 
 from __future__ import annotations
@@ -160,6 +162,23 @@ async def burst(address: str, rate: float, seconds: float, channels: int = 8) ->
     return out
 
 
+def core_shed_us(queue: int, n: int = 20_000) -> float:
+    """Microseconds per queue-full rejection of the admission core alone, with `queue`
+    waiters queued: flat in `queue` when the shed path scans nothing (issue 18 item 4)."""
+    from services.router.admission import AdmissionConfig, AdmissionController, AdmissionRejected
+
+    ctl = AdmissionController(AdmissionConfig(max_inflight=8, queue_limit_per_priority=queue))
+    for _ in range(8 + queue):
+        ctl.try_admit("t")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        try:
+            ctl.try_admit("t")
+        except AdmissionRejected:
+            pass
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
@@ -183,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.serve_fake:
         uvloop.run(serve_fake(a.port_file, a.service_s))
         return 0
+    small, large = core_shed_us(16), core_shed_us(10_000)
+    print(f"admission core: {small:.1f} us per shed with 16 queued, {large:.1f} us with 10,000 queued")
     capacity = a.slots / a.service_s
     rate = a.burst * capacity
     print(f"capacity {capacity:.0f} req/s, offered {rate:.0f} req/s for {a.seconds}s ({a.burst}x)")
@@ -237,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "hint_spread": f"{len(set(hints)) / max(len(hints), 1):.2f}",
         "admitted_ok": f"{r['ok'] / max(admitted, 1):.3f}",
         "router_us_per_request": f"{router_cpu / max(r['sent'], 1) * 1e6:.0f}",
+        "core_shed_us": f"{small:.1f}",
+        "core_shed_10k_vs_16": f"{large / small:.2f}",
     }
     print("shed " + " ".join(f"{k}={v}" for k, v in fields.items()))
     return 0
