@@ -30,9 +30,9 @@ MAX_DETAILS_CHARS = 512
 # as one wave that is shed again (issue 18 item 4). Only upwards: never sooner
 # than the estimate.
 RETRY_JITTER = 0.25
-# The hint of an UNAVAILABLE that names none: about the time the mesh takes to
-# settle after a worker goes (a health flip, a restart, a drain to another instance).
-UNAVAILABLE_RETRY_AFTER_S = 1.0
+# The hint of an UNAVAILABLE that names none: about a router health-probe interval,
+# the time the mesh takes to see a worker come or go (HTTP: Retry-After 1).
+UNAVAILABLE_RETRY_AFTER_S = 0.5
 
 
 class MeshError(Exception):
