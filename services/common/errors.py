@@ -30,8 +30,8 @@ MAX_DETAILS_CHARS = 512
 # as one wave that is shed again (issue 18 item 4). Only upwards: never sooner
 # than the estimate.
 RETRY_JITTER = 0.25
-# The hint of an UNAVAILABLE that names none: about a router health-probe interval,
-# the time the mesh takes to see a worker come or go (HTTP: Retry-After 1).
+# The hint of an UNAVAILABLE that names none: half the router's health-probe interval (1 s),
+# so a client is back about when the mesh has seen a worker come or go (HTTP: Retry-After 1).
 UNAVAILABLE_RETRY_AFTER_S = 0.5
 
 
