@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.serve_fake:
         uvloop.run(serve_fake(a.port_file, a.service_s))
         return 0
-    small, large = core_shed_us(16), core_shed_us(10_000)
+    small, large = core_shed_us(16, a.core_n), core_shed_us(10_000, a.core_n)
     print(f"admission core: {small:.1f} us per shed with 16 queued, {large:.1f} us with 10,000 queued")
     capacity = a.slots / a.service_s
     rate = a.burst * capacity
