@@ -193,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue", type=int, default=16, help="waiters per priority before shedding")
     p.add_argument("--burst", type=float, default=20.0, help="offered load / capacity")
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--core-n", type=int, default=20_000, help="sheds timed in the admission core alone")
     p.add_argument(
-        "--profile", default="", help="py-spy the router during the burst into this file (raw or svg)"
+        "--profile", default="", help="py-spy the router during the burst into this file (collapsed stacks)"
     )
     a = p.parse_args(argv)
     import uvloop
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         fake = launcher.start_ready(spec)
         router = start_router(launcher, fake.address, a.slots, a.queue)
         cpu0 = proc_cpu_s(router.proc.pid)
-        if a.profile:  # py-spy on the router for the burst (a flame graph svg)
+        if a.profile:  # py-spy on the router for the burst (raw collapsed stacks)
             import subprocess
 
             spy = subprocess.Popen(
