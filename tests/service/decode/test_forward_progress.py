@@ -3,15 +3,15 @@ readiness goes NOT_SERVING only by the forward-progress rule (issue 18 item 1).
 
 A real DecodeServicer on a MeshServer (gRPC on loopback port 0, the metrics/probe
 HTTP port on port 0) over a real tiny TorchEngine, with the worker's HealthWatch.
-The one stand-in is `StepHold`: it wraps the engine core's `step()` so the test can
-hold the engine's step thread (as a deadlocked or wedged accelerator would) and let
-it go again; everything around it runs as in a worker process.
+The one stand-in is `StepHold` (tests/service/decode/hold.py): it wraps the engine
+core's `step()` so the test can hold the engine's step thread (as a deadlocked or
+wedged accelerator would) and let it go again; everything around it runs as in a
+worker process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -29,6 +29,7 @@ from services.decode.servicer import DecodeServicer
 from services.engine.factory import create_engine
 from services.router.convert import load_from_proto
 from services.worker.health import HealthWatch
+from tests.service.decode.hold import StepHold
 from tests.support.poll import eventually
 from tests.unit.engine.conftest import prompt_of, tiny_config
 
@@ -36,31 +37,6 @@ SERVICE = "pdmesh.v1.DecodeService"
 PROBE_TIMEOUT_S = 1.0  # what a probe allows; the engine is held for longer than this
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class StepHold:
-    """Wraps LLMEngine.step on the engine thread: `hold()` makes the next step block
-    until `release()`; `entered` is set once the thread is blocked in it."""
-
-    def __init__(self, core):
-        self._inner = core.step
-        self._open = threading.Event()
-        self._open.set()
-        self.entered = threading.Event()
-        core.step = self  # the step thread calls core.step(): this instance attribute
-
-    def __call__(self):
-        if not self._open.is_set():
-            self.entered.set()
-            self._open.wait()
-        return self._inner()
-
-    def hold(self) -> None:
-        self.entered.clear()
-        self._open.clear()
-
-    def release(self) -> None:
-        self._open.set()
 
 
 class Worker:
