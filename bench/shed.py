@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
             spy = subprocess.Popen(
                 [
-                    "py-spy",
+                    str(Path(sys.executable).with_name("py-spy")),  # the venv's (pip install py-spy)
                     "record",
                     "--format",
                     "raw",
