@@ -22,9 +22,10 @@ running downstream call at once; cleanup is in `finally`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -45,9 +46,11 @@ from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
+from services.router.hedge import HedgeConfig, Leg, Winner, hedge_delay, race_winner
 from services.router.load_view import LoadView
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
-from services.router.policy import Candidate, Policy
+from services.router.outlier import OutlierDetector
+from services.router.policy import Candidate, Choice, Policy
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import WorkerRegistry, WorkerRole
 from services.router.retry_budget import RetryBudget
@@ -111,6 +114,22 @@ class RoutingContext:
     metrics: Any = None  # RouterMetrics or None
     notify: Callable[[], None] = lambda: None  # state changed (a request queued), for waiters
     load_view: LoadView | None = None  # the router's own load account; None: heartbeats only
+    outliers: OutlierDetector | None = None  # latency outlier detection (issue 18); None: off
+    hedge: HedgeConfig = field(default_factory=HedgeConfig)  # hedging before the first token (off by default)
+
+
+def _worker_of(ch: Choice) -> str:
+    return ch.worker_id
+
+
+def _cost_of(ch: Choice) -> float:
+    return ch.cost
+
+
+def _leg(attempt: DecodeAttempt) -> Leg:
+    if attempt.messages:
+        return Leg.STARTED
+    return Leg.FAILED if attempt.done else Leg.WAITING
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -151,6 +170,14 @@ class RequestFlow:
         self.worker_id = ""
         self._routed: int | None = None  # this attempt's LoadView key
         self._last_error: tuple[str, AttemptError] | None = None
+        # Hedging (hedge.py): the copy racing the running attempt, and what it needs.
+        self._hedge: DecodeAttempt | None = None
+        self._hedge_timer: asyncio.TimerHandle | None = None
+        self._hedge_routed: int | None = None
+        self._hedges = 0
+        self._hedge_waste = 0  # tokens of hedges that lost (not in the journey)
+        self._hedge_cached = 0  # input tokens the hedge's worker was expected to have cached
+        self._sent: tuple[decode_pb2.DecodeServiceGenerateRequest, int, int] | None = None
 
     def cancel(self, why: str = "cancelled by Router.Cancel") -> None:
         """Stop the request now: cancel the downstream call, end the stream with CANCELLED."""
@@ -160,7 +187,19 @@ class RequestFlow:
             self.ctx.gate.abort(self._waiter, self._cancel_error)
         if self._attempt is not None:
             self._attempt.cancel()
+        if self._hedge is not None:
+            self._hedge.cancel()
         self._wake.set()
+
+    def reroute_unstarted(self, worker_id: str, why: str) -> bool:
+        """`worker_id` went unhealthy: if this request's attempt (or hedge) there has had
+        nothing back yet, fail it now so the request moves to another worker (nothing is
+        lost before the first token). True if one was moved."""
+        moved = False
+        for attempt in (self._attempt, self._hedge):
+            if attempt is not None and attempt.worker_id == worker_id:
+                moved |= attempt.fail_unstarted(f"worker {worker_id} {why} before the first token")
+        return moved
 
     async def run(self) -> AsyncIterator[list[int] | FlowFinal]:
         """Token-id lists (one per client message), then a FlowFinal; raises a
@@ -178,6 +217,12 @@ class RequestFlow:
             if self._attempt is not None:
                 self._attempt.cancel()
             if self._cost is not None:
+                if self._hedge_waste:  # hedges that lost are not in the journey
+                    self._cost = dataclasses.replace(
+                        self._cost,
+                        computed_tokens=self._cost.computed_tokens + self._hedge_waste,
+                        wasted_tokens=self._cost.wasted_tokens + self._hedge_waste,
+                    )
                 self.ctx.ledger.record(self._cost)
             self.ctx.gate.release(ticket)
 
@@ -223,9 +268,13 @@ class RequestFlow:
             worker = attempt.worker_id
             settled = False
             try:
+                self._arm_hedge(attempt)
                 while True:
                     if self._cancel_error is not None:
                         raise self._cancel_error
+                    if self._hedge is not None:  # a race before the first token: settle it?
+                        attempt = self._settle_race(attempt)
+                        worker = attempt.worker_id
                     ids = attempt.take()
                     if ids:
                         if len(ids) > remaining:  # a worker that overruns max_tokens: cut it off
@@ -250,6 +299,8 @@ class RequestFlow:
                     await self._wake.wait()
                     self._wake.clear()
             finally:
+                self._end_hedge()
+                self._report_latency(attempt)
                 ctx.registry.end_request(worker)
                 if self._routed is not None:
                     ctx.load_view.end(self._routed)  # type: ignore[union-attr]
@@ -294,7 +345,9 @@ class RequestFlow:
         the client gets."""
         ctx = self.ctx
         decision = self.journey.fail_attempt(
-            err.retryable, another_worker=self._another_worker(), retry_budget=ctx.budget.can_retry()
+            err.retryable,
+            another_worker=self._another_worker(),
+            retry_budget=err.reroute or ctx.budget.can_retry(),
         )
         log.info(
             "attempt_failed",
@@ -305,7 +358,7 @@ class RequestFlow:
             decision=decision.action.value,
             delivered=len(self.journey.delivered_token_ids),
         )
-        if decision.action is Recovery.RETRY:
+        if decision.action is Recovery.RETRY and not err.reroute:
             ctx.budget.record_retry()
         elif decision.cause is Cause.RETRY_BUDGET:
             ctx.budget.record_denied()
@@ -349,11 +402,7 @@ class RequestFlow:
         ]
         if ctx.load_view is not None:
             cands = ctx.load_view.blend(cands)
-        choice = None
-        for ch in ctx.decode_policy.rank(cands, len(hashes), overlaps):
-            if ctx.breakers.allow_request(ch.worker_id):
-                choice = ch
-                break
+        choice = self._pick(ctx.decode_policy.rank(cands, len(hashes), overlaps))
         if choice is None:
             self._cost = self.journey.give_up()
             last = self._last_error
@@ -386,18 +435,194 @@ class RequestFlow:
             ctx.index.apply_provisional(choice.worker_id, hashes, now + cfg.optimistic_prefix_ttl_s)
         self.worker_id = choice.worker_id
         call = ctx.call_decode(choice.worker_id, request, timeout)
+        to_prefill = len(input_ids) - choice.overlap_blocks * cfg.block_size
         if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
-            to_prefill = len(input_ids) - choice.overlap_blocks * cfg.block_size
             self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
-        self._attempt = DecodeAttempt(
-            choice.worker_id,
+        self._sent = (request, to_prefill, new_blocks)  # what a hedge of this attempt sends
+        self._attempt = self._new_attempt(choice.worker_id, call)
+        return self._attempt
+
+    def _new_attempt(self, worker_id: str, call: DecodeCall) -> DecodeAttempt:
+        cfg = self.ctx.config
+        on_first = self._on_first if self.ctx.outliers is not None else None
+        return DecodeAttempt(
+            worker_id,
             call,
             self._wake,
-            cfg.first_token_timeout_s,
+            self._first_token_timeout(worker_id),
             cfg.stall_timeout_s,
             cfg.max_buffered_tokens,
+            on_first,
         )
-        return self._attempt
+
+    def _pick(self, ranked: list[Choice]) -> Choice | None:
+        """The first ranked worker that the outlier detector and its breaker let through."""
+        ctx, outliers = self.ctx, self.ctx.outliers
+        if outliers is not None:
+            ranked = outliers.rerank(ranked, _worker_of, _cost_of)
+        for ch in ranked:
+            wid = ch.worker_id
+            if outliers is not None and not outliers.is_available(wid):
+                continue
+            if ctx.breakers.allow_request(wid):
+                if outliers is not None:
+                    outliers.allow_request(wid)  # takes a probe slot while it is PROBING
+                return ch
+        return None
+
+    def _first_token_timeout(self, worker_id: str) -> float:
+        """A multiple of the worker's predicted TTFT, within [floor, first_token_timeout_s];
+        the fixed cap without a prediction (or with the multiple 0)."""
+        cfg, outliers = self.ctx.config, self.ctx.outliers
+        cap = cfg.first_token_timeout_s
+        if cap <= 0 or cfg.first_token_timeout_multiple <= 0 or outliers is None:
+            return cap
+        predicted = outliers.predicted_ttft(worker_id)
+        if predicted is None:
+            return cap
+        return min(max(cfg.first_token_timeout_multiple * predicted, cfg.first_token_timeout_floor_s), cap)
+
+    # ---- latency samples (outlier detection), once per attempt ---------------
+
+    def _on_first(self, attempt: DecodeAttempt) -> None:
+        assert self.ctx.outliers is not None and attempt.first_at is not None
+        self.ctx.outliers.record_ttft(attempt.worker_id, attempt.first_at - attempt.started)
+
+    def _report_latency(self, attempt: DecodeAttempt) -> None:
+        outliers = self.ctx.outliers
+        if outliers is None:
+            return
+        if attempt.first_at is None:
+            err = attempt.error
+            if err is not None and err.worker_fault:  # it stalled or broke before a first message
+                outliers.record_ttft(attempt.worker_id, self._loop.time() - attempt.started)
+            else:
+                outliers.release(attempt.worker_id)  # no verdict: a probe slot back
+            return
+        gap = attempt.mean_gap_s
+        if gap is not None:
+            outliers.record_itl(attempt.worker_id, gap)
+
+    # ---- hedging (hedge.py) ---------------------------------------------------
+
+    def _arm_hedge(self, attempt: DecodeAttempt) -> None:
+        ctx = self.ctx
+        if not ctx.hedge.enabled or ctx.outliers is None or self.journey.delivered_token_ids:
+            return
+        delay = hedge_delay(ctx.hedge, ctx.outliers.predicted_ttft(attempt.worker_id), self._hedges)
+        if delay is not None:
+            self._hedge_timer = self._loop.call_at(attempt.started + delay, self._fire_hedge, attempt)
+
+    def _fire_hedge(self, primary: DecodeAttempt) -> None:
+        """The primary is late: send a copy to the next-best worker, if the budget allows."""
+        self._hedge_timer = None
+        ctx, cfg = self.ctx, self.ctx.config
+        if primary is not self._attempt or primary.done or primary.messages or self._sent is None:
+            return
+        if self._cancel_error is not None or self._hedge is not None:
+            return
+        if not ctx.budget.can_retry():
+            self._count_hedge("denied")
+            return
+        request, to_prefill, new_blocks = self._sent
+        exclude = {a.worker_id for a in self.journey.attempts} | {primary.worker_id}
+        cands = [
+            c
+            for c in ctx.registry.eligible(WorkerRole.DECODE)
+            if c.worker_id not in exclude and not saturated(c, cfg)
+        ]
+        if not cands:
+            self._count_hedge("no_worker")
+            return
+        hashes = BlockHashChain(
+            tuple(request.prompt_token_ids) + tuple(request.resume_token_ids), cfg.block_size
+        )
+        overlaps = ctx.index.match(hashes) if hashes else {}
+        choice = self._pick(ctx.decode_policy.rank(cands, len(hashes), overlaps))
+        if choice is None:
+            self._count_hedge("no_worker")
+            return
+        timeout = None if self._deadline is None else self._deadline - self._loop.time()
+        if timeout is not None and timeout <= 0:
+            ctx.breakers.record_ignored(choice.worker_id)
+            return
+        ctx.budget.record_retry()
+        self._hedges += 1
+        wid = choice.worker_id
+        ctx.registry.begin_request(wid, 0 if ctx.load_view is not None else new_blocks)
+        call = ctx.call_decode(wid, request, timeout)
+        if ctx.load_view is not None:
+            self._hedge_routed = ctx.load_view.begin(wid, to_prefill, new_blocks)
+        self._hedge = self._new_attempt(wid, call)
+        self._hedge_cached = choice.overlap_blocks * cfg.block_size
+        self._count_hedge("sent")
+        log.info("hedged", request_id=self.req.request_id, worker=primary.worker_id, hedge=wid)
+
+    def _settle_race(self, primary: DecodeAttempt) -> DecodeAttempt:
+        """Keep whichever of the primary and its hedge started first; cancel the other."""
+        hedge = self._hedge
+        assert hedge is not None
+        winner = race_winner(_leg(primary), _leg(hedge))
+        if winner is Winner.NONE:
+            return primary
+        self._hedge = None
+        if winner is Winner.PRIMARY:
+            self._drop_leg(hedge, self._hedge_routed, in_journey=False)
+            self._hedge_routed = None
+            self._count_hedge("lost")
+            return primary
+        self._drop_leg(primary, self._routed, in_journey=True)
+        self._routed, self._hedge_routed = self._hedge_routed, None
+        self.journey.hedge_won(hedge.worker_id, cached_tokens=self._hedge_cached)
+        self._attempt = hedge
+        self.worker_id = hedge.worker_id
+        self._count_hedge("won")
+        return hedge
+
+    def _drop_leg(self, leg: DecodeAttempt, routed: int | None, in_journey: bool) -> None:
+        """Cancel a leg of a race and settle its accounts (registry, breaker, latency, waste).
+        `in_journey`: the leg is the journey's running attempt (the primary)."""
+        ctx = self.ctx
+        leg.cancel()
+        if in_journey and leg.first_at is None and ctx.outliers is not None:
+            # Beaten by its hedge: "no first message after this long" is a (censored) sample.
+            ctx.outliers.record_ttft(leg.worker_id, self._loop.time() - leg.started)
+        else:
+            self._report_latency(leg)
+        ctx.registry.end_request(leg.worker_id)
+        if routed is not None:
+            ctx.load_view.end(routed)  # type: ignore[union-attr]
+        err = leg.error
+        if err is not None and err.worker_fault:
+            ctx.breakers.record_failure(leg.worker_id)
+        else:
+            ctx.breakers.record_ignored(leg.worker_id)
+        # What the leg computed is lost, estimated as its prefill (it delivered nothing). The
+        # primary's is in the journey (hedge_won cancels it); a hedge's is added to the cost.
+        current = self.journey.current
+        if current is None:
+            return
+        cached = current.cached_tokens if in_journey else self._hedge_cached
+        wasted = max(current.input_tokens - cached, 0)
+        if not in_journey:
+            self._hedge_waste += wasted
+        if ctx.metrics is not None and wasted:
+            ctx.metrics.wasted("hedged", wasted)
+
+    def _end_hedge(self) -> None:
+        """The attempt is over (or the flow ends): no hedge may start or keep running."""
+        if self._hedge_timer is not None:
+            self._hedge_timer.cancel()
+            self._hedge_timer = None
+        hedge, self._hedge = self._hedge, None
+        if hedge is not None:
+            self._drop_leg(hedge, self._hedge_routed, in_journey=False)
+            self._hedge_routed = None
+            self._count_hedge("lost")
+
+    def _count_hedge(self, outcome: str) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.hedge(outcome)
 
     def _prefill_candidates(self, prompt_blocks: int, overlaps: dict[str, int]) -> list[Any]:
         ctx = self.ctx

@@ -51,6 +51,7 @@ class AttemptKind(enum.Enum):
     FIRST = "first"
     RETRY = "retry"  # after a failure before the first delivered token
     MIGRATION = "migration"  # after a failure mid-stream: resumes from delivered tokens
+    HEDGE = "hedge"  # a copy that started first and replaced the running attempt (hedge.py)
 
 
 class AttemptOutcome(enum.Enum):
@@ -273,6 +274,24 @@ class RequestJourney:
             kind=plan.kind,
             worker_id=worker_id,
             resume_tokens=len(self._delivered),
+            input_tokens=input_tokens,
+            cached_tokens=min(max(cached_tokens, 0), input_tokens),
+        )
+        self._attempts.append(attempt)
+        return attempt
+
+    def hedge_won(self, worker_id: str, cached_tokens: int = 0) -> Attempt:
+        """A hedge on `worker_id` started before the running attempt, which is cancelled
+        (its work is wasted) and replaced: the hedge is the running attempt now. It counts
+        against neither the retry nor the migration limit (the retry budget paid for it)."""
+        old = self._require_running()
+        self._end_attempt(AttemptOutcome.CANCELLED, None)
+        input_tokens = old.input_tokens
+        attempt = Attempt(
+            index=len(self._attempts),
+            kind=AttemptKind.HEDGE,
+            worker_id=worker_id,
+            resume_tokens=old.resume_tokens,
             input_tokens=input_tokens,
             cached_tokens=min(max(cached_tokens, 0), input_tokens),
         )

@@ -121,6 +121,7 @@ class _Worker:
         self.probe_at = 0.0
         self.good = 0  # PROBING: good probe samples so far
         self.quantiles: list[float | None] = [None, None]
+        self.median_ttft: float | None = None
 
 
 class OutlierDetector:
@@ -137,6 +138,7 @@ class OutlierDetector:
         self._on_transition = on_transition
         self._workers: dict[str, _Worker] = {}
         self._last_eval = -math.inf
+        self._role_median: dict[str, float] = {}  # TTFT median over a role's samples
         self.inflated = False  # some worker's factor is above 1 (`rerank` has work to do)
         self.ejections = 0  # lifetime count, for metrics
 
@@ -226,19 +228,13 @@ class OutlierDetector:
 
     def predicted_ttft(self, worker_id: str) -> float | None:
         """The median time to first message on this worker over the window, or over its
-        role's workers when it has too few samples; None with no samples to go on."""
-        now = self._clock()
+        role's workers when it has too few samples; None with no samples to go on.
+        (Computed with the quantiles, at most every eval_interval_s: O(1) per request.)"""
+        self._maybe_evaluate(self._clock())
         w = self._workers.get(worker_id)
-        cfg = self.config
-        if w is not None:
-            mine = self._window(w, TTFT, now)
-            if len(mine) >= cfg.min_samples:
-                return quantile(mine, 0.5)
-        role = w.role if w is not None else "decode"
-        pooled = [v for o in self._workers.values() if o.role == role for v in self._window(o, TTFT, now)]
-        if len(pooled) >= cfg.min_samples:
-            return quantile(pooled, 0.5)
-        return None
+        if w is not None and w.median_ttft is not None:
+            return w.median_ttft
+        return self._role_median.get(w.role if w is not None else "decode")
 
     # ---- evaluation -----------------------------------------------------------
 
@@ -266,10 +262,18 @@ class OutlierDetector:
         if now - self._last_eval < cfg.eval_interval_s:
             return
         self._last_eval = now
+        pooled: dict[str, list[float]] = {}
         for w in self._workers.values():
             for m in _METRICS:
                 vals = self._window(w, m, now)
-                w.quantiles[m] = quantile(vals, cfg.quantile) if len(vals) >= cfg.min_samples else None
+                enough = len(vals) >= cfg.min_samples
+                w.quantiles[m] = quantile(vals, cfg.quantile) if enough else None
+                if m == TTFT:
+                    w.median_ttft = quantile(vals, 0.5) if enough else None
+                    pooled.setdefault(w.role, []).extend(vals)
+        self._role_median = {
+            role: quantile(vals, 0.5) for role, vals in pooled.items() if len(vals) >= cfg.min_samples
+        }
         for wid, w in self._workers.items():
             self._advance(wid, w, now)
             if w.state is not OutlierState.HEALTHY:
@@ -340,6 +344,7 @@ class OutlierDetector:
             for dq in w.samples:  # its slow past would eject it again at once
                 dq.clear()
             w.quantiles = [None, None]
+            w.median_ttft = None
             w.score, w.factor, w.healthy_since = 1.0, 1.0, now
             self._set(worker_id, w, OutlierState.HEALTHY)
 

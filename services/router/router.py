@@ -44,6 +44,7 @@ from services.router.generate import (
 from services.router.load_view import LoadView
 from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
+from services.router.outlier import OutlierDetector, OutlierState
 from services.router.policy import WorkerLoad, make_policy
 from services.router.prefix_index import EventSequencer, PrefixIndex
 from services.router.registry import (
@@ -129,7 +130,10 @@ class Router:
         rng = rng or random.Random(cfg.seed)
         self.metrics = RouterMetrics(self.stats)
         self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
-        self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self.breakers.is_available)
+        self.outliers = (
+            OutlierDetector(settings.outlier, clock, self._on_outlier) if settings.outlier.enabled else None
+        )
+        self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = PrefixIndex(settings.index)
         self.sequencer = EventSequencer()
@@ -158,6 +162,8 @@ class Router:
             interceptors=interceptors,  # tracing: the trace context goes to the workers
         )
         self.pool.drain_grace_s = settings.server.drain_grace_s
+        self.pool.on_unhealthy = lambda worker_id: self.reroute_unstarted(worker_id, "not_serving")
+        self.pool.on_forget = self._forget_latency
         self.ctx = RoutingContext(
             config=cfg,
             registry=self.registry,
@@ -174,6 +180,8 @@ class Router:
             metrics=self.metrics,
             notify=self.changed,
             load_view=self.load_view,
+            outliers=self.outliers,
+            hedge=settings.hedge,
         )
         self.flows: dict[str, RequestFlow] = {}
         self.requests_total = 0
@@ -357,6 +365,39 @@ class Router:
     def _on_breaker(self, worker_id: str, old: BreakerState, new: BreakerState) -> None:
         log.info("breaker", worker=worker_id, old=old.value, new=new.value)
         self.metrics.breaker_transition(new.value)
+        if new is BreakerState.OPEN:
+            self.reroute_unstarted(worker_id, "breaker_open")
+
+    def _on_outlier(self, worker_id: str, old: OutlierState, new: OutlierState) -> None:
+        log.info("latency_outlier", worker=worker_id, old=old.value, new=new.value)
+        self.metrics.outlier_transition(new.value)
+        if new is OutlierState.EJECTED:
+            self.reroute_unstarted(worker_id, "ejected")
+
+    def _available(self, worker_id: str) -> bool:
+        """May the registry offer this worker? Its breaker and the outlier detector agree."""
+        if not self.breakers.is_available(worker_id):
+            return False
+        return self.outliers is None or self.outliers.is_available(worker_id)
+
+    def _forget_latency(self, worker_id: str) -> None:
+        if self.outliers is not None:
+            self.outliers.remove(worker_id)
+
+    def reroute_unstarted(self, worker_id: str, cause: str) -> int:
+        """`worker_id` went unhealthy (cause: not_serving, breaker_open, ejected): move every
+        request there that has had nothing back yet to another worker, now (issue 18: they
+        used to wait for the first-token timeout). How many were moved."""
+        if not self.config.reroute_unstarted:
+            return 0
+        why = {"not_serving": "is not serving", "breaker_open": "has its breaker open"}.get(
+            cause, "was ejected as a latency outlier"
+        )
+        moved = sum(flow.reroute_unstarted(worker_id, why) for flow in list(self.flows.values()))
+        if moved:
+            log.info("rerouted_unstarted", worker=worker_id, cause=cause, requests=moved)
+            self.metrics.reroute(cause, moved)
+        return moved
 
     # ---- stats --------------------------------------------------------------
 
