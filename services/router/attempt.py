@@ -130,6 +130,7 @@ class DecodeAttempt:
         self.started = self._last
         self.first_at: float | None = None  # when the first message arrived
         self.token_messages = 0  # messages with tokens (the ITL sample: gaps between them)
+        self.prefill_blocks = 0  # blocks the worker must prefill (set by the flow: TTFT samples)
         self._on_first = on_first
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
@@ -211,6 +212,11 @@ class DecodeAttempt:
         if self.first_at is None or self.token_messages < 2:
             return None
         return (self._last - self.first_at) / (self.token_messages - 1)
+
+    @property
+    def stalled(self) -> bool:
+        """The watchdog failed it: no first message, or no token, in time."""
+        return self._stalled
 
     def fail_unstarted(self, why: str) -> bool:
         """Fail the attempt now if nothing came back yet (its worker went unhealthy): a

@@ -3,7 +3,7 @@
 `RouterConfig` holds the router's own settings (workers, model, policy,
 timeouts, probe intervals); the cores keep their own configs
 (`AdmissionConfig`, `BreakerConfig`, `RetryBudgetConfig`, `JourneyConfig`,
-`OutlierConfig`, `HedgeConfig`,
+`OutlierConfig`, `HedgeConfig`, `RetryAttachConfig`,
 `PrefixIndexConfig`, `RequestLimits`), the public listener is a `ServerConfig`
 and the internal one (workers' membership, services/router/listeners.py) an
 `InternalListenerConfig`, the OpenAI-compatible HTTP door an `HttpDoorConfig`, their
@@ -41,6 +41,7 @@ from services.router.outlier import OutlierConfig
 from services.router.policy import POLICY_NAMES, PolicyConfig
 from services.router.prefix_index import PrefixIndexConfig
 from services.router.registry import RegistryConfig, parse_target
+from services.router.retries import RetryAttachConfig
 from services.router.retry_budget import RetryBudgetConfig
 
 
@@ -238,6 +239,7 @@ class RouterSettings:
     journey: JourneyConfig = field(default_factory=JourneyConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     hedge: HedgeConfig = field(default_factory=HedgeConfig)
+    retry_attach: RetryAttachConfig = field(default_factory=RetryAttachConfig)  # retried arrivals
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -257,6 +259,7 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("journey", JourneyConfig, ""),
     ("outlier", OutlierConfig, "outlier_"),
     ("hedge", HedgeConfig, "hedge_"),
+    ("retry_attach", RetryAttachConfig, "retry_attach_"),
     ("index", PrefixIndexConfig, "index_"),
     ("tls", TlsConfig, "tls_"),
     ("auth", AuthConfig, ""),

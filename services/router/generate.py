@@ -116,6 +116,9 @@ class RoutingContext:
     load_view: LoadView | None = None  # the router's own load account; None: heartbeats only
     outliers: OutlierDetector | None = None  # latency outlier detection (issue 18); None: off
     hedge: HedgeConfig = field(default_factory=HedgeConfig)  # hedging before the first token (off by default)
+    # A worker looks hung (a stream on it stalled mid-way): move its unstarted requests
+    # (Router.reroute_unstarted, with a cause).
+    reroute: Callable[[str, str], int] = lambda worker_id, cause: 0
 
 
 def _worker_of(ch: Choice) -> str:
@@ -315,6 +318,8 @@ class RequestFlow:
             assert err is not None
             if err.worker_fault:
                 ctx.breakers.record_failure(worker)
+                if attempt.stalled and attempt.messages:  # hung mid-stream: the others there too
+                    ctx.reroute(worker, "stalled")
             else:
                 ctx.breakers.record_ignored(worker)
             final = self._recover(worker, err)
@@ -439,21 +444,24 @@ class RequestFlow:
         if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
             self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
         self._sent = (request, to_prefill, new_blocks)  # what a hedge of this attempt sends
-        self._attempt = self._new_attempt(choice.worker_id, call)
+        self._attempt = self._new_attempt(choice.worker_id, call, to_prefill)
         return self._attempt
 
-    def _new_attempt(self, worker_id: str, call: DecodeCall) -> DecodeAttempt:
+    def _new_attempt(self, worker_id: str, call: DecodeCall, to_prefill: int) -> DecodeAttempt:
         cfg = self.ctx.config
         on_first = self._on_first if self.ctx.outliers is not None else None
-        return DecodeAttempt(
+        blocks = -(-max(to_prefill, 0) // cfg.block_size)
+        attempt = DecodeAttempt(
             worker_id,
             call,
             self._wake,
-            self._first_token_timeout(worker_id),
+            self._first_token_timeout(worker_id, blocks),
             cfg.stall_timeout_s,
             cfg.max_buffered_tokens,
             on_first,
         )
+        attempt.prefill_blocks = blocks
+        return attempt
 
     def _pick(self, ranked: list[Choice]) -> Choice | None:
         """The first ranked worker that the outlier detector and its breaker let through."""
@@ -470,14 +478,14 @@ class RequestFlow:
                 return ch
         return None
 
-    def _first_token_timeout(self, worker_id: str) -> float:
+    def _first_token_timeout(self, worker_id: str, prefill_blocks: int) -> float:
         """A multiple of the worker's predicted TTFT, within [floor, first_token_timeout_s];
         the fixed cap without a prediction (or with the multiple 0)."""
         cfg, outliers = self.ctx.config, self.ctx.outliers
         cap = cfg.first_token_timeout_s
         if cap <= 0 or cfg.first_token_timeout_multiple <= 0 or outliers is None:
             return cap
-        predicted = outliers.predicted_ttft(worker_id)
+        predicted = outliers.predicted_ttft(worker_id, prefill_blocks)
         if predicted is None:
             return cap
         return min(max(cfg.first_token_timeout_multiple * predicted, cfg.first_token_timeout_floor_s), cap)
@@ -486,7 +494,9 @@ class RequestFlow:
 
     def _on_first(self, attempt: DecodeAttempt) -> None:
         assert self.ctx.outliers is not None and attempt.first_at is not None
-        self.ctx.outliers.record_ttft(attempt.worker_id, attempt.first_at - attempt.started)
+        self.ctx.outliers.record_ttft(
+            attempt.worker_id, attempt.first_at - attempt.started, attempt.prefill_blocks
+        )
 
     def _report_latency(self, attempt: DecodeAttempt) -> None:
         outliers = self.ctx.outliers
@@ -495,7 +505,9 @@ class RequestFlow:
         if attempt.first_at is None:
             err = attempt.error
             if err is not None and err.worker_fault:  # it stalled or broke before a first message
-                outliers.record_ttft(attempt.worker_id, self._loop.time() - attempt.started)
+                outliers.record_ttft(
+                    attempt.worker_id, self._loop.time() - attempt.started, attempt.prefill_blocks
+                )
             else:
                 outliers.release(attempt.worker_id)  # no verdict: a probe slot back
             return
@@ -509,7 +521,8 @@ class RequestFlow:
         ctx = self.ctx
         if not ctx.hedge.enabled or ctx.outliers is None or self.journey.delivered_token_ids:
             return
-        delay = hedge_delay(ctx.hedge, ctx.outliers.predicted_ttft(attempt.worker_id), self._hedges)
+        predicted = ctx.outliers.predicted_ttft(attempt.worker_id, attempt.prefill_blocks)
+        delay = hedge_delay(ctx.hedge, predicted, self._hedges)
         if delay is not None:
             self._hedge_timer = self._loop.call_at(attempt.started + delay, self._fire_hedge, attempt)
 
@@ -553,8 +566,9 @@ class RequestFlow:
         call = ctx.call_decode(wid, request, timeout)
         if ctx.load_view is not None:
             self._hedge_routed = ctx.load_view.begin(wid, to_prefill, new_blocks)
-        self._hedge = self._new_attempt(wid, call)
         self._hedge_cached = choice.overlap_blocks * cfg.block_size
+        inputs = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        self._hedge = self._new_attempt(wid, call, inputs - self._hedge_cached)
         self._count_hedge("sent")
         log.info("hedged", request_id=self.req.request_id, worker=primary.worker_id, hedge=wid)
 
@@ -586,7 +600,7 @@ class RequestFlow:
         leg.cancel()
         if in_journey and leg.first_at is None and ctx.outliers is not None:
             # Beaten by its hedge: "no first message after this long" is a (censored) sample.
-            ctx.outliers.record_ttft(leg.worker_id, self._loop.time() - leg.started)
+            ctx.outliers.record_ttft(leg.worker_id, self._loop.time() - leg.started, leg.prefill_blocks)
         else:
             self._report_latency(leg)
         ctx.registry.end_request(leg.worker_id)

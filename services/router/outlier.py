@@ -13,8 +13,8 @@ Switches of the router's defences against slow, hung and flapping workers
                                        instead of a multiple of the worker's predicted TTFT
 
 `OutlierDetector` owns, per worker, a sliding window of latency samples the
-request flow reports once per attempt (time to first message, and the attempt's
-mean inter-token gap when it ends), with an injected clock. At most every
+request flow reports once per attempt (time to first message per unit of prefill
+work, and the attempt's mean inter-token gap when it ends), with an injected clock. At most every
 `eval_interval_s` it compares each worker's `quantile` of each metric with the
 median of the same quantile over the *other* workers of its role that have
 `min_samples` samples; the worst of the two ratios is the worker's score
@@ -144,10 +144,15 @@ class OutlierDetector:
 
     # ---- samples ------------------------------------------------------------
 
-    def record_ttft(self, worker_id: str, seconds: float, role: str = "decode") -> None:
+    def record_ttft(
+        self, worker_id: str, seconds: float, prefill_blocks: int = 0, role: str = "decode"
+    ) -> None:
         """Time from an attempt's start to its first message on `worker_id` (or to its failure
-        before one: a lower bound, which still says the worker is slow)."""
-        self._record(worker_id, role, TTFT, seconds)
+        before one: a lower bound, which still says the worker is slow). Kept per unit of
+        work, seconds / (1 + blocks it had to prefill), so that a worker that gets the long
+        or uncached prompts (kv-aware routing sends the cached ones elsewhere) is not taken
+        for a slow one."""
+        self._record(worker_id, role, TTFT, seconds / (1 + max(prefill_blocks, 0)))
 
     def record_itl(self, worker_id: str, seconds: float, role: str = "decode") -> None:
         """Mean gap between an attempt's messages after its first, once per attempt."""
@@ -226,15 +231,18 @@ class OutlierDetector:
         factor = self.factor
         return sorted(ranked, key=lambda ch: (cost_of(ch) + 1.0) * factor(worker_of(ch)))
 
-    def predicted_ttft(self, worker_id: str) -> float | None:
-        """The median time to first message on this worker over the window, or over its
-        role's workers when it has too few samples; None with no samples to go on.
-        (Computed with the quantiles, at most every eval_interval_s: O(1) per request.)"""
+    def predicted_ttft(self, worker_id: str, prefill_blocks: int = 0) -> float | None:
+        """The time to first message a request with `prefill_blocks` to prefill should take on
+        this worker: the median per unit of work over the window (over its role's workers when
+        it has too few samples) times (1 + prefill_blocks); None with no samples to go on.
+        (The medians are computed with the quantiles, at most every eval_interval_s.)"""
         self._maybe_evaluate(self._clock())
         w = self._workers.get(worker_id)
         if w is not None and w.median_ttft is not None:
-            return w.median_ttft
-        return self._role_median.get(w.role if w is not None else "decode")
+            per_unit: float | None = w.median_ttft
+        else:
+            per_unit = self._role_median.get(w.role if w is not None else "decode")
+        return None if per_unit is None else per_unit * (1 + max(prefill_blocks, 0))
 
     # ---- evaluation -----------------------------------------------------------
 

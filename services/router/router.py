@@ -26,7 +26,7 @@ import structlog
 
 from pdmesh.v1 import decode_pb2
 from services.common import tracing
-from services.common.errors import ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.router.admission import AdmissionController
 from services.router.admission_gate import AdmissionGate
 from services.router.auth import ApiKeyStore
@@ -57,6 +57,7 @@ from services.router.registry import (
     WorkerSource,
     system_resolver,
 )
+from services.router.retries import RetriedArrivals, SharedFlow
 from services.router.retry_budget import RetryBudget
 from services.router.worker_pool import WorkerPool
 
@@ -182,8 +183,11 @@ class Router:
             load_view=self.load_view,
             outliers=self.outliers,
             hedge=settings.hedge,
+            reroute=self.reroute_unstarted,
         )
         self.flows: dict[str, RequestFlow] = {}
+        # Keyed requests, so that a client's retry joins the running one (retries.py).
+        self.retried = RetriedArrivals(settings.retry_attach) if settings.retry_attach.enabled else None
         self.requests_total = 0
         self._changed = asyncio.Event()
         self._housekeeping: asyncio.Task[None] | None = None
@@ -266,6 +270,38 @@ class Router:
         flow = RequestFlow(self.ctx, req)
         self.flows[req.request_id] = flow
         return flow
+
+    def follow_retry(self, tenant: str, key: str, print_: bytes) -> SharedFlow | None:
+        """A keyed arrival: the shared flow it is a retry of (attached to a running one, or
+        a replay of a success), or None (a new request: `open_shared` it). Counted
+        (`pdmesh_retried_arrivals_total{outcome}`); FailedPrecondition for a reused key."""
+        if self.retried is None:
+            return None
+        try:
+            shared, outcome = self.retried.find(tenant, key, print_)
+        except FailedPrecondition:
+            self.metrics.retried_arrival("conflict")
+            raise
+        if shared is not None:
+            self.requests_total += 1
+            self.metrics.retried_arrival(outcome)
+            log.info("retried_arrival", request_id=shared.flow.req.request_id, outcome=outcome)
+        return shared
+
+    def open_shared(self, req: FlowRequest, client_id: str, key: str, print_: bytes) -> SharedFlow:
+        """`open_flow` for a keyed request (retried arrivals on): run it as a SharedFlow
+        that its retries can follow."""
+        assert self.retried is not None
+        flow = self.open_flow(req, client_id)
+        table, tenant = self.retried, req.tenant
+
+        def done(shared: SharedFlow) -> None:
+            table.ended(tenant, key, shared)
+            self.close_flow(shared.flow)
+
+        shared = SharedFlow(flow, print_, self.settings.retry_attach.detach_grace_s, done)
+        table.add(tenant, key, shared)
+        return shared
 
     def close_flow(self, flow: RequestFlow) -> None:
         if self.flows.get(flow.req.request_id) is flow:
@@ -385,14 +421,18 @@ class Router:
             self.outliers.remove(worker_id)
 
     def reroute_unstarted(self, worker_id: str, cause: str) -> int:
-        """`worker_id` went unhealthy (cause: not_serving, breaker_open, ejected): move every
+        """`worker_id` went unhealthy (cause: not_serving, breaker_open, ejected, stalled): move every
         request there that has had nothing back yet to another worker, now (issue 18: they
         used to wait for the first-token timeout). How many were moved."""
         if not self.config.reroute_unstarted:
             return 0
-        why = {"not_serving": "is not serving", "breaker_open": "has its breaker open"}.get(
-            cause, "was ejected as a latency outlier"
-        )
+        if not any(c.worker_id != worker_id for c in self.registry.eligible(WorkerRole.DECODE)):
+            return 0  # nowhere to go: they wait there (it may recover, or drain them)
+        why = {
+            "not_serving": "is not serving",
+            "breaker_open": "has its breaker open",
+            "stalled": "stalled a stream",
+        }.get(cause, "was ejected as a latency outlier")
         moved = sum(flow.reroute_unstarted(worker_id, why) for flow in list(self.flows.values()))
         if moved:
             log.info("rerouted_unstarted", worker=worker_id, cause=cause, requests=moved)

@@ -209,3 +209,11 @@ def test_the_config_is_checked():
     with pytest.raises(ConfigError):
         build(OutlierConfig, None, {"PDMESH_OUTLIER_ENABLED": "maybe"}, "outlier_")
     assert build(OutlierConfig, None, {"PDMESH_OUTLIER_ENABLED": "false"}, "outlier_").enabled is False
+
+
+def test_ttft_counts_per_unit_of_prefill_work():
+    det, _, _ = mesh()
+    for _ in range(8):  # w0 gets the long prompts: 9x the time for 9x the work
+        det.record_ttft("w0", 0.45, prefill_blocks=8)
+    assert det.factor("w0") == 1.0 and det.state("w0") is OutlierState.HEALTHY
+    assert det.predicted_ttft("w1", prefill_blocks=3) == pytest.approx(0.2)
