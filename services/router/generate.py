@@ -227,7 +227,17 @@ class RequestFlow:
                         wasted_tokens=self._cost.wasted_tokens + self._hedge_waste,
                     )
                 self.ctx.ledger.record(self._cost)
+                self._count_waste()
             self.ctx.gate.release(ticket)
+
+    def _count_waste(self) -> None:
+        """`pdmesh_wasted_tokens_total{cause}`, once per request (hedges that lost are not in
+        the journey: they are counted when they are dropped)."""
+        metrics = self.ctx.metrics
+        if metrics is None or not self.journey.done:
+            return
+        for cause, tokens in self.journey.waste_by_cause().items():
+            metrics.wasted(cause, tokens)
 
     async def _admit(self) -> Ticket:
         ctx, req = self.ctx, self.req
@@ -618,10 +628,10 @@ class RequestFlow:
             return
         cached = current.cached_tokens if in_journey else self._hedge_cached
         wasted = max(current.input_tokens - cached, 0)
-        if not in_journey:
+        if not in_journey:  # (the journey's own are counted when the request ends)
             self._hedge_waste += wasted
-        if ctx.metrics is not None and wasted:
-            ctx.metrics.wasted("hedged", wasted)
+            if ctx.metrics is not None and wasted:
+                ctx.metrics.wasted("hedged", wasted)
 
     def _end_hedge(self) -> None:
         """The attempt is over (or the flow ends): no hedge may start or keep running."""

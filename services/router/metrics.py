@@ -157,8 +157,9 @@ class RouterMetrics:
         # Issue 18: slow, hung and flapping workers.
         self._wasted = Counter(
             "pdmesh_wasted_tokens",
-            "Tokens computed and thrown away, by cause (hedged: the losing copy of a hedged request, "
-            "estimated as its prefill)",
+            "Tokens computed and thrown away, by cause: retried, migrated (the attempts a retry or a "
+            "migration replaced), hedged (the losing copy of a hedged request, estimated as its "
+            "prefill), failed, cancelled (every attempt of such a request)",
             ["cause"],
             registry=r,
         )

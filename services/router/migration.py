@@ -34,6 +34,7 @@ prefill ran, so it is an upper bound there.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -279,6 +280,27 @@ class RequestJourney:
         )
         self._attempts.append(attempt)
         return attempt
+
+    def waste_by_cause(self) -> dict[str, int]:
+        """The finished request's wasted tokens by why they were thrown away (they add up to
+        its RequestCost.wasted_tokens): an attempt replaced by a retry ("retried"), a
+        migration ("migrated") or a hedge that started first ("hedged"); every attempt of
+        a request that failed ("failed") or was cancelled ("cancelled")."""
+        if self._outcome is None:
+            raise JourneyError(f"request {self.request_id} has not finished")
+        out: dict[str, int] = {}
+        attempts = self._attempts
+        if self._outcome is not RequestOutcome.SUCCEEDED:
+            cause = "failed" if self._outcome is RequestOutcome.FAILED else "cancelled"
+            total = sum(a.computed_tokens for a in attempts)
+            return {cause: total} if total else {}
+        for a, nxt in itertools.pairwise(attempts):
+            if a.computed_tokens:
+                cause = {AttemptKind.MIGRATION: "migrated", AttemptKind.HEDGE: "hedged"}.get(
+                    nxt.kind, "retried"
+                )
+                out[cause] = out.get(cause, 0) + a.computed_tokens
+        return out
 
     def hedge_won(self, worker_id: str, cached_tokens: int = 0) -> Attempt:
         """A hedge on `worker_id` started before the running attempt, which is cancelled

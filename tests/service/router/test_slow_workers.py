@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import grpc
 import pytest
 
+from services.common.errors import MeshError
+from services.router.generate import FlowRequest, RequestFlow
 from services.router.hedge import HedgeConfig
 from services.router.outlier import OutlierConfig, OutlierState
 from services.router.retry_budget import RetryBudgetConfig
-from tests.service.router.test_link import SimDecode, prompt, run_flow
+from tests.service.router.test_link import SimDecode, greedy, prompt, run_flow
 from tests.support.poll import eventually
 
 
@@ -190,3 +193,51 @@ async def test_a_hedge_that_loses_is_cancelled_and_counted_as_waste(mesh, sims):
         what="both pools free, the losing copies cancelled",
         timeout=30,
     )
+
+
+async def test_a_request_on_a_worker_whose_breaker_opens_is_rerouted_before_its_first_token(mesh, sims):
+    a, b = await sims("a"), await sims("b")
+    h = await mesh.router(decode=[a, b], policy="round_robin", first_token_timeout_multiple=0)
+    free_a = a.free()
+    want, _ = await run_flow(h.router, "ref", prompt(5), 12)  # on a
+    await run_flow(h.router, "to-b", prompt(3), 4)
+    with Hold(a) as hold:
+        task = await start_on(h, "a", "r", prompt(5), 12)
+        await asyncio.to_thread(hold.entered.wait, 30)
+        for _ in range(h.router.breakers.config.consecutive_failures):  # other requests failed there
+            h.router.breakers.record_failure("a")
+        toks, final = await task
+    assert toks == want and final.worker_id == "b"
+    assert counter(h.router, "pdmesh_router_reroutes_total", cause="breaker_open") == 1
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
+
+
+async def test_with_nowhere_to_go_a_request_waits_for_its_worker_to_recover(mesh, sims):
+    a = await sims("a")
+    h = await mesh.router(decode=[a], first_token_timeout_multiple=0)
+    free_a = a.free()
+    want, _ = await run_flow(h.router, "ref", prompt(4), 10)
+    with Hold(a) as hold:
+        task = await start_on(h, "a", "r", prompt(4), 10)
+        await asyncio.to_thread(hold.entered.wait, 30)
+        await a.rt.server.set_ready(False)
+        await eventually(lambda: h.healthy_decode() == 0, what="a not serving", timeout=30)
+        assert not task.done()  # not failed for want of another worker
+        await a.rt.server.set_ready(True)
+    toks, final = await task
+    assert toks == want and final.worker_id == "a"
+    assert counter(h.router, "pdmesh_router_reroutes_total", cause="not_serving") == 0
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
+
+
+async def test_a_request_on_a_hung_worker_ends_by_its_deadline(mesh, sims):
+    a = await sims("a")
+    h = await mesh.router(decode=[a], first_token_timeout_multiple=0)
+    free_a = a.free()
+    with Hold(a):
+        flow = RequestFlow(h.router.ctx, FlowRequest("late", prompt(2), greedy(8), timeout_s=0.5))
+        with pytest.raises(MeshError) as err:
+            async for _ in flow.run():
+                pass
+    assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: a.free() == free_a and a.running() == 0, what="a's pool free", timeout=30)
