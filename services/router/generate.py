@@ -7,9 +7,14 @@ so it runs in unit tests against fake calls:
 
     admission (AdmissionGate: slot now, queue, or shed)
     -> attempt: rank decode workers (policy over the registry's eligible
-       workers, prefix overlaps from the index), take the first whose breaker
-       lets it through, rank prefill candidates, call the worker with the
-       remaining deadline, relay its tokens (DecodeAttempt)
+       workers, prefix overlaps from the index; a latency outlier's cost
+       inflated, services/router/outlier.py), take the first whose breaker and
+       outlier state let it through, rank prefill candidates, call the worker
+       with the remaining deadline and a first-token timeout from its predicted
+       TTFT, relay its tokens (DecodeAttempt); with hedging on, a late first
+       token sends a copy to the next worker (hedge_race.py); a worker that goes
+       unhealthy before the first token has the attempt failed at once
+       (`reroute_unstarted`), which retries it without spending retry budget
     -> on failure: the journey decides (migration.decide_recovery: retry before
        the first token, if the retry budget grants one; migrate with resume
        tokens after it; give up), and the flow applies the decision
@@ -46,7 +51,8 @@ from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
-from services.router.hedge import HedgeConfig, Leg, Winner, hedge_delay, race_winner
+from services.router.hedge import HedgeConfig
+from services.router.hedge_race import HedgeRace
 from services.router.load_view import LoadView
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
 from services.router.outlier import OutlierDetector
@@ -129,12 +135,6 @@ def _cost_of(ch: Choice) -> float:
     return ch.cost
 
 
-def _leg(attempt: DecodeAttempt) -> Leg:
-    if attempt.messages:
-        return Leg.STARTED
-    return Leg.FAILED if attempt.done else Leg.WAITING
-
-
 def saturated(c: Candidate, config: RouterConfig) -> bool:
     if config.max_waiting_per_worker and c.load.waiting >= config.max_waiting_per_worker:
         return True
@@ -173,13 +173,12 @@ class RequestFlow:
         self.worker_id = ""
         self._routed: int | None = None  # this attempt's LoadView key
         self._last_error: tuple[str, AttemptError] | None = None
-        # Hedging (hedge.py): the copy racing the running attempt, and what it needs.
-        self._hedge: DecodeAttempt | None = None
-        self._hedge_timer: asyncio.TimerHandle | None = None
-        self._hedge_routed: int | None = None
-        self._hedges = 0
-        self._hedge_waste = 0  # tokens of hedges that lost (not in the journey)
-        self._hedge_cached = 0  # input tokens the hedge's worker was expected to have cached
+        # Hedging before the first token (hedge_race.py), when on.
+        self._race = (
+            HedgeRace(ctx, self.journey, self._pick, self._new_attempt, self._report_latency, saturated)
+            if ctx.hedge.enabled and ctx.outliers is not None
+            else None
+        )
         self._sent: tuple[decode_pb2.DecodeServiceGenerateRequest, int, int] | None = None
 
     def cancel(self, why: str = "cancelled by Router.Cancel") -> None:
@@ -190,8 +189,8 @@ class RequestFlow:
             self.ctx.gate.abort(self._waiter, self._cancel_error)
         if self._attempt is not None:
             self._attempt.cancel()
-        if self._hedge is not None:
-            self._hedge.cancel()
+        if self._race is not None:
+            self._race.cancel()
         self._wake.set()
 
     def reroute_unstarted(self, worker_id: str, why: str) -> bool:
@@ -199,7 +198,7 @@ class RequestFlow:
         nothing back yet, fail it now so the request moves to another worker (nothing is
         lost before the first token). True if one was moved."""
         moved = False
-        for attempt in (self._attempt, self._hedge):
+        for attempt in (self._attempt, self._race.hedge if self._race is not None else None):
             if attempt is not None and attempt.worker_id == worker_id:
                 moved |= attempt.fail_unstarted(f"worker {worker_id} {why} before the first token")
         return moved
@@ -220,11 +219,11 @@ class RequestFlow:
             if self._attempt is not None:
                 self._attempt.cancel()
             if self._cost is not None:
-                if self._hedge_waste:  # hedges that lost are not in the journey
+                if self._race is not None and self._race.waste:  # losing copies: not in the journey
                     self._cost = dataclasses.replace(
                         self._cost,
-                        computed_tokens=self._cost.computed_tokens + self._hedge_waste,
-                        wasted_tokens=self._cost.wasted_tokens + self._hedge_waste,
+                        computed_tokens=self._cost.computed_tokens + self._race.waste,
+                        wasted_tokens=self._cost.wasted_tokens + self._race.waste,
                     )
                 self.ctx.ledger.record(self._cost)
                 self._count_waste()
@@ -280,14 +279,17 @@ class RequestFlow:
             attempt = self._launch()
             worker = attempt.worker_id
             settled = False
+            race = self._race
             try:
-                self._arm_hedge(attempt)
+                if race is not None and not journey.delivered_token_ids and self._sent is not None:
+                    race.arm(attempt, *self._sent, self._deadline)
                 while True:
                     if self._cancel_error is not None:
                         raise self._cancel_error
-                    if self._hedge is not None:  # a race before the first token: settle it?
-                        attempt = self._settle_race(attempt)
-                        worker = attempt.worker_id
+                    if race is not None and race.hedge is not None:  # racing: settle it?
+                        attempt, self._routed = race.settle(attempt, self._routed)
+                        self._attempt, worker = attempt, attempt.worker_id
+                        self.worker_id = worker
                     ids = attempt.take()
                     if ids:
                         if len(ids) > remaining:  # a worker that overruns max_tokens: cut it off
@@ -312,7 +314,8 @@ class RequestFlow:
                     await self._wake.wait()
                     self._wake.clear()
             finally:
-                self._end_hedge()
+                if race is not None:
+                    race.end()
                 self._report_latency(attempt)
                 ctx.registry.end_request(worker)
                 if self._routed is not None:
@@ -524,129 +527,6 @@ class RequestFlow:
         gap = attempt.mean_gap_s
         if gap is not None:
             outliers.record_itl(attempt.worker_id, gap)
-
-    # ---- hedging (hedge.py) ---------------------------------------------------
-
-    def _arm_hedge(self, attempt: DecodeAttempt) -> None:
-        ctx = self.ctx
-        if not ctx.hedge.enabled or ctx.outliers is None or self.journey.delivered_token_ids:
-            return
-        predicted = ctx.outliers.predicted_ttft(attempt.worker_id, attempt.prefill_blocks)
-        delay = hedge_delay(ctx.hedge, predicted, self._hedges)
-        if delay is not None:
-            self._hedge_timer = self._loop.call_at(attempt.started + delay, self._fire_hedge, attempt)
-
-    def _fire_hedge(self, primary: DecodeAttempt) -> None:
-        """The primary is late: send a copy to the next-best worker, if the budget allows."""
-        self._hedge_timer = None
-        ctx, cfg = self.ctx, self.ctx.config
-        if primary is not self._attempt or primary.done or primary.messages or self._sent is None:
-            return
-        if self._cancel_error is not None or self._hedge is not None:
-            return
-        if not ctx.budget.can_retry():
-            self._count_hedge("denied")
-            return
-        request, to_prefill, new_blocks = self._sent
-        exclude = {a.worker_id for a in self.journey.attempts} | {primary.worker_id}
-        cands = [
-            c
-            for c in ctx.registry.eligible(WorkerRole.DECODE)
-            if c.worker_id not in exclude and not saturated(c, cfg)
-        ]
-        if not cands:
-            self._count_hedge("no_worker")
-            return
-        hashes = BlockHashChain(
-            tuple(request.prompt_token_ids) + tuple(request.resume_token_ids), cfg.block_size
-        )
-        overlaps = ctx.index.match(hashes) if hashes else {}
-        choice = self._pick(ctx.decode_policy.rank(cands, len(hashes), overlaps))
-        if choice is None:
-            self._count_hedge("no_worker")
-            return
-        timeout = None if self._deadline is None else self._deadline - self._loop.time()
-        if timeout is not None and timeout <= 0:
-            ctx.breakers.record_ignored(choice.worker_id)
-            return
-        ctx.budget.record_retry()
-        self._hedges += 1
-        wid = choice.worker_id
-        ctx.registry.begin_request(wid, 0 if ctx.load_view is not None else new_blocks)
-        call = ctx.call_decode(wid, request, timeout)
-        if ctx.load_view is not None:
-            self._hedge_routed = ctx.load_view.begin(wid, to_prefill, new_blocks)
-        self._hedge_cached = choice.overlap_blocks * cfg.block_size
-        inputs = len(request.prompt_token_ids) + len(request.resume_token_ids)
-        self._hedge = self._new_attempt(wid, call, inputs - self._hedge_cached)
-        self._count_hedge("sent")
-        log.info("hedged", request_id=self.req.request_id, worker=primary.worker_id, hedge=wid)
-
-    def _settle_race(self, primary: DecodeAttempt) -> DecodeAttempt:
-        """Keep whichever of the primary and its hedge started first; cancel the other."""
-        hedge = self._hedge
-        assert hedge is not None
-        winner = race_winner(_leg(primary), _leg(hedge))
-        if winner is Winner.NONE:
-            return primary
-        self._hedge = None
-        if winner is Winner.PRIMARY:
-            self._drop_leg(hedge, self._hedge_routed, in_journey=False)
-            self._hedge_routed = None
-            self._count_hedge("lost")
-            return primary
-        self._drop_leg(primary, self._routed, in_journey=True)
-        self._routed, self._hedge_routed = self._hedge_routed, None
-        self.journey.hedge_won(hedge.worker_id, cached_tokens=self._hedge_cached)
-        self._attempt = hedge
-        self.worker_id = hedge.worker_id
-        self._count_hedge("won")
-        return hedge
-
-    def _drop_leg(self, leg: DecodeAttempt, routed: int | None, in_journey: bool) -> None:
-        """Cancel a leg of a race and settle its accounts (registry, breaker, latency, waste).
-        `in_journey`: the leg is the journey's running attempt (the primary)."""
-        ctx = self.ctx
-        leg.cancel()
-        if in_journey and leg.first_at is None and ctx.outliers is not None:
-            # Beaten by its hedge: "no first message after this long" is a (censored) sample.
-            ctx.outliers.record_ttft(leg.worker_id, self._loop.time() - leg.started, leg.prefill_blocks)
-        else:
-            self._report_latency(leg)
-        ctx.registry.end_request(leg.worker_id)
-        if routed is not None:
-            ctx.load_view.end(routed)  # type: ignore[union-attr]
-        err = leg.error
-        if err is not None and err.worker_fault:
-            ctx.breakers.record_failure(leg.worker_id)
-        else:
-            ctx.breakers.record_ignored(leg.worker_id)
-        # What the leg computed is lost, estimated as its prefill (it delivered nothing). The
-        # primary's is in the journey (hedge_won cancels it); a hedge's is added to the cost.
-        current = self.journey.current
-        if current is None:
-            return
-        cached = current.cached_tokens if in_journey else self._hedge_cached
-        wasted = max(current.input_tokens - cached, 0)
-        if not in_journey:  # (the journey's own are counted when the request ends)
-            self._hedge_waste += wasted
-            if ctx.metrics is not None and wasted:
-                ctx.metrics.wasted("hedged", wasted)
-
-    def _end_hedge(self) -> None:
-        """The attempt is over (or the flow ends): no hedge may start or keep running."""
-        if self._hedge_timer is not None:
-            self._hedge_timer.cancel()
-            self._hedge_timer = None
-        hedge, self._hedge = self._hedge, None
-        if hedge is not None:
-            self._drop_leg(hedge, self._hedge_routed, in_journey=False)
-            self._hedge_routed = None
-            self._count_hedge("lost")
-
-    def _count_hedge(self, outcome: str) -> None:
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.hedge(outcome)
 
     def _prefill_candidates(self, prompt_blocks: int, overlaps: dict[str, int]) -> list[Any]:
         ctx = self.ctx
