@@ -230,8 +230,8 @@ class RequestFlow:
             self.ctx.gate.release(ticket)
 
     def _count_waste(self) -> None:
-        """`pdmesh_wasted_tokens_total{cause}`, once per request (hedges that lost are not in
-        the journey: they are counted when they are dropped)."""
+        """`pdmesh_router_wasted_tokens_by_cause_total{cause}`, once per request (the copies
+        of hedged requests that lost are not in the journey: counted when they are dropped)."""
         metrics = self.ctx.metrics
         if metrics is None or not self.journey.done:
             return

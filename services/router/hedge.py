@@ -7,7 +7,7 @@ the predicted TTFT of its worker (OutlierDetector.predicted_ttft, at least
 worker, if the retry budget grants one (a hedge is paid like a retry, so
 hedges cannot amplify an outage either). Whichever attempt sends its first
 message (or ends) first is kept; the other is cancelled at once and its
-computed tokens are counted as wasted (`pdmesh_router_wasted_tokens_by_cause
+computed tokens are counted as wasted (`pdmesh_router_wasted_tokens_by_cause_total
 {cause="hedged"}`). At most `max_hedges` copies per request, and never after
 the first token: after it, the request migrates instead.
 

@@ -156,7 +156,7 @@ class RouterMetrics:
         )
         # Issue 18: slow, hung and flapping workers.
         self._wasted = Counter(
-            "pdmesh_wasted_tokens",
+            "pdmesh_router_wasted_tokens_by_cause",
             "Tokens computed and thrown away, by cause: retried, migrated (the attempts a retry or a "
             "migration replaced), hedged (the losing copy of a hedged request, estimated as its "
             "prefill), failed, cancelled (every attempt of such a request)",
@@ -183,7 +183,7 @@ class RouterMetrics:
             registry=r,
         )
         self._retried = Counter(
-            "pdmesh_retried_arrivals",
+            "pdmesh_router_retried_arrivals",
             "Arrivals recognised as retries of a request the router knows (idempotency key): "
             "attached (to the running request, no new prefill), replayed (finished: its result "
             "again), conflict (the key names a different request)",

@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from services.common.config import require, setting
-from services.common.errors import FailedPrecondition, MeshError
+from services.common.errors import FailedPrecondition, InvalidArgument, MeshError
 
 log = structlog.get_logger()
 
@@ -59,7 +59,7 @@ class RetryAttachConfig:
 
 
 def idempotency_key(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
-    """The request's idempotency key from its metadata, or None (raises FailedPrecondition
+    """The request's idempotency key from its metadata, or None (raises InvalidArgument
     on a key that is too long or not printable ASCII)."""
     for name, value in metadata or ():
         if name == HEADER:
@@ -67,7 +67,7 @@ def idempotency_key(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
             if not key:
                 return None
             if len(key) > MAX_KEY_BYTES or not (key.isascii() and key.isprintable()):
-                raise FailedPrecondition(f"{HEADER}: at most {MAX_KEY_BYTES} printable ASCII characters")
+                raise InvalidArgument(f"{HEADER}: at most {MAX_KEY_BYTES} printable ASCII characters")
             return key
     return None
 
@@ -120,7 +120,10 @@ class SharedFlow:
                 self._notify()
         except asyncio.CancelledError as e:  # the router is closing
             self.error = e
-        except Exception as e:  # MeshError (and bugs): every follower raises it
+        except MeshError as e:  # the request's status: every follower raises it
+            self.error = e
+        except Exception as e:  # a bug: logged here, and the followers fail with it
+            log.error("shared_flow_failed", request_id=self.flow.req.request_id, exc_info=e)
             self.error = e
         finally:
             await run.aclose()

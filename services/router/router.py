@@ -274,7 +274,7 @@ class Router:
     def follow_retry(self, tenant: str, key: str, print_: bytes) -> SharedFlow | None:
         """A keyed arrival: the shared flow it is a retry of (attached to a running one, or
         a replay of a success), or None (a new request: `open_shared` it). Counted
-        (`pdmesh_retried_arrivals_total{outcome}`); FailedPrecondition for a reused key."""
+        (`pdmesh_router_retried_arrivals_total{outcome}`); FailedPrecondition for a reused key."""
         if self.retried is None:
             return None
         try:

@@ -29,7 +29,8 @@ KEY = (("idempotency-key", "order-42"),)
 
 def counter(router, outcome: str) -> float:
     return (
-        router.metrics.registry.get_sample_value("pdmesh_retried_arrivals_total", {"outcome": outcome}) or 0.0
+        router.metrics.registry.get_sample_value("pdmesh_router_retried_arrivals_total", {"outcome": outcome})
+        or 0.0
     )
 
 
@@ -117,7 +118,8 @@ async def test_a_bad_key_is_refused_with_a_clear_status(mesh):
     h = await mesh.router([d])
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await h.generate("x", max_tokens=3, metadata=(("idempotency-key", "k" * 300),))
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and len(d.calls) == 0
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(d.calls) == 0
+    assert "idempotency-key" in e.value.details()
 
 
 def _post(address: str, body: dict, key: str) -> tuple[int, bytes]:

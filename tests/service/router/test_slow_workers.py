@@ -165,7 +165,7 @@ async def test_a_hedge_to_the_next_worker_wins_when_the_first_is_hung(mesh, sims
     assert toks == want and final.worker_id == "b" and final.migrations == 0
     assert counter(h.router, "pdmesh_router_hedges_total", outcome="sent") == 1
     assert counter(h.router, "pdmesh_router_hedges_total", outcome="won") == 1
-    assert counter(h.router, "pdmesh_wasted_tokens_total", cause="hedged") > 0
+    assert counter(h.router, "pdmesh_router_wasted_tokens_by_cause_total", cause="hedged") > 0
     assert h.router.stats().wasted_tokens > 0  # the primary's prefill, thrown away
     await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)
 
