@@ -129,7 +129,9 @@ class DecodeAttempt:
         self._last = loop.time()
         self.started = self._last
         self.first_at: float | None = None  # when the first message arrived
-        self.token_messages = 0  # messages with tokens (the ITL sample: gaps between them)
+        # The ITL sample: tokens received, and how many came with the first message.
+        self.tokens_received = 0
+        self._first_tokens = 0
         self.prefill_blocks = 0  # blocks the worker must prefill (set by the flow: TTFT samples)
         self._on_first = on_first
         self._reader: asyncio.Task[None] | None = None
@@ -177,8 +179,9 @@ class DecodeAttempt:
             return
         self._last = self._loop.time()
         self.messages += 1
-        self.token_messages += 1
+        self.tokens_received += len(token_ids)
         if self.messages == 1:  # from the first-message limit to the stall limit
+            self._first_tokens = self.tokens_received
             self._first()
             self._rearm()
         self._tokens.extend(token_ids)  # `take` swaps the list
@@ -208,10 +211,12 @@ class DecodeAttempt:
 
     @property
     def mean_gap_s(self) -> float | None:
-        """Mean gap between this attempt's token messages after the first (None: fewer than 2)."""
-        if self.first_at is None or self.token_messages < 2:
+        """Mean time per token after the first message (None: no tokens after it). Per token,
+        not per message: a link frame may carry several of one request's tokens."""
+        later = self.tokens_received - self._first_tokens
+        if self.first_at is None or later < 1:
             return None
-        return (self._last - self.first_at) / (self.token_messages - 1)
+        return (self._last - self.first_at) / later
 
     @property
     def stalled(self) -> bool:
