@@ -11,6 +11,12 @@ Switches of the router's defences against slow, hung and flapping workers
     --reroute-unstarted false          a worker going unhealthy keeps its unstarted requests
     --first-token-timeout-multiple 0   the first-token timeout is the fixed --first-token-timeout-s
                                        instead of a multiple of the worker's predicted TTFT
+    --retry-attach-enabled false       a retry with the idempotency key of a running request
+                                       is a new request (retries.py)
+
+(all also as PDMESH_* environment variables, e.g. PDMESH_OUTLIER_ENABLED=false). With
+outlier detection off there is no TTFT prediction either, so the first-token timeout
+is the fixed one and hedging has nothing to measure lateness against.
 
 `OutlierDetector` owns, per worker, a sliding window of latency samples the
 request flow reports once per attempt (time to first message per unit of prefill
