@@ -15,8 +15,8 @@ Switches of the router's defences against slow, hung and flapping workers
                                        is a new request (retries.py)
 
 (all also as PDMESH_* environment variables, e.g. PDMESH_OUTLIER_ENABLED=false). With
-outlier detection off there is no TTFT prediction either, so the first-token timeout
-is the fixed one and hedging has nothing to measure lateness against.
+outlier detection off the detector still keeps its samples: the TTFT prediction (the
+first-token timeout, hedging) works on, nobody is deprioritised or ejected.
 
 `OutlierDetector` owns, per worker, a sliding window of latency samples the
 request flow reports once per attempt (time to first message per unit of prefill
@@ -165,7 +165,7 @@ class OutlierDetector:
         self._record(worker_id, role, ITL, seconds)
 
     def _record(self, worker_id: str, role: str, metric: int, value: float) -> None:
-        if not self.config.enabled or not math.isfinite(value) or value < 0:
+        if not math.isfinite(value) or value < 0:
             return
         w = self._worker(worker_id, role)
         now = self._clock()
@@ -288,6 +288,8 @@ class OutlierDetector:
         self._role_median = {
             role: quantile(vals, 0.5) for role, vals in pooled.items() if len(vals) >= cfg.min_samples
         }
+        if not cfg.enabled:  # off: the samples serve the TTFT prediction only
+            return
         for wid, w in self._workers.items():
             self._advance(wid, w, now)
             if w.state is not OutlierState.HEALTHY:

@@ -131,9 +131,8 @@ class Router:
         rng = rng or random.Random(cfg.seed)
         self.metrics = RouterMetrics(self.stats)
         self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
-        self.outliers = (
-            OutlierDetector(settings.outlier, clock, self._on_outlier) if settings.outlier.enabled else None
-        )
+        # Always there: with --outlier-enabled false it only predicts TTFTs (nobody is ejected).
+        self.outliers = OutlierDetector(settings.outlier, clock, self._on_outlier)
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = PrefixIndex(settings.index)

@@ -189,11 +189,12 @@ def test_predicted_ttft_falls_back_to_the_role_and_then_to_none():
     assert OutlierDetector(CFG, Clock()).predicted_ttft("w0") is None
 
 
-def test_disabled_detector_takes_no_samples_and_ejects_nobody():
-    det, _, _ = mesh(OutlierConfig(enabled=False, min_samples=4, eval_interval_s=0.0))
+def test_a_disabled_detector_ejects_nobody_but_still_predicts():
+    det, _, transitions = mesh(OutlierConfig(enabled=False, min_samples=4, eval_interval_s=0.0))
     feed(det, "w0", 5.0)
-    assert det.is_available("w0") and det.factor("w0") == 1.0
-    assert det.predicted_ttft("w0") is None
+    assert det.is_available("w0") and det.factor("w0") == 1.0 and not det.inflated
+    assert det.state("w0") is OutlierState.HEALTHY and transitions == []
+    assert det.predicted_ttft("w1") == pytest.approx(0.05)
 
 
 def test_a_removed_worker_is_forgotten():
