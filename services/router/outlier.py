@@ -197,7 +197,7 @@ class OutlierDetector:
     def is_available(self, worker_id: str) -> bool:
         """May the worker take a request now? (Changes nothing but EJECTED -> PROBING.)"""
         w = self._workers.get(worker_id)
-        if w is None or not self.config.enabled:
+        if w is None or w.state is OutlierState.HEALTHY:  # (the common case: no clock read)
             return True
         now = self._clock()
         self._advance(worker_id, w, now)
