@@ -241,3 +241,25 @@ async def test_a_request_on_a_hung_worker_ends_by_its_deadline(mesh, sims):
                 pass
     assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: a.free() == free_a and a.running() == 0, what="a's pool free", timeout=30)
+
+
+async def test_a_stream_that_stalls_moves_the_unstarted_requests_of_its_worker_too(mesh, sims):
+    a, b = await sims("a", speedup=2.0), await sims("b")
+    h = await mesh.router(
+        decode=[a, b], policy="round_robin", first_token_timeout_multiple=0, stall_timeout_s=1.0
+    )
+    free_a = a.free()
+    want1, _ = await run_flow(h.router, "ref1", prompt(6), 400)  # a
+    want2, _ = await run_flow(h.router, "ref2", prompt(8), 8)  # b
+    got: list[int] = []
+    first = asyncio.create_task(run_flow(h.router, "r1", prompt(6), 400, got))  # a
+    await eventually(lambda: len(got) >= 3, what="r1 streaming on a", timeout=30)
+    await run_flow(h.router, "to-b", prompt(3), 4)  # b
+    with Hold(a) as hold:
+        await asyncio.to_thread(hold.entered.wait, 30)
+        second = await start_on(h, "a", "r2", prompt(8), 8)  # queued behind the hung step
+        (toks1, final1), (toks2, final2) = await asyncio.gather(first, second)
+    assert toks1 == want1 and final1.migrations == 1 and final1.worker_id == "b"
+    assert toks2 == want2 and final2.worker_id == "b" and final2.migrations == 0
+    assert counter(h.router, "pdmesh_router_reroutes_total", cause="stalled") == 1
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
