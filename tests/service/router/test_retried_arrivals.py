@@ -152,3 +152,30 @@ async def test_the_http_door_reads_the_idempotency_key_header(mesh):
     assert s1 == s2 == 200
     assert json.loads(b1)["choices"][0]["text"] == json.loads(b2)["choices"][0]["text"]
     assert len(d.calls) == 1 and counter(h.router, "replayed") == 1
+
+
+async def test_with_a_real_worker_the_retry_costs_no_second_request_and_the_pool_comes_back(mesh):
+    from tests.service.router.test_link import SimDecode
+    from tests.service.router.test_slow_workers import Hold
+
+    w = await SimDecode("s1", speedup=5.0).start()
+    try:
+        h = await mesh.router(decode=[w])
+        free = w.free()
+        want, _, _ = await h.generate("a real one", max_tokens=300)
+        calls = w.rt.registry.get_sample_value("pdmesh_decode_requests_total")
+        first = h.stub.Generate(request("a real one", 300), timeout=30, metadata=KEY)
+        assert (await first.read()).HasField("delta")
+        with Hold(w) as hold:  # the engine stops mid-stream; the first client gives up
+            first.cancel()
+            await asyncio.to_thread(hold.entered.wait, 30)
+            retry = asyncio.create_task(h.generate("a real one", max_tokens=300, metadata=KEY))
+            await eventually(
+                lambda: counter(h.router, "attached") == 1, what="the retry attached", timeout=30
+            )
+        deltas, final, _ = await retry
+        assert tokens_of(deltas) == tokens_of(want) and final.usage.completion_tokens == 300
+        assert w.rt.registry.get_sample_value("pdmesh_decode_requests_total") == calls + 1
+        await eventually(lambda: w.free() == free and w.running() == 0, what="the pool free", timeout=30)
+    finally:
+        await w.close()
