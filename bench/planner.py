@@ -3,8 +3,13 @@
 Fleet: simulated GPU workers of the `splitwise-h100-llama70b` profile
 (Llama-2-70B on H100 TP4, Splitwise ISCA'24; services/model/profiles.json), in
 bench/fleet_sim.py's event-driven model (its docstring has the method), with
-a worker start-up time of `--startup-s` (default 60 s) and the planner's
-interval of 30 s. Request lengths are the Azure conversation trace's
+a worker start-up time of `--startup-s` and the planner's interval
+`--interval-s`: 60 s and 30 s for the full study's 3,600-s day, scaled with
+the day otherwise (--quick's 1,200-s day: 20 s and 10 s), so that the quick
+run is the same experiment compressed, not one with a 3x slower start-up
+relative to the load (what tracking can save is set by how far ahead capacity
+must be decided against how fast the load moves; a real day at 24x
+compression makes the full study's 60 s stand for a 24-minute start-up). Request lengths are the Azure conversation trace's
 (bench/traces/azure_conv_2023.csv, in order, cycled); arrivals are a Poisson
 process whose rate follows one of two shapes:
 
@@ -23,6 +28,10 @@ Policies, each on the same arrivals:
   prefill throughput per GPU), decode = ceil(requests x OSL / interval /
   decode throughput per GPU at the ITL target)), with its constant predictor
   (next interval = this one), applied every interval with no hysteresis;
+  `dynamo_matched`: the same formula with its per-worker throughputs scaled
+  by a factor searched (0.1..1, to 0.01) until it attains what the planner
+  attains: its worker-seconds at equal attainment (the formula sizes every
+  worker to full utilisation, so unscaled it is cheap and misses the SLO);
 - `static_peak`: the smallest fixed (prefill, decode) pools that attain 0.95 on
   the same arrivals, found with hindsight by searching (what an operator who
   provisions for the peak, and knew it exactly, would run);
@@ -40,7 +49,8 @@ is tested end to end), and a plot of replicas per role against load
 
 Run: `python bench/planner.py [--quick]`. Last line:
 `planner attainment=.. worker_s_vs_peak=.. worker_s_vs_dynamo_formula=.. attainment_dynamo_formula=.. failed_scaling=..`
-(diurnal workload), then the bursty workload's figures with a `_bursty` suffix.
+(diurnal workload; `_dynamo_formula` = dynamo_matched, `_dynamo_raw` = the
+unscaled formula), then the bursty workload's figures with a `_bursty` suffix.
 Targets: attainment >= 0.95 with <= 0.7x static peak's worker-seconds; <= the
 Dynamo formula's worker-seconds at equal or better attainment; 0 failed.
 """
@@ -214,11 +224,11 @@ def run_policy(
 
 
 def matched_dynamo(reqs: list[SimRequest], a: argparse.Namespace, goal: float) -> tuple[float, SimResult]:
-    """The Dynamo formula's throughput scale `util` (searched in 0.1..1, to 0.02) whose run attains
+    """The Dynamo formula's throughput scale `util` (searched in 0.1..1, to 0.01) whose run attains
     `goal` with the fewest worker-seconds: the formula given whatever margin it needs to match."""
     lo, hi = 0.1, 1.0
     best: tuple[float, SimResult] | None = None
-    while hi - lo > 0.02:
+    while hi - lo > 0.01:
         mid = (lo + hi) / 2
         r = run_policy("dynamo_matched", reqs, a, {"dynamo_util": mid})
         if r.attainment(a.ttft_slo, a.itl_slo) >= goal:

@@ -13,14 +13,18 @@ Each tick:
    window (its busiest interval > `burst_ratio` x its median) never below the
    busiest interval (a burst shorter than a worker's start-up cannot be caught
    by scaling up when it comes, only by keeping its capacity);
-2. size both pools jointly from that forecast (`sizing.size_pools`), for
-   `headroom` x the SLOs (the model is a model);
+2. size both pools jointly from that forecast (`sizing.size_pools`, prefill
+   as one pooled queue by default: `queue_model`), for `headroom` x the SLOs
+   (the model is a model);
 3. refit the sizing's queueing coefficient from the TTFT measured at the
    utilisation the pool had (not in a bursty window: a burst's backlog is a
-   transient, and learning from it sized 3x the pools the bursts need), then
-   correct with what was measured: a role whose measured latency quantile
-   broke its SLO last interval gets at least one more worker than it has,
-   whatever the model says (the model may be wrong; the SLO is not);
+   transient, and learning from it sized 3x the pools the bursts need; not
+   where the pooled model sees no queueing: the TTFT there is the prompts'
+   own prefill), then correct with what was measured: a role whose measured
+   latency quantile broke its SLO last interval gets at least one more worker
+   than it has, whatever the model says (the model may be wrong; the SLO is
+   not), unless workers of that role are still starting (the capacity is on
+   its way; one more over-shoots and is kept through the scale-down streak);
 4. apply the hysteresis per role, and record the decision with its inputs.
 """
 
