@@ -25,16 +25,20 @@ decoding, so decode = ceil(rate * OSL * step(B) / B).
 `pooled=True` (what the planner uses; `PlannerConfig.queue_model`) sizes the
 prefill pool as one queue of c workers instead of c separate ones: the
 prompts go to the least-loaded worker, so a pool of c shares its slack
-(Erlang C). A prompt waits behind whole passes, so with s_pass as the service
-time, at quantile q (the M/M/c waiting-time tail, scaled by `A`)
+(Erlang C). A prompt waits behind whole passes, and a pass carries what queued
+during the one before, so at utilisation rho a pass is about rho x a full one
+(s_pass). With rho x s_pass as the service time, at quantile q (the M/M/c
+waiting-time tail, scaled by `A`)
 
-    wait_q(c, rho) = A * s_pass / (c * (1 - rho)) * ln(C(c, c*rho) / (1 - q))   (0 when C <= 1 - q)
+    wait_q(c, rho) = A * rho * s_pass / (c * (1 - rho)) * ln(C(c, c*rho) / (1 - q))   (0 when C <= 1 - q)
 
 and prefill = the fewest c with s_1 + transfer_s + wait_q <= TTFT_slo. The
 single-queue rule above asks the same utilisation of 2 workers as of 12; the
 pooled one lets a big pool run hotter, which is where a diurnal peak's
 worker-seconds are (bench/planner.py). Its A starts at 1 and is refit from
-measured TTFT the same way.
+measured TTFT the same way; the rho x s_pass service time is what lets an A
+fitted on a quiet pool (small passes) hold on a busy one (full passes): with
+s_pass alone the fit from the morning under-sized the afternoon's ramp.
 
 When prefix caching serves a share h of the prompt, only ISL * (1 - h) tokens
 are prefilled. When the two pools do not fit the budget, both are cut in
@@ -135,7 +139,7 @@ def pooled_wait_q(c: int, rho: float, s_pass: float, quantile: float, coeff: flo
     waits = erlang_c(c, c * rho)
     if waits <= 1 - quantile:
         return 0.0
-    return coeff * s_pass / (c * (1 - rho)) * math.log(waits / (1 - quantile))
+    return coeff * s_pass * rho / (c * (1 - rho)) * math.log(waits / (1 - quantile))
 
 
 POOLED_PRIOR = 1.0  # the pooled model's A before any TTFT is measured
