@@ -31,6 +31,7 @@ from services.engine.api import (
     EngineStats,
     ExternalKvReservation,
     FinishReason,
+    HeldKv,
     InvalidRequestError,
     KvEvent,
     PrefillResult,
@@ -153,6 +154,41 @@ class TorchEngine:
         if request_id in self._reserved:
             self._reserved.discard(request_id)
             self._try_submit(lambda core: core.cancel_external(request_id))
+
+    # ---- cached prefixes served to / pulled from other workers (issue 17) -----
+
+    async def hold_prefix(self, request: EngineRequest) -> HeldKv | None:
+        """Hold the prompt's cached leading blocks (LLMEngine.hold_prefix) until
+        `release(request_id)`; None (nothing held) when none is cached."""
+        self._check_new(request)
+        rid = request.request_id
+        self._held.add(rid)
+        try:
+            held = await self._call(lambda core: core.hold_prefix(request))
+        except BaseException:
+            self._held.discard(rid)
+            self._try_submit(lambda core: core.release(rid))  # runs after the hold: frees it
+            raise
+        if held is None:
+            self._held.discard(rid)
+        return held
+
+    def generate_with_prefix(
+        self, request: EngineRequest, prefix_request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """`generate(request)` after committing the prefix pulled into the blocks reserved
+        under `prefix_request_id` (LLMEngine.commit_prefix), in one command, so no step
+        between the two can evict the pulled blocks before the request matches them."""
+        self._check_new(request)
+        if prefix_request_id not in self._reserved:
+            raise UnknownRequestError(f"no KV reservation for request {prefix_request_id!r}")
+        self._reserved.discard(prefix_request_id)
+
+        def start(core: LLMEngine) -> None:
+            core.commit_prefix(prefix_request_id)
+            core.add_request(request)
+
+        return self._open_stream(request.request_id, start)
 
     def abort(self, request_id: str) -> bool:
         if not self._is_active(request_id):

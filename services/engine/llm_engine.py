@@ -165,6 +165,37 @@ class LLMEngine:
         self._finish(seq, SequenceStatus.FINISHED, seq.finish_reason)
         return True
 
+    # ---- cached prefixes served to / pulled from other workers (issue 17) -----
+
+    def hold_prefix(self, request: EngineRequest) -> HeldKv | None:
+        """Hold the leading blocks of `request`'s prompt that are cached here, as a
+        HELD request (freed by `release`), computing nothing; None when none is cached."""
+        self.validate(request)
+        seq = self._new_sequence(request, prefill_only=True)
+        cached = self.block_manager.match_prefix(seq, seq.num_tokens)
+        if not cached:
+            return None
+        num_tokens = len(cached) * self.block_size
+        # Only cache hits: nothing new is allocated, so this cannot run short.
+        ok = self.block_manager.allocate_slots(seq, num_tokens, cached)
+        assert ok, "holding cached blocks needs no free block"
+        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        self.scheduler.hold_cached(seq)
+        self._seqs[seq.request_id] = seq
+        return HeldKv(tuple(seq.block_table), num_tokens, self.spec.layout)
+
+    def commit_prefix(self, request_id: str) -> int:
+        """The blocks reserved for a prefix (`reserve_external` of whole blocks) hold its
+        KV, pulled from another worker: offer them to the prefix cache and free the
+        reservation (they stay cached). Returns the tokens that were pulled."""
+        seq = self._remote(request_id)
+        pulled = seq.num_tokens - seq.num_cached_tokens
+        self.prompt_tokens_transferred += pulled
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self._finish(seq, SequenceStatus.FINISHED, None)
+        return pulled
+
     # ---- external KV ------------------------------------------------------
 
     def reserve_external(self, request: EngineRequest) -> ExternalKvReservation:
