@@ -16,8 +16,11 @@ from services.decode.config import SECTIONS, DecodeSettings, make_parser, parse_
 from services.decode.disagg_policy import Candidate, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import PrefillLoadProbe
+from services.decode.prefix_pull import PrefixPuller, PrefixPullMetrics
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.servicer import DecodeServicer
+from services.engine.api import PrefixCacheEngine
+from services.worker.prefix_source import PrefixSource
 from services.worker.settings import configs, run_worker, start_runtime
 
 SERVICE_NAME = "pdmesh.v1.DecodeService"
@@ -33,6 +36,27 @@ async def serve(settings: DecodeSettings) -> None:
     remote = None
     if rt.transport is not None or rt.engine.info.capabilities.moves_kv_itself:
         remote = RemotePrefill(rt.engine, rt.transport, rt.channels, rt.worker_id, decode_cfg.kv_lease_ms)
+    # Issue 17: serve our cached prefixes to peers and pull theirs (over the KV transport).
+    source = puller = None
+    if rt.transport is not None and isinstance(rt.engine, PrefixCacheEngine):
+        source = PrefixSource(
+            rt.server.server,
+            rt.engine,
+            rt.transport,
+            settings.limits,
+            address=rt.address,
+            liveness=rt.directory,
+            config=settings.prefix_source,
+        )
+        if settings.prefix_pull.prefix_pull:
+            puller = PrefixPuller(
+                rt.engine,
+                rt.transport,
+                rt.channels,
+                rt.worker_id,
+                PrefixPullMetrics(rt.registry),
+                settings.prefix_pull,
+            )
     servicer = DecodeServicer(
         engine=rt.engine,
         policy=DisaggregationPolicy(settings.disagg),
@@ -45,9 +69,16 @@ async def serve(settings: DecodeSettings) -> None:
         probe=PrefillLoadProbe(rt.channels) if remote is not None else None,
         max_request_s=decode_cfg.max_request_s,
         draining=rt.server.drain_started,
+        puller=puller,
     )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, rt.server.server)
-    await rt.serve(servicer.load)
+    if source is not None:
+        source.start()
+    try:
+        await rt.serve(servicer.load)
+    finally:
+        if source is not None:
+            await source.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
