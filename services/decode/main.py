@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pdmesh.v1 import decode_pb2_grpc
 from services.decode.config import SECTIONS, DecodeSettings, make_parser, parse_settings
@@ -21,16 +22,26 @@ from services.decode.remote_prefill import RemotePrefill
 from services.decode.servicer import DecodeServicer
 from services.engine.api import PrefixCacheEngine
 from services.worker.prefix_source import PrefixSource
+from services.worker.runtime import WorkerRuntime
 from services.worker.settings import configs, run_worker, start_runtime
 
 SERVICE_NAME = "pdmesh.v1.DecodeService"
 # What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
 CONFIGS = configs(SECTIONS)
-__all__ = ["CONFIGS", "SERVICE_NAME", "main", "make_parser", "serve"]
+__all__ = ["CONFIGS", "SERVICE_NAME", "DecodeParts", "main", "make_parser", "serve", "wire"]
 
 
-async def serve(settings: DecodeSettings) -> None:
-    rt = await start_runtime("decode", SERVICE_NAME, settings)
+@dataclass
+class DecodeParts:
+    """What `wire` mounted on a decode worker's runtime."""
+
+    servicer: DecodeServicer
+    source: PrefixSource | None  # serves our cached prefixes to peers
+    puller: PrefixPuller | None  # follows the router's prefix-pull hints
+
+
+def wire(rt: WorkerRuntime, settings: DecodeSettings) -> DecodeParts:
+    """Mount the decode worker's servicers on a set-up runtime (tests wire in-process with it)."""
     decode_cfg = settings.decode
     metrics = DecodeMetrics(rt.registry)
     remote = None
@@ -72,13 +83,19 @@ async def serve(settings: DecodeSettings) -> None:
         puller=puller,
     )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, rt.server.server)
-    if source is not None:
-        source.start()
+    return DecodeParts(servicer, source, puller)
+
+
+async def serve(settings: DecodeSettings) -> None:
+    rt = await start_runtime("decode", SERVICE_NAME, settings)
+    parts = wire(rt, settings)
+    if parts.source is not None:
+        parts.source.start()
     try:
-        await rt.serve(servicer.load)
+        await rt.serve(parts.servicer.load)
     finally:
-        if source is not None:
-            await source.stop()
+        if parts.source is not None:
+            await parts.source.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
