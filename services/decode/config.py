@@ -13,7 +13,7 @@ from services.common.tls import TlsConfig
 from services.common.tracing import TracingConfig
 from services.common.validation import RequestLimits
 from services.decode.disagg_policy import DisaggConfig
-from services.decode.prefix_pull import PrefixPullConfig
+from services.decode.prefix_pull import PullerConfig
 from services.engine.config import EngineConfig
 from services.worker import settings as worker_settings
 from services.worker.prefix_source import PrefixSourceConfig
@@ -44,7 +44,7 @@ class DecodeSettings(WorkerSettings):
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     # Issue 17: this worker's cached prefixes leased to peers, and its pulls of theirs.
     prefix_source: PrefixSourceConfig = field(default_factory=PrefixSourceConfig)
-    prefix_pull: PrefixPullConfig = field(default_factory=PrefixPullConfig)
+    prefix_pull: PullerConfig = field(default_factory=PullerConfig)
 
 
 SECTIONS: tuple[Section, ...] = (
@@ -53,7 +53,7 @@ SECTIONS: tuple[Section, ...] = (
     ("decode", DecodeConfig, ""),
     ("disagg", DisaggConfig, ""),
     ("prefix_source", PrefixSourceConfig, ""),
-    ("prefix_pull", PrefixPullConfig, ""),
+    ("prefix_pull", PullerConfig, ""),
     ("limits", RequestLimits, "limits_"),
     ("engine", EngineConfig, "engine_"),
     ("tls", TlsConfig, "tls_"),

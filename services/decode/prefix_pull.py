@@ -56,7 +56,7 @@ log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
-class PrefixPullConfig:
+class PullerConfig:
     prefix_pull: bool = setting(
         True, "follow the router's prefix-pull hints (pull a cached prefix from a peer)"
     )
@@ -129,14 +129,14 @@ class PrefixPuller:
         channels: ChannelCache,
         worker_id: str,
         metrics: PrefixPullMetrics,
-        config: PrefixPullConfig | None = None,
+        config: PullerConfig | None = None,
     ):
         self.engine = engine
         self.transport = transport
         self.channels = channels
         self.worker_id = worker_id
         self.metrics = metrics
-        self.config = config or PrefixPullConfig()
+        self.config = config or PullerConfig()
         self._release_tasks: set[asyncio.Task[None]] = set()
 
     async def generate(

@@ -162,6 +162,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def stats_response(self) -> worker_pb2.StatsResponse:
         s = self.engine.stats()
+        pulls = self.worker.puller.metrics if self.worker.puller is not None else None
         info = common_pb2.WorkerInfo()
         info.CopyFrom(self.info)
         info.free_blocks = s.free_blocks
@@ -175,6 +176,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             requests_total=self.metrics.count("total"),
             requests_failed=self.metrics.count("failed"),
             requests_cancelled=self.metrics.count("cancelled"),
+            prefix_pulls=pulls.counts if pulls is not None else {},
+            prefix_pull_tokens_saved=pulls.tokens_saved if pulls is not None else 0,
         )
 
 

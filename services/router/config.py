@@ -37,6 +37,7 @@ from services.router.circuit_breaker import BreakerConfig
 from services.router.migration import JourneyConfig
 from services.router.policy import POLICY_NAMES, PolicyConfig
 from services.router.prefix_index import PrefixIndexConfig
+from services.router.prefix_pull import PrefixPullConfig
 from services.router.registry import RegistryConfig, parse_target
 from services.router.retry_budget import RetryBudgetConfig
 
@@ -216,6 +217,7 @@ class RouterSettings:
     retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
     journey: JourneyConfig = field(default_factory=JourneyConfig)
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    prefix_pull: PrefixPullConfig = field(default_factory=PrefixPullConfig)  # issue 17 item 3
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -233,6 +235,7 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("retry_budget", RetryBudgetConfig, "retry_budget_"),
     ("journey", JourneyConfig, ""),
     ("index", PrefixIndexConfig, "index_"),
+    ("prefix_pull", PrefixPullConfig, "prefix_pull_"),
     ("tls", TlsConfig, "tls_"),
     ("auth", AuthConfig, ""),
     ("tracing", TracingConfig, ""),

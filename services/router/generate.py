@@ -49,6 +49,7 @@ from services.router.load_view import LoadView
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
 from services.router.policy import Candidate, Policy
 from services.router.prefix_index import PrefixIndex
+from services.router.prefix_pull import PrefixPullPlanner, PullPlan, plan_for_ranking
 from services.router.registry import WorkerRegistry, WorkerRole
 from services.router.retry_budget import RetryBudget
 
@@ -111,6 +112,7 @@ class RoutingContext:
     metrics: Any = None  # RouterMetrics or None
     notify: Callable[[], None] = lambda: None  # state changed (a request queued), for waiters
     load_view: LoadView | None = None  # the router's own load account; None: heartbeats only
+    pull_planner: PrefixPullPlanner | None = None  # prefixes pulled instead of recomputed; None: off
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -350,7 +352,10 @@ class RequestFlow:
         if ctx.load_view is not None:
             cands = ctx.load_view.blend(cands)
         choice = None
-        for ch in ctx.decode_policy.rank(cands, len(hashes), overlaps):
+        ranked, pull = ctx.decode_policy.rank(cands, len(hashes), overlaps), None
+        if ctx.pull_planner is not None:  # issue 17: the plan's target first, maybe with a pull
+            ranked, pull = plan_for_ranking(ctx.pull_planner, ranked, cands, overlaps, len(hashes))
+        for ch in ranked:
             if ctx.breakers.allow_request(ch.worker_id):
                 choice = ch
                 break
@@ -376,6 +381,7 @@ class RequestFlow:
             priority=self.req.priority,
             workflow=self.req.workflow,
             prefill_candidates=self._prefill_candidates(len(hashes), overlaps),
+            prefix_pull=self._pull_hint(pull, choice.worker_id),
         )
         self.journey.start_attempt(choice.worker_id, cached_tokens=choice.overlap_blocks * cfg.block_size)
         total_blocks = -(-(len(input_ids) + plan.max_tokens_remaining) // cfg.block_size)
@@ -387,7 +393,8 @@ class RequestFlow:
         self.worker_id = choice.worker_id
         call = ctx.call_decode(choice.worker_id, request, timeout)
         if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
-            to_prefill = len(input_ids) - choice.overlap_blocks * cfg.block_size
+            pulled = pull.pull_blocks if pull is not None and pull.target == choice.worker_id else 0
+            to_prefill = len(input_ids) - max(choice.overlap_blocks, pulled) * cfg.block_size
             self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
         self._attempt = DecodeAttempt(
             choice.worker_id,
@@ -398,6 +405,22 @@ class RequestFlow:
             cfg.max_buffered_tokens,
         )
         return self._attempt
+
+    def _pull_hint(self, pull: PullPlan | None, target: str) -> decode_pb2.PrefixPullHint | None:
+        """The hint for the chosen worker when the plan pulls to it (None: no pull)."""
+        if pull is None or pull.target != target:
+            return None
+        rec = self.ctx.registry.get(pull.source)
+        if rec is None:
+            return None
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.prefix_pull_hinted()
+        return decode_pb2.PrefixPullHint(
+            worker_id=pull.source,
+            address=rec.info.address,
+            kv_agent_name=rec.info.kv_agent_name,
+            blocks=pull.pull_blocks,
+        )
 
     def _prefill_candidates(self, prompt_blocks: int, overlaps: dict[str, int]) -> list[Any]:
         ctx = self.ctx

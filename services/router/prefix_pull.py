@@ -33,10 +33,11 @@ that unless time says so). The plan is:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.config import require, setting
+from services.router.policy import Candidate, Choice
 
 
 @dataclass(frozen=True)
@@ -144,3 +145,36 @@ class PrefixPullPlanner:
         if best is not None and best.predicted_s < stay.predicted_s * (1.0 - self.config.min_gain):
             return best
         return stay
+
+
+def plan_for_ranking(
+    planner: PrefixPullPlanner,
+    ranked: Sequence[Choice],
+    candidates: Sequence[Candidate],
+    overlaps: Mapping[str, int],
+    prompt_blocks: int,
+) -> tuple[list[Choice], PullPlan | None]:
+    """The router's hook (services/router/generate.py): the policy's ranking with the
+    plan's target first, and the plan when it pulls (None: the ranking unchanged).
+
+    Per candidate, the wait is its prompt backlog (blended with the router's own
+    load view when that is on) at its prefill rate (backlog / predicted wait of its
+    last report, else the configured prior)."""
+    if not ranked or prompt_blocks < planner.config.min_pull_blocks:
+        return list(ranked), None
+    prior = planner.config.prior_tokens_per_s
+    views = []
+    for c in candidates:
+        rate = rate_of(c.load.tokens_waiting, c.load.estimated_wait_ms, prior)
+        views.append(
+            WorkerView(c.worker_id, overlaps.get(c.worker_id, 0), c.load.tokens_waiting / rate, rate)
+        )
+    if ranked[0].worker_id not in {v.worker_id for v in views}:
+        return list(ranked), None
+    plan = planner.plan(views, prompt_blocks, ranked[0].worker_id)
+    if not plan.source:
+        return list(ranked), None
+    first = [ch for ch in ranked if ch.worker_id == plan.target]
+    if not first:
+        return list(ranked), None
+    return first + [ch for ch in ranked if ch.worker_id != plan.target], plan

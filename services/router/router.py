@@ -46,6 +46,7 @@ from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.policy import WorkerLoad, make_policy
 from services.router.prefix_index import EventSequencer, PrefixIndex
+from services.router.prefix_pull import PrefixPullPlanner
 from services.router.registry import (
     JoinResult,
     Resolver,
@@ -174,6 +175,9 @@ class Router:
             metrics=self.metrics,
             notify=self.changed,
             load_view=self.load_view,
+            pull_planner=PrefixPullPlanner(settings.prefix_pull, cfg.block_size)
+            if settings.prefix_pull.enabled
+            else None,
         )
         self.flows: dict[str, RequestFlow] = {}
         self.requests_total = 0

@@ -27,7 +27,7 @@ from services.common.server import MeshServer, ServerConfig
 from services.common.validation import RequestLimits
 from services.decode.config import DecodeSettings
 from services.decode.main import wire
-from services.decode.prefix_pull import PrefixPullConfig
+from services.decode.prefix_pull import PullerConfig
 from services.engine.api import EngineRequest, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
@@ -103,7 +103,7 @@ class PullMesh:
         self.transport = transport
         self.closers: list = []
 
-    async def start(self, pull: PrefixPullConfig | None = None, source: PrefixSourceConfig | None = None):
+    async def start(self, pull: PullerConfig | None = None, source: PrefixSourceConfig | None = None):
         kv_servicer = KvTransferServicer(
             AgentRegistry(default_lease_s=10), TransferStatistics(), KvServiceMetrics(CollectorRegistry())
         )
@@ -119,7 +119,7 @@ class PullMesh:
         settings = DecodeSettings(
             engine=ENGINE,
             limits=LIMITS,
-            prefix_pull=pull or PrefixPullConfig(),
+            prefix_pull=pull or PullerConfig(),
             prefix_source=source or PrefixSourceConfig(prefix_lease_check_s=0.05),
         )
         rt = WorkerRuntime(
@@ -285,7 +285,7 @@ async def test_a_lease_too_short_to_read_safely_falls_back(transport):
     # margin (0.25 s) is refused before any byte moves, and the holder is released at once.
     m = PullMesh(transport)
     try:
-        await m.start(pull=PrefixPullConfig(prefix_pull_lease_ms=100))
+        await m.start(pull=PullerConfig(prefix_pull_lease_ms=100))
         want = reference_tokens(PROMPT)
         await warm(m)
         tokens, final = await m.puller.generate("r1", PROMPT, m.hint())
