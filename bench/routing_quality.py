@@ -199,7 +199,7 @@ def limits(study: Study) -> dict[str, int]:
 
 def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
     kv: tuple[str, ...] = ()
-    if any(p.endswith("@pull") for p in study.policies):  # pulls move KV: a transport, its registry
+    if any("@pull" in p for p in study.policies):  # pulls move KV: a transport, its registry
         svc = launcher.start_ready(
             ServiceSpec("kvtransfer", "services.kvtransfer.main", ready_service="pdmesh.v1.KvTransferService")
         )
@@ -239,6 +239,13 @@ VARIANTS = {
     "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes
     # + prefixes pulled instead of recomputed (the link and rates: pull_flags)
     "pull": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0, "prefix_pull_enabled": "true"},
+    # the same, but never moving a request off the holder the policy chose (pulls only to the choice)
+    "pullkeep": {
+        "load_view": "true",
+        "optimistic_prefix_ttl_s": 10.0,
+        "prefix_pull_enabled": "true",
+        "prefix_pull_min_gain": 0.99,
+    },
 }
 
 
@@ -267,7 +274,7 @@ def start_router(launcher: Launcher, study: Study, policy: str, workers: list[Ru
         policy=name,
         prefill_weight=float(weight) if weight else None,
         **VARIANTS.get(variant, {}),
-        **(pull_flags(study) if variant == "pull" else {}),
+        **(pull_flags(study) if variant.startswith("pull") else {}),
         preset="tiny",
         block_size=study.block_size,
         max_model_len=study.num_blocks * study.block_size,
@@ -442,7 +449,7 @@ def print_study(study: Study, results: list[PolicyResult], ideal: float) -> None
     for line in table(results):
         print(line)
     for r in results:
-        if r.policy.endswith("@pull"):
+        if "@pull" in r.policy:
             tokens = sum(d.get("prefix_pull_tokens", 0) for d in r.worker_delta.values())
             print(f"  {r.policy}: pull_share {r.pull_share:.3f} of requests, {tokens:,} prompt tokens pulled")
     p = by_policy(results)

@@ -15,6 +15,7 @@ tokens. The holder SIGKILLed mid-pull is tests/e2e/test_prefix_pull_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -103,7 +104,12 @@ class PullMesh:
         self.transport = transport
         self.closers: list = []
 
-    async def start(self, pull: PullerConfig | None = None, source: PrefixSourceConfig | None = None):
+    async def start(
+        self,
+        pull: PullerConfig | None = None,
+        source: PrefixSourceConfig | None = None,
+        holder_engine: EngineConfig = ENGINE,
+    ):
         kv_servicer = KvTransferServicer(
             AgentRegistry(default_lease_s=10), TransferStatistics(), KvServiceMetrics(CollectorRegistry())
         )
@@ -112,12 +118,12 @@ class PullMesh:
         await kv.start()
         self.closers.append(kv.stop)
         self.kv_address = kv.address
-        self.holder = await self._worker("holder", pull, source)
-        self.puller = await self._worker("puller", pull, source)
+        self.holder = await self._worker("holder", pull, source, holder_engine)
+        self.puller = await self._worker("puller", pull, source, ENGINE)
 
-    async def _worker(self, name, pull, source) -> Worker:
+    async def _worker(self, name, pull, source, engine: EngineConfig) -> Worker:
         settings = DecodeSettings(
-            engine=ENGINE,
+            engine=engine,
             limits=LIMITS,
             prefix_pull=pull or PullerConfig(),
             prefix_source=source or PrefixSourceConfig(prefix_lease_check_s=0.05),
@@ -127,7 +133,7 @@ class PullMesh:
             "pdmesh.v1.DecodeService",
             ServerConfig(port=0, drain_grace_s=1),
             WorkerConfig(worker_id=name, kvtransfer_address=self.kv_address, kv_transport=self.transport),
-            ENGINE,
+            engine,
         )
         await rt.setup()
         assert rt.transport is not None and rt.transport.kind == self.transport
@@ -290,6 +296,24 @@ async def test_a_lease_too_short_to_read_safely_falls_back(transport):
         await warm(m)
         tokens, final = await m.puller.generate("r1", PROMPT, m.hint())
         assert tokens == want and final.pulled_prefix_tokens == 0
+        assert m.puller.metric("pdmesh_prefix_pulls_total", outcome="fallback") == 1
+        await settled(m.holder, m.puller)
+    finally:
+        await m.close()
+
+
+@pytest.mark.parametrize("transport", ["nixl", "grpc"])
+async def test_a_holder_with_another_kv_layout_is_refused_and_the_request_prefills_locally(transport):
+    # Same model, int8 KV blocks on the holder: the bytes would be garbage here.
+    m = PullMesh(transport)
+    try:
+        await m.start(holder_engine=dataclasses.replace(ENGINE, kv_cache_quant="int8"))
+        want = reference_tokens(PROMPT)
+        await warm(m)
+        before = m.puller.engine.stats().prompt_tokens_computed
+        tokens, final = await m.puller.generate("r1", PROMPT, m.hint())
+        assert tokens == want and final.pulled_prefix_tokens == 0
+        assert m.puller.engine.stats().prompt_tokens_computed - before == len(PROMPT)
         assert m.puller.metric("pdmesh_prefix_pulls_total", outcome="fallback") == 1
         await settled(m.holder, m.puller)
     finally:
