@@ -163,11 +163,18 @@ class TorchEngine:
         self._check_new(request)
         rid = request.request_id
         self._held.add(rid)
+        # Off the step thread (LLMEngine.hold_prefix takes the core's mutex): a loaded
+        # holder's long step does not delay the lease.
+        hold = asyncio.ensure_future(asyncio.to_thread(self._started().hold_prefix, request))
         try:
-            held = await self._call(lambda core: core.hold_prefix(request))
-        except BaseException:
+            held = await asyncio.shield(hold)
+        except asyncio.CancelledError:
             self._held.discard(rid)
-            self._try_submit(lambda core: core.release(rid))  # runs after the hold: frees it
+            # The thread may still be holding: free whatever it holds once it is done.
+            hold.add_done_callback(lambda _: self._try_submit(lambda core: core.release(rid)))
+            raise
+        except BaseException:  # refused before anything was held
+            self._held.discard(rid)
             raise
         if held is None:
             self._held.discard(rid)
@@ -381,14 +388,18 @@ class TorchEngine:
             timeout = None if expiry is None else max(expiry - time.monotonic(), 0.0)
             for cmd in self._take_commands(block=idle, timeout=timeout):
                 if cmd is _STOP:
-                    items += [("abort", rid, _aborted(rid)) for rid in core.abort_all()]
+                    with core.mutex:
+                        aborted = core.abort_all()
+                    items += [("abort", rid, _aborted(rid)) for rid in aborted]
                     self._post(self._deliver, items, True)
                     return
-                result = cmd(core)
+                with core.mutex:  # hold_prefix may run on another thread
+                    result = cmd(core)
                 if isinstance(result, list):  # deliveries; other results went through a future
                     items += result
             if expiry is not None:
-                bm.expire_pins()
+                with core.mutex:
+                    bm.expire_pins()
             if core.has_unfinished_requests():
                 items += self._step(core)
             seq = core.block_manager.events.last_seq

@@ -3,8 +3,13 @@ in-process: hold_prefix on the holder, reserve_external + import + commit_prefix
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 from services.engine.api import EngineRequest, SamplingParams
-from tests.unit.engine.conftest import prompt_of, request
+from services.engine.async_engine import TorchEngine
+from services.engine.model_runner import ModelRunner
+from tests.unit.engine.conftest import prompt_of, request, tiny_config
 
 
 def prefix_req(rid: str, tokens) -> EngineRequest:
@@ -51,3 +56,44 @@ def test_pulled_prefix_becomes_a_cache_hit_with_the_same_tokens(make_engine):
     assert puller.generate([req])["r"] == want
     # Only the 13 uncached tokens were prefilled (plus 11 decode steps).
     assert puller.stats().prompt_tokens_computed - computed == 13
+
+
+class GatedRunner(ModelRunner):
+    """A ModelRunner whose forward pass waits for `gate` once `closed` is set (a long step)."""
+
+    closed = threading.Event()
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def run(self, scheduled):
+        if GatedRunner.closed.is_set():
+            GatedRunner.entered.set()
+            GatedRunner.gate.wait(60)
+        return super().run(scheduled)
+
+
+async def test_a_busy_holder_leases_without_waiting_for_its_step_to_end():
+    engine = TorchEngine(tiny_config(), runner_factory=GatedRunner)
+    await engine.start()
+    try:
+        shared = prompt_of(64, seed=7)
+        async for _ in engine.generate(request("warm", [*shared, 1], max_tokens=1)):
+            pass
+        GatedRunner.closed.set()
+        stream = engine.generate(request("busy", prompt_of(40, seed=8), max_tokens=4))
+        step = asyncio.ensure_future(anext(stream))
+        await asyncio.to_thread(GatedRunner.entered.wait, 30)  # the step thread is mid-pass
+        # Before the fix the hold was a step-thread command: it waited for the pass (the gate).
+        held = await asyncio.wait_for(engine.hold_prefix(prefix_req("lease", shared)), 30)
+        assert held is not None and held.num_tokens == 64
+        assert engine.release("lease")
+        GatedRunner.closed.clear()
+        GatedRunner.gate.set()
+        await step
+        async for _ in stream:
+            pass
+        await engine.sync()
+        assert engine.stats().held_blocks == 0 and engine.stats().free_blocks == engine.info.num_blocks
+    finally:
+        GatedRunner.gate.set()
+        await engine.close()
