@@ -40,6 +40,7 @@ from services.router.migration import JourneyConfig
 from services.router.outlier import OutlierConfig
 from services.router.policy import POLICY_NAMES, PolicyConfig
 from services.router.prefix_index import PrefixIndexConfig
+from services.router.prefix_pull import PrefixPullConfig
 from services.router.registry import RegistryConfig, parse_target
 from services.router.retries import RetryAttachConfig
 from services.router.retry_budget import RetryBudgetConfig
@@ -241,6 +242,7 @@ class RouterSettings:
     hedge: HedgeConfig = field(default_factory=HedgeConfig)
     retry_attach: RetryAttachConfig = field(default_factory=RetryAttachConfig)  # retried arrivals
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    prefix_pull: PrefixPullConfig = field(default_factory=PrefixPullConfig)  # issue 17 item 3
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -261,6 +263,7 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("hedge", HedgeConfig, "hedge_"),
     ("retry_attach", RetryAttachConfig, "retry_attach_"),
     ("index", PrefixIndexConfig, "index_"),
+    ("prefix_pull", PrefixPullConfig, "prefix_pull_"),
     ("tls", TlsConfig, "tls_"),
     ("auth", AuthConfig, ""),
     ("tracing", TracingConfig, ""),

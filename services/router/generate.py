@@ -58,6 +58,7 @@ from services.router.migration import Cause, JourneyConfig, Recovery, RequestJou
 from services.router.outlier import OutlierDetector
 from services.router.policy import Candidate, Choice, Policy
 from services.router.prefix_index import PrefixIndex
+from services.router.prefix_pull import PrefixPullPlanner, PullPlan, plan_for_ranking
 from services.router.registry import WorkerRegistry, WorkerRole
 from services.router.retry_budget import RetryBudget
 
@@ -125,6 +126,7 @@ class RoutingContext:
     # A worker looks hung (a stream on it stalled mid-way): move its unstarted requests
     # (Router.reroute_unstarted, with a cause).
     reroute: Callable[[str, str], int] = lambda worker_id, cause: 0
+    pull_planner: PrefixPullPlanner | None = None  # prefixes pulled instead of recomputed; None: off
 
 
 def _worker_of(ch: Choice) -> str:
@@ -420,7 +422,10 @@ class RequestFlow:
         ]
         if ctx.load_view is not None:
             cands = ctx.load_view.blend(cands)
-        choice = self._pick(ctx.decode_policy.rank(cands, len(hashes), overlaps))
+        ranked, pull = ctx.decode_policy.rank(cands, len(hashes), overlaps), None
+        if ctx.pull_planner is not None:  # issue 17: the plan's target first, maybe with a pull
+            ranked, pull = plan_for_ranking(ctx.pull_planner, ranked, cands, overlaps, len(hashes))
+        choice = self._pick(ranked)
         if choice is None:
             self._cost = self.journey.give_up()
             last = self._last_error
@@ -443,6 +448,7 @@ class RequestFlow:
             priority=self.req.priority,
             workflow=self.req.workflow,
             prefill_candidates=self._prefill_candidates(len(hashes), overlaps),
+            prefix_pull=self._pull_hint(pull, choice.worker_id),
         )
         self.journey.start_attempt(choice.worker_id, cached_tokens=choice.overlap_blocks * cfg.block_size)
         total_blocks = -(-(len(input_ids) + plan.max_tokens_remaining) // cfg.block_size)
@@ -453,7 +459,8 @@ class RequestFlow:
             ctx.index.apply_provisional(choice.worker_id, hashes, now + cfg.optimistic_prefix_ttl_s)
         self.worker_id = choice.worker_id
         call = ctx.call_decode(choice.worker_id, request, timeout)
-        to_prefill = len(input_ids) - choice.overlap_blocks * cfg.block_size
+        pulled = pull.pull_blocks if pull is not None and pull.target == choice.worker_id else 0
+        to_prefill = len(input_ids) - max(choice.overlap_blocks, pulled) * cfg.block_size
         if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
             self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
         self._sent = (request, to_prefill, new_blocks)  # what a hedge of this attempt sends
@@ -527,6 +534,22 @@ class RequestFlow:
         gap = attempt.mean_gap_s
         if gap is not None:
             outliers.record_itl(attempt.worker_id, gap)
+
+    def _pull_hint(self, pull: PullPlan | None, target: str) -> decode_pb2.PrefixPullHint | None:
+        """The hint for the chosen worker when the plan pulls to it (None: no pull)."""
+        if pull is None or pull.target != target:
+            return None
+        rec = self.ctx.registry.get(pull.source)
+        if rec is None:
+            return None
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.prefix_pull_hinted()
+        return decode_pb2.PrefixPullHint(
+            worker_id=pull.source,
+            address=rec.info.address,
+            kv_agent_name=rec.info.kv_agent_name,
+            blocks=pull.pull_blocks,
+        )
 
     def _prefill_candidates(self, prompt_blocks: int, overlaps: dict[str, int]) -> list[Any]:
         ctx = self.ctx

@@ -190,6 +190,14 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self._pull_hints = Counter(
+            "pdmesh_router_prefix_pull_hints",
+            "Requests routed with a hint to pull a cached prefix from another worker (issue 17)",
+            registry=r,
+        )
+
+    def prefix_pull_hinted(self) -> None:
+        self._pull_hints.inc()
 
     def ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -47,6 +47,7 @@ from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.outlier import OutlierDetector, OutlierState
 from services.router.policy import WorkerLoad, make_policy
 from services.router.prefix_index import EventSequencer, PrefixIndex
+from services.router.prefix_pull import PrefixPullPlanner
 from services.router.registry import (
     JoinResult,
     Resolver,
@@ -183,6 +184,9 @@ class Router:
             outliers=self.outliers,
             hedge=settings.hedge,
             reroute=self.reroute_unstarted,
+            pull_planner=PrefixPullPlanner(settings.prefix_pull, cfg.block_size)
+            if settings.prefix_pull.enabled
+            else None,
         )
         self.flows: dict[str, RequestFlow] = {}
         # Keyed requests, so that a client's retry joins the running one (retries.py).
