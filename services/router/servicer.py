@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -97,6 +97,29 @@ def delta_bytes(token_ids: list[int], text: str) -> bytes:
         raw = text.encode()
         inner += b"\x12" + _varint(len(raw)) + raw
     return b"\x0a" + _varint(len(inner)) + inner
+
+
+def _proto_delta(token_ids: list[int], text: str) -> router_pb2.GenerateResponse:
+    return _Response(delta=_Delta(token_ids=token_ids, text=text))
+
+
+class DeltaItem:
+    """A delta as the HTTP door's app reads a GenerateResponse (`HasField`, `.delta.text`,
+    `.delta.token_ids`), without building the protobuf message it would only read back."""
+
+    __slots__ = ("text", "token_ids")
+
+    def __init__(self, token_ids: list[int], text: str):
+        self.token_ids = token_ids
+        self.text = text
+
+    @property
+    def delta(self) -> DeltaItem:
+        return self
+
+    @staticmethod
+    def HasField(name: str) -> bool:
+        return name == "delta"
 
 
 def _serialize_response(msg: Any) -> bytes:
@@ -237,38 +260,34 @@ class Generation:
         # x-prompt-tokens: the HTTP door logs it for streams its client closes before the final.
         return (("x-request-id", self.client_id), ("x-prompt-tokens", str(self.prompt_tokens)))
 
-    async def responses(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+    def responses(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """GenerateResponse messages: deltas, then the final one."""
+        return self._stream(_proto_delta)
+
+    def encoded(self) -> AsyncIterator[bytes | router_pb2.GenerateResponse]:
+        """`responses()` for the gRPC door: deltas as their wire bytes (`delta_bytes`)."""
+        return self._stream(delta_bytes)
+
+    def light(self) -> AsyncIterator[DeltaItem | router_pb2.GenerateResponse]:
+        """`responses()` for the HTTP door: deltas as `DeltaItem`s, read in-process."""
+        return self._stream(DeltaItem)
+
+    async def _stream(self, delta: Callable[[list[int], str], Any]) -> AsyncIterator[Any]:
         push = make_detokenizer(self.router.model.tokenizer).push_many
         stops = StopTextFilter(self._stop)
         run = self.flow.run()
         try:
             async for item in run:
                 if type(item) is list:
-                    yield _Response(delta=_Delta(token_ids=item, text=stops.push(push(item))))
+                    yield delta(item, stops.push(push(item)))
                 else:
                     if held := stops.flush():
-                        yield _Response(delta=_Delta(text=held))
+                        yield delta([], held)
                     yield final_to_proto(item, self.client_id)  # type: ignore[arg-type]
         finally:
             # aclose() of this generator (the HTTP door's cancel) stops at our yield: close
             # the flow's too, now, so its cleanup (admission slot, ledger) is not left to GC.
             await run.aclose()
-
-    async def encoded(self) -> AsyncIterator[bytes | router_pb2.GenerateResponse]:
-        """`responses()` for the gRPC door: deltas as their wire bytes (`delta_bytes`)."""
-        push = make_detokenizer(self.router.model.tokenizer).push_many
-        stops = StopTextFilter(self._stop)
-        run = self.flow.run()
-        try:
-            async for item in run:
-                if type(item) is list:
-                    yield delta_bytes(item, stops.push(push(item)))
-                else:
-                    if held := stops.flush():
-                        yield delta_bytes([], held)
-                    yield final_to_proto(item, self.client_id)  # type: ignore[arg-type]
-        finally:
-            await run.aclose()  # as in responses()
 
     def close(self) -> None:
         self.router.close_flow(self.flow)
