@@ -10,9 +10,11 @@ alternating A and B for `--rounds`, `--streams` endless streams through one
 router until `--messages` client messages (gRPC) or SSE events (HTTP) arrived
 after every stream got its first one, and the router's CPU seconds
 (/proc/<pid>/stat) over exactly that span. Start-up and stream opening are
-outside the span. Prints per round and the medians, then
+outside the span. Prints per round, the medians and the minima (the least
+disturbed round of each side), then
 `front_cpu_ab grpc_us_a=.. grpc_us_b=.. grpc_ratio=.. http_us_a=.. http_us_b=.. http_ratio=..
-grpc_tok_per_msg_b=..` (ratio = B / A; below 1 is less CPU per message).
+grpc_tok_per_msg_b=.. grpc_min_ratio=.. http_min_ratio=..` (ratio = B / A of the medians, min_ratio
+of the minima; below 1 is less CPU per message).
 
 Run (from a directory with no `services` package, so PYTHONPATH decides):
 `cd /tmp && python /path/to/bench/front_cpu_ab.py --a /tmp/base --b /path/to/checkout`.
@@ -207,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     med = {k: statistics.median(v) for k, v in res.items()}
+    low = {k: min(v) for k, v in res.items()}  # the least disturbed round of each
+    print(
+        f"min: gRPC A {low['grpc_a']:.1f} B {low['grpc_b']:.1f} us/msg (B/A {low['grpc_b'] / low['grpc_a']:.2f}); "
+        f"HTTP A {low['http_a']:.1f} B {low['http_b']:.1f} us/event (B/A {low['http_b'] / low['http_a']:.2f})"
+    )
     print(
         f"median: gRPC A {med['grpc_a']:.1f} B {med['grpc_b']:.1f} us/msg (B/A {med['grpc_b'] / med['grpc_a']:.2f}); "
         f"HTTP A {med['http_a']:.1f} B {med['http_b']:.1f} us/event (B/A {med['http_b'] / med['http_a']:.2f})"
@@ -215,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         f"front_cpu_ab grpc_us_a={med['grpc_a']:.1f} grpc_us_b={med['grpc_b']:.1f} "
         f"grpc_ratio={med['grpc_b'] / med['grpc_a']:.2f} http_us_a={med['http_a']:.1f} "
         f"http_us_b={med['http_b']:.1f} http_ratio={med['http_b'] / med['http_a']:.2f} "
-        f"grpc_tok_per_msg_b={med['tpm_b']:.2f}"
+        f"grpc_tok_per_msg_b={med['tpm_b']:.2f} grpc_min_ratio={low['grpc_b'] / low['grpc_a']:.2f} "
+        f"http_min_ratio={low['http_b'] / low['http_a']:.2f}"
     )
     return 0
 
