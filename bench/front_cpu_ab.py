@@ -9,7 +9,8 @@ processes, one per checkout (PYTHONPATH), with the gRPC and HTTP doors; then,
 alternating A and B for `--rounds`, `--streams` endless streams through one
 router until `--messages` client messages (gRPC) or SSE events (HTTP) arrived
 after every stream got its first one, and the router's CPU seconds
-(/proc/<pid>/stat) over exactly that span. Start-up and stream opening are
+(the scheduler's nanosecond account, /proc/<pid>/task/*/schedstat; clock ticks
+are dodged by a process that runs in short bursts) over exactly that span. Start-up and stream opening are
 outside the span. Prints per round, the medians and the minima (the least
 disturbed round of each side), then
 `front_cpu_ab grpc_us_a=.. grpc_us_b=.. grpc_ratio=.. http_us_a=.. http_us_b=.. http_ratio=..
@@ -34,8 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.routing import HUGE, LONG, PROMPT, channel, router_request
-from bench.routing_quality import proc_cpu_s as _proc_cpu_s
+from bench.routing import HUGE, LONG, PROMPT, channel, router_request, run_cpu_s
 from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import router_pb2_grpc
 
@@ -43,14 +43,12 @@ MAIN_THREAD = False  # --main-thread: count only the router's event-loop thread
 
 
 def proc_cpu_s(pid: int) -> float:
-    """The router's CPU seconds: the whole process, or (--main-thread) its event-loop thread,
-    which runs the flow, the doors and gRPC's inline sends. On a loaded machine gRPC's
-    C-core threads burn CPU in proportion to how often they are descheduled, which moves
-    the whole-process figure 3-8x between rounds of the same code."""
+    """The router's CPU seconds (the scheduler's account, `run_cpu_s`): the whole process, or
+    (--main-thread) its event-loop thread, which runs the flow, the doors and gRPC's inline
+    sends."""
     if not MAIN_THREAD:
-        return _proc_cpu_s(pid)
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return run_cpu_s(pid)
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
 def router_spec(name: str, root: Path, fake: str) -> ServiceSpec:

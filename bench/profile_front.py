@@ -50,7 +50,7 @@ if __package__ in (None, ""):
 
 
 from bench.routing import HUGE, LONG, channel, router_request
-from bench.routing_quality import proc_cpu_s
+from bench.routing import run_cpu_s as proc_cpu_s  # the scheduler's account, not clock ticks
 from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import router_pb2_grpc
 
