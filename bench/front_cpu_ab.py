@@ -8,7 +8,10 @@ decode worker (bench/routing.py's, over DecodeService.Link) and two router
 processes, one per checkout (PYTHONPATH), with the gRPC and HTTP doors; then,
 alternating A and B for `--rounds`, `--streams` endless streams through one
 router until `--messages` client messages (gRPC) or SSE events (HTTP) arrived
-after every stream got its first one, and the router's CPU seconds
+after every stream got its first one, and the router's CPU seconds per token it
+relayed in that span (its own count, TTFT + ITL samples from its Stats: with a
+client behind, many messages wait in the connection's buffers, so the client's
+count is not what the router did), with its CPU seconds
 (the scheduler's nanosecond account, /proc/<pid>/task/*/schedstat; clock ticks
 are dodged by a process that runs in short bursts) over exactly that span. Start-up and stream opening are
 outside the span. Prints per round, the medians and the minima (the least
@@ -37,7 +40,7 @@ if __package__ in (None, ""):
 
 from bench.routing import HUGE, LONG, PROMPT, channel, router_request, run_cpu_s
 from pdmesh.launcher import Launcher, ServiceSpec, flags
-from pdmesh.v1 import router_pb2_grpc
+from pdmesh.v1 import router_pb2, router_pb2_grpc
 
 MAIN_THREAD = False  # --main-thread: count only the router's event-loop thread
 
@@ -49,6 +52,16 @@ def proc_cpu_s(pid: int) -> float:
     if not MAIN_THREAD:
         return run_cpu_s(pid)
     return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
+async def relayed(internal: str) -> int:
+    """Token messages the router has handed to its doors so far: its TTFT and ITL sample
+    counts (one per token, counted as the flow yields it, before any client reads it)."""
+    async with channel(internal) as ch:
+        s = await router_pb2_grpc.RouterServiceStub(ch).Stats(
+            router_pb2.RouterServiceStatsRequest(), timeout=30
+        )
+    return s.ttft.counts[-1] + s.itl.counts[-1]
 
 
 def router_spec(name: str, root: Path, fake: str) -> ServiceSpec:
@@ -74,7 +87,9 @@ def router_spec(name: str, root: Path, fake: str) -> ServiceSpec:
     )
 
 
-async def grpc_span(address: str, pid: int, streams: int, messages: int) -> tuple[float, float]:
+async def grpc_span(
+    address: str, internal: str, pid: int, streams: int, messages: int
+) -> tuple[float, float]:
     """(router CPU us per client message, tokens per message) over `messages` messages."""
     count = tokens = 0
     started = 0
@@ -93,6 +108,7 @@ async def grpc_span(address: str, pid: int, streams: int, messages: int) -> tupl
                     started += 1
                     if started == streams:
                         span["cpu0"] = proc_cpu_s(pid)
+                        span["n0"] = await relayed(internal)
                         all_started.set()
                     continue
                 if all_started.is_set():
@@ -100,16 +116,19 @@ async def grpc_span(address: str, pid: int, streams: int, messages: int) -> tupl
                     tokens += len(msg.delta.token_ids)
                     if count == messages:
                         span["cpu1"] = proc_cpu_s(pid)
+                        span["n1"] = await relayed(internal)
                         done.set()
                 if done.is_set():
                     call.cancel()
                     break
 
     await asyncio.gather(*(one() for _ in range(streams)))
-    return (span["cpu1"] - span["cpu0"]) / messages * 1e6, tokens / messages
+    # Per token the router relayed in the span (its own count: with the client behind, many
+    # messages sit in the connection's buffers, so the client's count is not the router's).
+    return (span["cpu1"] - span["cpu0"]) / max(span["n1"] - span["n0"], 1) * 1e6, tokens / messages
 
 
-async def http_span(address: str, pid: int, streams: int, events: int) -> float:
+async def http_span(address: str, internal: str, pid: int, streams: int, events: int) -> float:
     """Router CPU us per SSE event over `events` events (a raw HTTP/1.1 client, as routing.py's)."""
     import json
 
@@ -145,19 +164,20 @@ async def http_span(address: str, pid: int, streams: int, events: int) -> float:
                     started += 1
                     if started == streams:
                         span["cpu0"] = proc_cpu_s(pid)
+                        span["n0"] = await relayed(internal)
                         all_started.set()
                     continue
                 if all_started.is_set():
                     count += n
                     if count >= events and not done.is_set():
-                        span["cpu1"] = proc_cpu_s(pid)
-                        span["n"] = count
                         done.set()
+                        span["cpu1"] = proc_cpu_s(pid)
+                        span["n1"] = await relayed(internal)
         finally:
             writer.close()
 
     await asyncio.gather(*(one() for _ in range(streams)))
-    return (span["cpu1"] - span["cpu0"]) / span["n"] * 1e6
+    return (span["cpu1"] - span["cpu0"]) / max(span["n1"] - span["n0"], 1) * 1e6  # per token relayed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("a", "b") if i % 2 == 0 else ("b", "a"):
                 r = routers[k]
                 t0 = time.perf_counter()
-                us, tpm = asyncio.run(grpc_span(r.address, r.proc.pid, a.streams, a.messages))
-                hus = asyncio.run(http_span(r.http_address, r.proc.pid, a.streams, a.messages))
+                us, tpm = asyncio.run(
+                    grpc_span(r.address, r.internal_address, r.proc.pid, a.streams, a.messages)
+                )
+                hus = asyncio.run(
+                    http_span(r.http_address, r.internal_address, r.proc.pid, a.streams, a.messages)
+                )
                 res[f"grpc_{k}"].append(us)
                 res[f"http_{k}"].append(hus)
                 res[f"tpm_{k}"].append(tpm)
