@@ -1,4 +1,4 @@
-"""Where the front's CPU goes: py-spy profiles of the router (gRPC and HTTP doors) and a decode worker at 8 streams.
+"""Where the front's CPU goes: py-spy profiles of the router (gRPC and HTTP doors) and a decode worker at 8 streams (--streams).
 
 Issue 16 asks for a profile before any change to the token path. This script
 starts the processes the way `bench/routing.py` part 2 does (real processes on
@@ -50,7 +50,7 @@ if __package__ in (None, ""):
 
 
 from bench.routing import HUGE, LONG, channel, router_request
-from bench.routing_quality import proc_cpu_s
+from bench.routing import run_cpu_s as proc_cpu_s  # the scheduler's account, not clock ticks
 from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import router_pb2_grpc
 
@@ -180,7 +180,7 @@ def print_summary(name: str, s: dict, per: str) -> None:
 
 
 async def grpc_streams(address: str, seconds: float, max_tokens: int = LONG) -> int:
-    """8 streams through the router's gRPC door; each reopens a request of `max_tokens` until time is up."""
+    """STREAMS streams through the router's gRPC door; each reopens a request of `max_tokens` until time is up."""
     global TOKENS
     msgs = TOKENS = 0
     stop = time.perf_counter() + seconds
@@ -204,7 +204,7 @@ async def grpc_streams(address: str, seconds: float, max_tokens: int = LONG) -> 
 
 
 async def http_streams(base_url: str, seconds: float, model: str) -> int:
-    """8 SSE streams through the HTTP door (bench/loadgen.py's client), each cut off after `seconds`."""
+    """STREAMS SSE streams through the HTTP door (bench/loadgen.py's client), each cut off after `seconds`."""
     from bench.loadgen import OpenAIHttpClient, WorkItem
     from bench.stats import RequestRecord
 
@@ -265,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         "--gateway", action="store_true", help="also profile a separate gateway process (the old front)"
     )
     p.add_argument("--no-decode", action="store_true", help="skip the decode-worker scenario")
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams of the router scenarios")
     a = p.parse_args(argv)
-    global NATIVE, LINK
+    global NATIVE, LINK, STREAMS
+    STREAMS = a.streams
     NATIVE = not a.python_only
     LINK = not a.no_link
     out = Path(a.out)

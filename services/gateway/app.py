@@ -281,16 +281,22 @@ class Gateway:
             yield R.sse(R.chunk(plan, created, "", first=True))
         msg = first
         done = 0  # tokens streamed so far
+        text_event = None if plan.continuous_usage else R.TextEvents(plan, created).event
         try:
             while not msg.HasField("final"):
-                done += len(msg.delta.token_ids)
+                delta = msg.delta
+                done += len(delta.token_ids)
                 out.completion_tokens = done  # the log's count if the client hangs up
-                if msg.delta.text:
-                    yield R.sse(R.chunk(plan, created, msg.delta.text, completion_tokens=done))
-                elif plan.continuous_usage and msg.delta.token_ids:  # tokens without text yet still count
+                if delta.text:
+                    if text_event is not None:
+                        yield text_event(delta.text)
+                    else:
+                        yield R.sse(R.chunk(plan, created, delta.text, completion_tokens=done))
+                elif plan.continuous_usage and delta.token_ids:  # tokens without text yet still count
                     yield R.sse(R.chunk(plan, created, "", completion_tokens=done))
                 msg = await _next(upstream)
-                self._first_token(out, msg)
+                if out.first_token_at is None:
+                    self._first_token(out, msg)
             self._final(out, msg.final)
             yield R.sse(R.chunk(plan, created, None, out.finish_reason, completion_tokens=done))
             if plan.include_usage:

@@ -109,3 +109,26 @@ def sse(obj: dict[str, Any]) -> bytes:
     # One per streamed event: msgspec encodes a chunk several times faster than json.dumps,
     # which was most of the HTTP door's own Python time per event (bench/profile_front.py).
     return b"data: " + _encode(obj) + b"\n\n"
+
+
+_SLOT = "\x00pdmesh-text\x00"  # stands for the text while a template is built; never in output
+
+
+class TextEvents:
+    """The SSE event of a text chunk of one stream, from two pre-encoded halves.
+
+    Every streamed token of a request is the same JSON object but for its text, so
+    the halves around the text are encoded once per request (from `chunk` itself, so
+    the bytes are exactly `sse(chunk(plan, created, text))`) and each event encodes
+    only the text: no dicts to build per event. Not for `continuous_usage` streams,
+    whose chunks also carry a running count."""
+
+    def __init__(self, plan: GenerationPlan, created: int):
+        if plan.continuous_usage:
+            raise ValueError("continuous_usage chunks carry a count: build them with chunk()")
+        whole = sse(chunk(plan, created, _SLOT))
+        head, _, tail = whole.partition(_encode(_SLOT))
+        self._head, self._tail = head, tail
+
+    def event(self, text: str) -> bytes:
+        return self._head + _encode(text) + self._tail

@@ -39,7 +39,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.params import GenerationPlan
 from services.router.config import HttpDoorConfig
 from services.router.router import Router
-from services.router.servicer import Generation
+from services.router.servicer import DeltaItem, Generation
 
 log = structlog.get_logger()
 
@@ -75,7 +75,7 @@ class FlowStream:
     def __aiter__(self) -> FlowStream:
         return self
 
-    async def __anext__(self) -> router_pb2.GenerateResponse:
+    async def __anext__(self) -> router_pb2.GenerateResponse | DeltaItem:
         if self.finished:
             raise StopAsyncIteration
         try:
@@ -84,7 +84,7 @@ class FlowStream:
                     raise Unavailable("the router is draining")
                 up = self._upstream
                 self._gen = Generation(up.router, self._request, self._metadata, up.timeout_s)
-                self._it = self._gen.responses()
+                self._it = self._gen.light()
             msg = await self._it.__anext__()
         except StopAsyncIteration:
             self._end()

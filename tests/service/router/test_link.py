@@ -11,7 +11,8 @@ gRPC. Every test checks each worker's pool is back to its free count.
   worker is not disturbed (no migration, same tokens);
 - a consumer that stops reading: its request is cancelled once its bounded
   buffer is full (RESOURCE_EXHAUSTED, the reason in the message), its blocks
-  are freed, and the other request on the same link keeps streaming;
+  are freed, and the other request on the same link keeps streaming, both
+  after the cut-off and while the stalled one is still buffering;
 - cancel of one request on a shared link frees its blocks at once (Stats),
   the other continues;
 - malformed frames: the worker ends only that link with INVALID_ARGUMENT, and
@@ -203,6 +204,34 @@ async def test_a_consumer_that_stops_reading_is_cancelled_and_the_link_keeps_str
             pass
     assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "stopped reading" in str(err.value) and "limit 64" in str(err.value)
+    await items.aclose()
+    await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
+
+
+async def test_a_stalled_consumer_does_not_hold_back_the_other_request_on_its_link(mesh, sims):
+    # Both requests share the link and the engine batch (one token each per step), so
+    # the fast one's 200 tokens are all out while the stalled one has buffered about as
+    # many, far under its bound: the link delivered to one while the other's buffer filled.
+    w = await sims("d0")
+    h = await mesh.router(decode=[w], max_buffered_tokens=5_000)
+    free = w.free()
+    slow = RequestFlow(h.router.ctx, FlowRequest("slow", prompt(1), greedy(6_000), timeout_s=60))
+    items = slow.run()
+    first = await anext(items)  # then stop reading
+    assert isinstance(first, list)
+    toks, final = await run_flow(h.router, "fast", prompt(2), 200)
+    assert len(toks) == 200 and final.migrations == 0
+    attempt = slow._attempt
+    assert attempt is not None and not attempt.done, "the stalled request was cut off before the other ended"
+    assert 0 < len(attempt._tokens) < 5_000  # it was buffering meanwhile
+    assert list(links_of(h.router)) == ["d0"]  # one link carried both
+    await eventually(
+        lambda: slow._attempt is None or slow._attempt.done, what="the stalled request cut off", timeout=60
+    )
+    with pytest.raises(Exception) as err:
+        async for _ in items:
+            pass
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 5000" in str(err.value)
     await items.aclose()
     await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
 

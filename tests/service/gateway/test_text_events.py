@@ -1,0 +1,33 @@
+"""The streamed text events from pre-encoded halves are byte-for-byte the chunk they replace."""
+
+import pytest
+
+from services.gateway import responses as R
+from services.gateway.params import GenerationPlan
+
+TEXTS = [
+    "A",
+    "",
+    "héllo ✓",
+    'quote " and \\ backslash',
+    "new\nline\ttab\x00nul",
+    "\x00pdmesh-text",
+    "x" * 500,
+]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_text_events_equal_the_chunk_encoding(kind, include_usage):
+    plan = GenerationPlan(
+        kind=kind, request_id='cmpl-"1"', model="m/ü", stream=True, include_usage=include_usage
+    )
+    events = R.TextEvents(plan, 1_700_000_000)
+    for text in TEXTS:
+        assert events.event(text) == R.sse(R.chunk(plan, 1_700_000_000, text))
+
+
+def test_continuous_usage_chunks_are_not_templated():
+    plan = GenerationPlan(kind="completion", request_id="r", model="m", stream=True, continuous_usage=True)
+    with pytest.raises(ValueError):
+        R.TextEvents(plan, 0)
