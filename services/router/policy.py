@@ -13,10 +13,17 @@ worker's breaker lets the request through.
 - `kv_aware`: Dynamo's cost (lib/kv-router/src/scheduling/selector.rs):
 
       cost = prefill_weight * (max(prompt_blocks - overlap_blocks, 0) + queued_prefill_blocks)
-             + active_decode_blocks
+             + decode_weight * active_decode_blocks
 
   where queued_prefill_blocks = ceil(tokens_waiting / block_size) is the
   prefill work already queued on the worker (Dynamo's active_prefill_blocks).
+  Dynamo weighs a decode block like a prefill block (decode_weight 1, the
+  default here). The router runs 0.1 (RouterConfig): with long prompts a
+  worker's active decode blocks (every running sequence's whole context) are
+  thousands of blocks, which at weight 1 outweigh any prefix credit and any
+  prefill queue, while in the timing model a decode block costs a pass a tiny
+  fraction of what a block to prefill costs (bench/routing_sim.py measured it:
+  BENCHMARKS.md, issue 17).
   Lowest cost wins; ties are broken by the injected RNG. With temperature > 0
   the ranking is sampled (without replacement) from softmax(-normalized cost /
   temperature), normalized to [0, 1] by the spread of costs, as Dynamo does.
@@ -79,6 +86,7 @@ class PolicyConfig:
     block_size: int = setting(16, "tokens per KV block (converts queued prefill tokens to blocks)")
     prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
     temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
+    decode_weight: float = setting(1.0, "kv_aware, least_loaded: weight of an active decode block")
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, "block_size must be >= 1")
@@ -86,6 +94,7 @@ class PolicyConfig:
             self.prefill_weight >= 0 and math.isfinite(self.prefill_weight), "prefill_weight must be >= 0"
         )
         require(self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0")
+        require(self.decode_weight >= 0 and math.isfinite(self.decode_weight), "decode_weight must be >= 0")
 
 
 def tier_weight(restore_s: float, recompute_s: float) -> float:
@@ -186,7 +195,7 @@ class LeastLoadedPolicy:
         for c in _healthy(candidates):
             cost = (
                 cfg.prefill_weight * _queued_prefill_blocks(c.load, cfg.block_size)
-                + c.load.active_decode_blocks
+                + cfg.decode_weight * c.load.active_decode_blocks
             )
             keyed.append((cost, c.inflight, self._rng.random(), c))
         keyed.sort(key=lambda k: k[:3])
@@ -204,14 +213,17 @@ class KvAwarePolicy:
         cfg = self.config
         to_prefill = max(prompt_blocks - overlap_blocks, 0)
         queued = _queued_prefill_blocks(candidate.load, cfg.block_size)
-        return cfg.prefill_weight * (to_prefill + queued) + candidate.load.active_decode_blocks
+        return (
+            cfg.prefill_weight * (to_prefill + queued)
+            + cfg.decode_weight * candidate.load.active_decode_blocks
+        )
 
     def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None):
         """As `Policy.rank`; `credits`: worker id -> overlap credit over every tier
         (`overlap_credit`), used in the cost in place of that worker's device overlap."""
         overlaps = overlaps or {}
         cfg = self.config
-        weight, bs = cfg.prefill_weight, cfg.block_size
+        weight, dweight, bs = cfg.prefill_weight, cfg.decode_weight, cfg.block_size
         scored = []
         # self.cost inlined: this loop runs once per candidate per decision (hot path).
         for c in candidates:
@@ -224,7 +236,7 @@ class KvAwarePolicy:
             credit = min(credits.get(wid, overlap), prompt_blocks) if credits else overlap
             load = c.load
             queued = -(-load.tokens_waiting // bs)
-            cost = weight * (max(prompt_blocks - credit, 0) + queued) + load.active_decode_blocks
+            cost = weight * (max(prompt_blocks - credit, 0) + queued) + dweight * load.active_decode_blocks
             scored.append(Choice(wid, cost, overlap))
         if cfg.temperature > 0 and len(scored) > 1:
             return self._sample(scored)
