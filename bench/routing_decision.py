@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # `python bench/routing_decision.py`: make the re
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.model.hashing import BlockHashChain, block_hashes
+from services.router.hash_memo import HashMemo, MemoHashChain
 from services.router.load_view import LoadView
 from services.router.policy import PolicyConfig, WorkerLoad, make_policy
 from services.router.prefix_index import PrefixIndex
@@ -86,8 +87,11 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run(
-    workers: int = 32, prefixes: int = 10_000, prompt_tokens: int = 4096, reps: int = 3000
+    workers: int = 32, prefixes: int = 10_000, prompt_tokens: int = 4096, reps: int = 3000, memo: str = "warm"
 ) -> dict[str, float]:
+    """`memo`: "warm" (the router's hash memo holds the prompt's prefix: it routed it before, as
+    for a conversation's next turn), "cold" (an empty memo every decision: a prefix first seen),
+    "off" (no memo, BlockHashChain: the hot path before the memo)."""
     rng = random.Random(0)
     t0 = time.perf_counter()
     registry, index, probe, mem, entries = build(workers, prefixes, prompt_tokens, rng)
@@ -98,6 +102,7 @@ def run(
     policy = make_policy("kv_aware", PolicyConfig(block_size=BLOCK), random.Random(1))
     view = LoadView()
     prompt = tuple(probe)
+    hash_memo = HashMemo()
     clock = time.monotonic
     keys = ("decision", "decision_cpu", "hash", "match", "rank", "bookkeeping")
     timings: dict[str, list[float]] = {k: [] for k in keys}
@@ -107,7 +112,11 @@ def run(
         for i in range(reps):
             c_start = cpu()
             t_start = pc()
-            hashes = BlockHashChain(prompt, BLOCK)  # as _launch: hashed as far as match reads
+            # as _launch: hashed as far as match reads
+            if memo == "off":
+                hashes = BlockHashChain(prompt, BLOCK)
+            else:
+                hashes = MemoHashChain(prompt, BLOCK, hash_memo if memo == "warm" else HashMemo())
             t_hash = pc()
             now = clock()
             index.expire(now)
@@ -138,7 +147,7 @@ def run(
     load = os.getloadavg()[0]
     print(
         f"one decision, {prompt_tokens}-token prompt ({len(probe) // BLOCK} blocks), best match "
-        f"{max(overlaps.values())} blocks, load average {load:.1f} on {os.cpu_count()} CPUs:"
+        f"{max(overlaps.values())} blocks, hash memo {memo}, load average {load:.1f} on {os.cpu_count()} CPUs:"
     )
     print(
         f"  p50 {ms['decision']:.3f} ms (prompt to bytes {ms['hash']:.3f}, expire + hash + match {ms['match']:.3f}, "
@@ -169,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefixes", type=int, default=10_000)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3000)
+    p.add_argument("--memo", choices=("warm", "cold", "off"), default="warm", help="see run()")
     a = p.parse_args(argv)
-    r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps)
+    r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps, a.memo)
     fields = " ".join(
         f"{k}={v:.3f}" if k.endswith("ms_p50") or "ms_" in k else f"{k}={v:.0f}" for k, v in r.items()
     )

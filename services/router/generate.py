@@ -45,6 +45,7 @@ from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
+from services.router.hash_memo import HashMemo, MemoHashChain
 from services.router.load_view import LoadView
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
 from services.router.policy import Candidate, Policy
@@ -111,6 +112,7 @@ class RoutingContext:
     metrics: Any = None  # RouterMetrics or None
     notify: Callable[[], None] = lambda: None  # state changed (a request queued), for waiters
     load_view: LoadView | None = None  # the router's own load account; None: heartbeats only
+    hash_memo: HashMemo | None = None  # prompt block hashes computed before; None: hash every time
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -338,7 +340,11 @@ class RequestFlow:
         """Pick a decode worker for the next attempt and start the call."""
         ctx, cfg, plan = self.ctx, self.ctx.config, self.journey.next_attempt()
         input_ids = plan.prompt_token_ids + plan.resume_token_ids
-        hashes = BlockHashChain(input_ids, cfg.block_size)  # hashed as far as the match reads
+        # Hashed as far as the match reads; through the memo, a prefix routed before costs a lookup.
+        if ctx.hash_memo is not None:
+            hashes: BlockHashChain = MemoHashChain(input_ids, cfg.block_size, ctx.hash_memo)
+        else:
+            hashes = BlockHashChain(input_ids, cfg.block_size)
         now = ctx.clock()
         ctx.index.expire(now)  # optimistic entries nobody confirmed in time
         overlaps = ctx.index.match(hashes) if hashes else {}
@@ -347,10 +353,9 @@ class RequestFlow:
             for c in ctx.registry.eligible(WorkerRole.DECODE)
             if c.worker_id not in plan.exclude_workers and not saturated(c, cfg)
         ]
-        if ctx.load_view is not None:
-            cands = ctx.load_view.blend(cands)
+        own = ctx.load_view.totals() if ctx.load_view is not None else None
         choice = None
-        for ch in ctx.decode_policy.rank(cands, len(hashes), overlaps):
+        for ch in ctx.decode_policy.rank(cands, len(hashes), overlaps, own=own):
             if ctx.breakers.allow_request(ch.worker_id):
                 choice = ch
                 break

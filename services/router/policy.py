@@ -132,6 +132,13 @@ def overlap_credit(tiers: Sequence[TierOverlap]) -> float:
     return sum(t.blocks * t.weight for t in tiers)
 
 
+class OwnLoad(Protocol):
+    """What this router routed to a worker and has outstanding there (LoadView's totals)."""
+
+    prefill_tokens: int
+    decode_blocks: int
+
+
 class Policy(Protocol):
     name: str
 
@@ -140,11 +147,17 @@ class Policy(Protocol):
         candidates: Sequence[Candidate],
         prompt_blocks: int = 0,
         overlaps: Mapping[str, int] | None = None,
+        *,
+        own: Mapping[str, OwnLoad] | None = None,
     ) -> list[Choice]:
         """Healthy candidates, best first (empty when there are none).
 
         `prompt_blocks`: full blocks of the prompt; `overlaps`: worker id ->
-        leading prompt blocks that worker has cached (PrefixIndex.match).
+        leading prompt blocks that worker has cached (PrefixIndex.match);
+        `own`: worker id -> the router's own outstanding load there
+        (LoadView.totals), blended with the reported load as max(own, reported)
+        per component, as LoadView.blend does, without building new candidates
+        (that blend was most of a decision's ranking time).
         """
         ...
 
@@ -157,6 +170,15 @@ def _queued_prefill_blocks(load: WorkerLoad, block_size: int) -> int:
     return -(-load.tokens_waiting // block_size)
 
 
+def _blended(c: Candidate, own: Mapping[str, OwnLoad] | None) -> tuple[int, int]:
+    """(tokens waiting, active decode blocks) of `c`: max(own, reported) per component."""
+    load = c.load
+    t = own.get(c.worker_id) if own else None
+    if t is None:
+        return load.tokens_waiting, load.active_decode_blocks
+    return max(load.tokens_waiting, t.prefill_tokens), max(load.active_decode_blocks, t.decode_blocks)
+
+
 def _cost_and_tiebreak(k: tuple[float, float, Choice]) -> tuple[float, float]:
     return k[0], k[1]
 
@@ -167,7 +189,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None):
         healthy = sorted(_healthy(candidates), key=lambda c: c.worker_id)
         if not healthy:
             return []
@@ -188,15 +210,13 @@ class LeastLoadedPolicy:
         self.config = config
         self._rng = rng
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None):
         overlaps = overlaps or {}
         cfg = self.config
         keyed = []
         for c in _healthy(candidates):
-            cost = (
-                cfg.prefill_weight * _queued_prefill_blocks(c.load, cfg.block_size)
-                + cfg.decode_weight * c.load.active_decode_blocks
-            )
+            waiting, decode = _blended(c, own)
+            cost = cfg.prefill_weight * -(-waiting // cfg.block_size) + cfg.decode_weight * decode
             keyed.append((cost, c.inflight, self._rng.random(), c))
         keyed.sort(key=lambda k: k[:3])
         return [Choice(c.worker_id, cost, overlaps.get(c.worker_id, 0)) for cost, _, _, c in keyed]
@@ -218,7 +238,7 @@ class KvAwarePolicy:
             + cfg.decode_weight * candidate.load.active_decode_blocks
         )
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None, *, own=None):
         """As `Policy.rank`; `credits`: worker id -> overlap credit over every tier
         (`overlap_credit`), used in the cost in place of that worker's device overlap."""
         overlaps = overlaps or {}
@@ -235,8 +255,14 @@ class KvAwarePolicy:
                 overlap = prompt_blocks
             credit = min(credits.get(wid, overlap), prompt_blocks) if credits else overlap
             load = c.load
-            queued = -(-load.tokens_waiting // bs)
-            cost = weight * (max(prompt_blocks - credit, 0) + queued) + dweight * load.active_decode_blocks
+            waiting, decode = load.tokens_waiting, load.active_decode_blocks
+            t = own.get(wid) if own else None
+            if t is not None:  # max(own, reported), as _blended
+                if t.prefill_tokens > waiting:
+                    waiting = t.prefill_tokens
+                if t.decode_blocks > decode:
+                    decode = t.decode_blocks
+            cost = weight * (max(prompt_blocks - credit, 0) - (-waiting // bs)) + dweight * decode
             scored.append(Choice(wid, cost, overlap))
         if cfg.temperature > 0 and len(scored) > 1:
             return self._sample(scored)

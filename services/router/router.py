@@ -41,6 +41,7 @@ from services.router.generate import (
     RoutingContext,
     check_capacity,
 )
+from services.router.hash_memo import HashMemo
 from services.router.load_view import LoadView
 from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
@@ -174,6 +175,7 @@ class Router:
             metrics=self.metrics,
             notify=self.changed,
             load_view=self.load_view,
+            hash_memo=HashMemo(),
         )
         self.flows: dict[str, RequestFlow] = {}
         self.requests_total = 0
