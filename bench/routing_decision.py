@@ -4,10 +4,11 @@ In process, no gRPC: the router's cores (PrefixIndex, WorkerRegistry, LoadView,
 kv_aware policy) at 32 workers, each with 10,000 cached prefixes, and a
 4,096-token prompt. One decision is what `RequestFlow._launch`
 (services/router/generate.py) does before it calls the worker, in the same
-order: turn the prompt into bytes for its lazy block-hash chain, expire
+order: start the prompt's lazy block-hash chain (through the router's hash memo, warm by
+default: `--memo`), expire
 unconfirmed optimistic entries, match the chain against the index (hashing the
 blocks the walk reads), take the eligible workers from the registry,
-blend in the own load view, rank. The bookkeeping after the choice (load view
+rank with the own load view blended in (`own=`). The bookkeeping after the choice (load view
 entry, hashing the rest of the prompt and inserting its blocks optimistically)
 is timed separately.
 
@@ -99,8 +100,10 @@ def run(
         f"index: {workers} workers x {prefixes:,} cached prefixes (+ the probe's path): {len(index):,} blocks, "
         f"{entries:,} (worker, block) entries, built in {time.perf_counter() - t0:.1f} s"
     )
-    policy = make_policy("kv_aware", PolicyConfig(block_size=BLOCK), random.Random(1))
+    policy = make_policy("kv_aware", PolicyConfig(block_size=BLOCK, decode_weight=0.1), random.Random(1))
     view = LoadView()
+    for w in registry.workers():  # this router has traffic outstanding on every worker
+        view.begin(w.worker_id, rng.randrange(0, 20_000), rng.randrange(0, 5_000))
     prompt = tuple(probe)
     hash_memo = HashMemo()
     clock = time.monotonic
@@ -122,8 +125,8 @@ def run(
             index.expire(now)
             overlaps = index.match(hashes)
             t_match = pc()
-            cands = view.blend(registry.eligible(WorkerRole.DECODE))
-            choice = policy.rank(cands, len(hashes), overlaps)[0]
+            cands = registry.eligible(WorkerRole.DECODE)
+            choice = policy.rank(cands, len(hashes), overlaps, own=view.totals())[0]
             t_end = pc()
             c_end = cpu()
             # Bookkeeping after the choice, as _launch does it (then undone, so every rep is alike).

@@ -32,7 +32,9 @@ Overlap credit from more than one KV tier (`overlap_credit`): a block held in
 device memory saves its whole prefill; one held in a slower tier (host memory,
 later) saves the prefill minus its restore, so its weight is
 `tier_weight(restore_s, recompute_s)` = 1 - restore / recompute (0 when
-restoring is no faster), from measured times, not a constant. kv_aware takes
+restoring is no faster), from measured times, not a constant
+(`measured_tier_weight`: the tier's measured bandwidth and per-transfer latency
+against the worker's measured prefill rate). kv_aware takes
 per-worker credits in place of device overlaps when the caller passes them.
 
 Unhealthy candidates are dropped even though the caller should not pass them.
@@ -112,6 +114,26 @@ def tier_weight(restore_s: float, recompute_s: float) -> float:
     if recompute_s == 0:
         return 0.0  # nothing to save
     return max(0.0, 1.0 - restore_s / recompute_s)
+
+
+def measured_tier_weight(
+    block_bytes: int,
+    restore_bytes_per_s: float,
+    restore_latency_s: float,
+    block_tokens: int,
+    prefill_tokens_per_s: float,
+    blocks: int = 1,
+) -> float:
+    """`tier_weight` from what a worker measured: restoring `blocks` blocks of
+    `block_bytes` takes one transfer (`restore_latency_s`) plus bytes at the tier's
+    measured bandwidth; recomputing them takes their tokens at the worker's measured
+    prefill rate. Per-transfer latency is why a short host-tier prefix earns less
+    per block than a long one. A rate of 0 (not measured yet) gives no credit."""
+    if blocks <= 0 or restore_bytes_per_s <= 0 or prefill_tokens_per_s <= 0:
+        return 0.0
+    restore_s = restore_latency_s + blocks * block_bytes / restore_bytes_per_s
+    recompute_s = blocks * block_tokens / prefill_tokens_per_s
+    return tier_weight(restore_s, recompute_s)
 
 
 @dataclass(frozen=True)
