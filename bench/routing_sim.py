@@ -15,15 +15,21 @@ worker, in model time, with no processes and no wall clock:
   the first token at the end of the pass that computes the last prompt token.
 
 The router sees, per policy variant: the workers' caches exactly (KV events
-are fast against pass times), and load either as heartbeats (tokens_waiting of
+are fast against pass times), or through KV events that arrive `lag` seconds
+after the pass that stored or evicted the blocks, optionally with optimistic
+entries (`ttl`: a routed prompt's blocks count as held until then or until an
+event says otherwise); and load either as heartbeats (tokens_waiting of
 waiting sequences and active_decode_blocks of running ones, every
 `report_interval_s`, plus the registry's pending blocks until the next report:
 the router before issue 17) or from its own account (services/router/load_view.py).
 Policies are the router's own classes (services/router/policy.py), so what wins
 here is what the router runs.
 
-Run: `python bench/routing_sim.py --workers 4 8 16 32 --requests 800`.
-Not a substitute for the real study: no gRPC, no CPU contention, no event lag.
+Run: `python bench/routing_sim.py --workers 4 8 16 32 --requests 800 --variants
+rr,kv@hb,kv@lv,kv@lv:dw=0.1+lag=1+ttl=10` (options after ":" joined by "+": pw, dw,
+t (temperature), qw, lag, ttl, oracle=1). Not a substitute for the real study: no
+gRPC, no CPU contention. The "floor" line is every prompt alone on an idle worker
+with one unbounded cache's hits: no policy's mean TTFT can go below it.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class Worker:
         self.refs: dict[int, int] = {}  # block -> running sequences using it
         self.used_extra = 0
         self.uncomputed = 0  # prompt blocks admitted, not computed yet
+        self.log: list[tuple[bool, int]] = []  # (stored?, block) since the last KV event batch
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.busy = False
@@ -103,6 +110,7 @@ class Worker:
         for h in self.cache:
             if h not in self.refs:
                 del self.cache[h]
+                self.log.append((False, h))
                 return True
         return False
 
@@ -158,6 +166,8 @@ class Variant:
     decode_weight: float = 1.0
     temperature: float = 0.0
     queue_weight: float = 1.0  # exploration: weight of queued prefill against the request's own
+    lag: float = -1.0  # KV events reach the router this long after the pass (s); < 0: it sees caches exactly
+    ttl: float = 0.0  # optimistic prefixes: a routed prompt's blocks count as cached this long (s)
     oracle: bool = False  # exploration: the workers' true remaining prefill tokens as load
 
 
@@ -179,6 +189,9 @@ class Cluster:
         self.reports = [WorkerLoad() for _ in self.workers]
         self.pending = [0] * len(self.workers)
         self.events: list[tuple[float, int, int, object]] = []
+        # The router's index when events lag: confirmed blocks and provisional ones (expiry) per worker.
+        self.seen: list[set[int]] = [set() for _ in self.workers]
+        self.prov: list[dict[int, float]] = [{} for _ in self.workers]
         self._seq = 0
 
     def push(self, t: float, kind: int, obj: object) -> None:
@@ -199,7 +212,7 @@ class Cluster:
         bs = self.args.block_size
         overlaps = {}
         for w in self.workers:
-            m = w.match(r.hashes, r.prompt)
+            m = w.match(r.hashes, r.prompt) if self.v.lag < 0 else self.indexed(w.wid, r, now)
             if m:
                 overlaps[str(w.wid)] = m
         cands = []
@@ -246,13 +259,47 @@ class Cluster:
             r.key = self.view.begin(choice.worker_id, r.prompt - choice.overlap_blocks * bs, new_blocks)
         else:
             self.pending[wi] += new_blocks
+        if self.v.ttl > 0:
+            seen, prov = self.seen[wi], self.prov[wi]
+            for h in r.hashes:
+                if h not in seen:
+                    prov[h] = now + self.v.ttl
         w = self.workers[wi]
         w.waiting.append(r)
         if not w.busy:
             self.start_pass(w, now)
 
+    def indexed(self, wi: int, r: Req, now: float) -> int:
+        """Leading blocks of `r` the router's (lagging, maybe optimistic) index says `wi` holds."""
+        seen, prov = self.seen[wi], self.prov[wi]
+        usable = (r.prompt - 1) // self.args.block_size
+        n = 0
+        while n < usable:
+            h = r.hashes[n]
+            if h not in seen and prov.get(h, -1.0) < now:
+                break
+            n += 1
+        return n
+
+    def flush(self, w: Worker, now: float) -> None:
+        if w.log and self.v.lag >= 0:
+            self.push(now + self.v.lag, 3, (w.wid, w.log))
+            w.log = []
+        else:
+            w.log.clear()
+
+    def apply_events(self, wi: int, log: list[tuple[bool, int]]) -> None:
+        seen, prov = self.seen[wi], self.prov[wi]
+        for stored, h in log:
+            prov.pop(h, None)
+            if stored:
+                seen.add(h)
+            else:
+                seen.discard(h)
+
     def start_pass(self, w: Worker, now: float) -> None:
         sched, new, batch, dctx = w.schedule()
+        self.flush(w, now)
         if not sched:
             w.busy = False
             return
@@ -268,6 +315,8 @@ class Cluster:
             if before < r.prompt:
                 for b in range(before // bs, min(r.computed, r.prompt) // bs):
                     h = r.hashes[b]
+                    if h not in w.cache:
+                        w.log.append((True, h))
                     w.cache[h] = None
                     w.cache.move_to_end(h)
                     w.uncomputed -= 1
@@ -289,6 +338,7 @@ class Cluster:
                     w.used_extra -= r.extra_blocks
                     if r.key >= 0:
                         self.view.end(r.key)
+        self.flush(w, now)
         self.start_pass(w, now)
 
     def run(self) -> None:
@@ -305,6 +355,9 @@ class Cluster:
             elif kind == 1:
                 w, sched = obj  # type: ignore[misc]
                 self.end_pass(w, sched, now)
+            elif kind == 3:
+                wi, log = obj  # type: ignore[misc]
+                self.apply_events(wi, log)
             else:
                 self.route(obj, now)  # type: ignore[arg-type]
 
@@ -331,7 +384,7 @@ def parse_variant(spec: str) -> Variant:
         name = {"pw": "prefill_weight", "dw": "decode_weight", "t": "temperature", "qw": "queue_weight"}.get(
             k, k
         )
-        setattr(v, name, bool(int(val)) if name == "oracle" else float(val))
+        setattr(v, name, float(val))
     return v
 
 
