@@ -51,6 +51,7 @@ from bench.loadgen import build_workload
 from bench.traces import VocabRange
 from services.model.hashing import block_hashes
 from services.model.timing import TimingProfile, load_profile
+from services.router.config import RouterConfig
 from services.router.load_view import LoadView
 from services.router.policy import Candidate, PolicyConfig, WorkerLoad, make_policy
 
@@ -163,7 +164,7 @@ class Variant:
     policy: str
     own_view: bool  # the router's own load view (else heartbeats + pending blocks)
     prefill_weight: float = 1.0
-    decode_weight: float = 1.0
+    decode_weight: float = RouterConfig().decode_weight  # the router's default (":dw=1" for Dynamo's)
     temperature: float = 0.0
     queue_weight: float = 1.0  # exploration: weight of queued prefill against the request's own
     lag: float = -1.0  # KV events reach the router this long after the pass (s); < 0: it sees caches exactly
@@ -474,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             m, p50, p99, h, rps = rows[spec]
             rr = rows.get("rr")
             rel = f"  vs rr mean x{m / rr[0]:.2f} p99 x{p99 / rr[2]:.2f}" if rr and spec != "rr" else ""
+            if spec == "rr":  # the best ratio any policy could reach
+                rel = f"  (floor = x{statistics.mean(alone_ideal) / m:.2f} of this mean)"
             print(
                 f"  {spec:28s} ttft mean {m:7.0f} p50 {p50:6.0f} p99 {p99:7.0f} ms  hit {h:.3f}  "
                 f"req/s {rps:5.2f} spread {max(counts) / statistics.mean(counts):.2f}{rel}"
