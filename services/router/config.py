@@ -62,8 +62,8 @@ class RouterConfig:
     decode_weight: float = setting(
         0.1, "kv_aware, least_loaded: weight of an active decode block against a block to prefill"
     )
-    # On since issue 17's second pass: with decode_weight 0.1 it is the best variant at 4-32
-    # workers in bench/routing_sim.py (BENCHMARKS.md); with weight 1 it was not.
+    # On since issue 17's second pass: with decode_weight 0.1 it is the best or tied variant at
+    # 4-32 workers in bench/routing_sim.py (BENCHMARKS.md); with weight 1 it was not.
     load_view: bool = setting(
         True, "score on the router's own account of what it routed (blended with load reports)"
     )
