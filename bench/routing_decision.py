@@ -92,8 +92,9 @@ def run(
 ) -> dict[str, float]:
     """`memo`: "warm" (the router's hash memo holds the prompt's prefix: it routed it before, as
     for a conversation's next turn), "cold" (an empty memo every decision: a prefix first seen),
-    "off" (no memo, BlockHashChain: the hot path before the memo), "all" (the three,
-    interleaved decision by decision; the returned figures are warm's)."""
+    "off" (no memo, BlockHashChain: the hot path before the memo), "hashed" (every hash
+    given: what the walk and the ranking cost alone), "all" (the four, interleaved
+    decision by decision; the returned figures are warm's)."""
     rng = random.Random(0)
     t0 = time.perf_counter()
     registry, index, probe, mem, entries = build(workers, prefixes, prompt_tokens, rng)
@@ -111,7 +112,8 @@ def run(
     clock = time.monotonic
     keys = ("decision", "decision_cpu", "hash", "match", "rank", "bookkeeping")
     # Modes interleaved decision by decision, so a loaded machine's noise falls on each alike.
-    modes = ("off", "cold", "warm") if memo == "all" else (memo,)
+    modes = ("off", "cold", "warm", "hashed") if memo == "all" else (memo,)
+    probe_hashes = block_hashes(probe, BLOCK)
     timings = {m: {k: [] for k in keys} for m in modes}
     pc, cpu = time.perf_counter, time.thread_time
     gc.disable()  # a collection of the 100k-object index inside one decision is not the decision's cost
@@ -123,6 +125,8 @@ def run(
             # as _launch: hashed as far as match reads
             if mode == "off":
                 hashes = BlockHashChain(prompt, BLOCK)
+            elif mode == "hashed":  # the hashes given: the walk and the rest alone
+                hashes = probe_hashes
             else:
                 hashes = MemoHashChain(prompt, BLOCK, hash_memo if mode == "warm" else HashMemo())
             t_hash = pc()
@@ -157,7 +161,7 @@ def run(
         f"{max(overlaps.values())} blocks, load average {load:.1f} on {os.cpu_count()} CPUs:"
     )
     out: dict[str, float] = {}
-    for mode in modes:
+    for mode in sorted(modes, key=lambda m: m == "warm"):  # warm last: the summary's
         ms = {k: 1000 * statistics.median(v) for k, v in timings[mode].items()}
         p99 = 1000 * percentile(timings[mode]["decision"], 0.99)
         print(
@@ -189,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefixes", type=int, default=10_000)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3000)
-    p.add_argument("--memo", choices=("warm", "cold", "off", "all"), default="warm", help="see run()")
+    p.add_argument(
+        "--memo", choices=("warm", "cold", "off", "hashed", "all"), default="warm", help="see run()"
+    )
     a = p.parse_args(argv)
     r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps, a.memo)  # "all": the summary is warm's
     fields = " ".join(
