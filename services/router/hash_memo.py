@@ -21,8 +21,8 @@ compute another prompt's hashes short of a 2^64 birthday search; and what the
 router does with the hashes is a routing hint (which worker to try), never the
 engines' cache identity, which each engine computes from the tokens itself.
 
-Memory: per chunk a 16-byte key and 8 x CHUNK bytes of hashes, about 250 B
-with the dict's share (~16 B per block); `max_chunks` bounds it (LRU).
+Memory: per chunk a 16-byte key and 8 x CHUNK bytes of hashes, about 300 B
+with the ordered dict's share (~19 B per block); `max_chunks` bounds it (LRU).
 """
 
 from __future__ import annotations
