@@ -376,7 +376,7 @@ VARIANTS = {
 
 
 def parse_variant(spec: str) -> Variant:
-    """'rr', 'kv@hb', 'kv@lv', or 'kv@lv:dw=0.05+t=0.1'."""
+    """'rr', 'kv@hb', 'kv@lv', 'll@lv', optionally with options: 'kv@lv:dw=0.05+t=0.1'."""
     base, _, opts = spec.partition(":")
     v = VARIANTS[base]
     v = Variant(spec, v.policy, v.own_view, v.prefill_weight, v.decode_weight, v.temperature)
@@ -385,7 +385,9 @@ def parse_variant(spec: str) -> Variant:
         name = {"pw": "prefill_weight", "dw": "decode_weight", "t": "temperature", "qw": "queue_weight"}.get(
             k, k
         )
-        setattr(v, name, float(val))
+        if name not in Variant.__dataclass_fields__ or name in ("name", "policy", "own_view"):
+            raise ValueError(f"unknown variant option {k!r} in {spec!r}")
+        setattr(v, name, bool(int(val)) if name == "oracle" else float(val))
     return v
 
 

@@ -3,6 +3,8 @@
 import argparse
 import statistics
 
+import pytest
+
 from bench.routing_sim import Cluster, Req, make_reqs, parse_variant, unloaded_ttft_ms
 from services.model.timing import load_profile
 
@@ -60,3 +62,5 @@ def test_variant_options_parse():
         True,
     )
     assert parse_variant("rr").policy == "round_robin"
+    with pytest.raises(ValueError):
+        parse_variant("kv@lv:bogus=1")
