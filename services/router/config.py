@@ -58,7 +58,8 @@ class RouterConfig:
     prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
     temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
     # 0.1, not Dynamo's 1: an active decode block costs a pass far less than a block to prefill
-    # (services/router/policy.py; bench/routing_sim.py measured 0.02-0.25 alike, 1 worse).
+    # (services/router/policy.py; bench/routing_sim.py: 0.02 and 0.1 alike, 0.25 a little and 1 clearly
+    # worse; the real-process runs here could not tell 0.1 from 1: BENCHMARKS.md, issue 17).
     decode_weight: float = setting(
         0.1, "kv_aware, least_loaded: weight of an active decode block against a block to prefill"
     )
