@@ -45,7 +45,8 @@ slower (model-time figures stay comparable; the wall-clock request rate and so
 the CPU need drop K times) and `--requests N` shortens the trace.
 
 Part 3 (bench/routing_decision.py, also `--decision` alone): the cost of one
-routing decision at 32 workers x 10,000 cached prefixes, 4,096-token prompt.
+routing decision at 32 workers x 10,000 cached prefixes, 4,096-token prompt (the router's
+hash memo warm: the prefix was routed before; `routing_decision.py --memo all` compares).
 
 Run: `python bench/routing.py` (full: ~25 min) or `--quick` (< 6 min, make
 bench), `--part 1|2|3` for one part, `--scale` for the scale study (~20 min).

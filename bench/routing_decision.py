@@ -4,10 +4,11 @@ In process, no gRPC: the router's cores (PrefixIndex, WorkerRegistry, LoadView,
 kv_aware policy) at 32 workers, each with 10,000 cached prefixes, and a
 4,096-token prompt. One decision is what `RequestFlow._launch`
 (services/router/generate.py) does before it calls the worker, in the same
-order: turn the prompt into bytes for its lazy block-hash chain, expire
+order: start the prompt's lazy block-hash chain (through the router's hash memo, warm by
+default: `--memo`), expire
 unconfirmed optimistic entries, match the chain against the index (hashing the
 blocks the walk reads), take the eligible workers from the registry,
-blend in the own load view, rank. The bookkeeping after the choice (load view
+rank with the own load view blended in (`own=`). The bookkeeping after the choice (load view
 entry, hashing the rest of the prompt and inserting its blocks optimistically)
 is timed separately.
 
@@ -40,6 +41,7 @@ if __package__ in (None, ""):  # `python bench/routing_decision.py`: make the re
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.model.hashing import BlockHashChain, block_hashes
+from services.router.hash_memo import HashMemo, MemoHashChain
 from services.router.load_view import LoadView
 from services.router.policy import PolicyConfig, WorkerLoad, make_policy
 from services.router.prefix_index import PrefixIndex
@@ -86,8 +88,13 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run(
-    workers: int = 32, prefixes: int = 10_000, prompt_tokens: int = 4096, reps: int = 3000
+    workers: int = 32, prefixes: int = 10_000, prompt_tokens: int = 4096, reps: int = 3000, memo: str = "warm"
 ) -> dict[str, float]:
+    """`memo`: "warm" (the router's hash memo holds the prompt's prefix: it routed it before, as
+    for a conversation's next turn), "cold" (an empty memo every decision: a prefix first seen),
+    "off" (no memo, BlockHashChain: the hot path before the memo), "hashed" (every hash
+    given: what the walk and the ranking cost alone), "all" (the four, interleaved
+    decision by decision; the returned figures are warm's)."""
     rng = random.Random(0)
     t0 = time.perf_counter()
     registry, index, probe, mem, entries = build(workers, prefixes, prompt_tokens, rng)
@@ -95,26 +102,40 @@ def run(
         f"index: {workers} workers x {prefixes:,} cached prefixes (+ the probe's path): {len(index):,} blocks, "
         f"{entries:,} (worker, block) entries, built in {time.perf_counter() - t0:.1f} s"
     )
-    policy = make_policy("kv_aware", PolicyConfig(block_size=BLOCK), random.Random(1))
+    policy = make_policy("kv_aware", PolicyConfig(block_size=BLOCK, decode_weight=0.1), random.Random(1))
     view = LoadView()
+    vrng = random.Random(2)
+    for w in registry.workers():  # this router has traffic outstanding on every worker
+        view.begin(w.worker_id, vrng.randrange(0, 20_000), vrng.randrange(0, 5_000))
     prompt = tuple(probe)
+    hash_memo = HashMemo()
     clock = time.monotonic
     keys = ("decision", "decision_cpu", "hash", "match", "rank", "bookkeeping")
-    timings: dict[str, list[float]] = {k: [] for k in keys}
+    # Modes interleaved decision by decision, so a loaded machine's noise falls on each alike.
+    modes = ("off", "cold", "warm", "hashed") if memo == "all" else (memo,)
+    probe_hashes = block_hashes(probe, BLOCK)
+    timings = {m: {k: [] for k in keys} for m in modes}
     pc, cpu = time.perf_counter, time.thread_time
     gc.disable()  # a collection of the 100k-object index inside one decision is not the decision's cost
     try:
-        for i in range(reps):
+        for i in range(reps * len(modes)):
+            mode = modes[i % len(modes)]
             c_start = cpu()
             t_start = pc()
-            hashes = BlockHashChain(prompt, BLOCK)  # as _launch: hashed as far as match reads
+            # as _launch: hashed as far as match reads
+            if mode == "off":
+                hashes = BlockHashChain(prompt, BLOCK)
+            elif mode == "hashed":  # the hashes given: the walk and the rest alone
+                hashes = probe_hashes
+            else:
+                hashes = MemoHashChain(prompt, BLOCK, hash_memo if mode == "warm" else HashMemo())
             t_hash = pc()
             now = clock()
             index.expire(now)
             overlaps = index.match(hashes)
             t_match = pc()
-            cands = view.blend(registry.eligible(WorkerRole.DECODE))
-            choice = policy.rank(cands, len(hashes), overlaps)[0]
+            cands = registry.eligible(WorkerRole.DECODE)
+            choice = policy.rank(cands, len(hashes), overlaps, own=view.totals())[0]
             t_end = pc()
             c_end = cpu()
             # Bookkeeping after the choice, as _launch does it (then undone, so every rep is alike).
@@ -124,43 +145,46 @@ def run(
             t_book = pc()
             view.end(key)
             index.expire(now + 6.0)
-            if i >= reps // 10:  # the first tenth warms up
-                timings["decision"].append(t_end - t_start)
-                timings["decision_cpu"].append(c_end - c_start)
-                timings["hash"].append(t_hash - t_start)
-                timings["match"].append(t_match - t_hash)
-                timings["rank"].append(t_end - t_match)
-                timings["bookkeeping"].append(t_book - t_end)
+            if i >= reps * len(modes) // 10:  # the first tenth warms up
+                t = timings[mode]
+                t["decision"].append(t_end - t_start)
+                t["decision_cpu"].append(c_end - c_start)
+                t["hash"].append(t_hash - t_start)
+                t["match"].append(t_match - t_hash)
+                t["rank"].append(t_end - t_match)
+                t["bookkeeping"].append(t_book - t_end)
     finally:
         gc.enable()
-    ms = {k: 1000 * statistics.median(v) for k, v in timings.items()}
-    p99 = 1000 * percentile(timings["decision"], 0.99)
     load = os.getloadavg()[0]
     print(
         f"one decision, {prompt_tokens}-token prompt ({len(probe) // BLOCK} blocks), best match "
         f"{max(overlaps.values())} blocks, load average {load:.1f} on {os.cpu_count()} CPUs:"
     )
-    print(
-        f"  p50 {ms['decision']:.3f} ms (prompt to bytes {ms['hash']:.3f}, expire + hash + match {ms['match']:.3f}, "
-        f"eligible + blend + rank {ms['rank']:.3f}), p99 {p99:.3f} ms (target p50 <= 0.1 ms); "
-        f"CPU time of the thread per decision p50 {ms['decision_cpu']:.3f} ms (not counting time preempted); "
-        f"bookkeeping after it {ms['bookkeeping']:.3f} ms"
-    )
+    out: dict[str, float] = {}
+    for mode in sorted(modes, key=lambda m: m == "warm"):  # warm last: the summary's
+        ms = {k: 1000 * statistics.median(v) for k, v in timings[mode].items()}
+        p99 = 1000 * percentile(timings[mode]["decision"], 0.99)
+        print(
+            f"  hash memo {mode}: p50 {ms['decision']:.3f} ms (chain {ms['hash']:.3f}, expire + hash + match "
+            f"{ms['match']:.3f}, eligible + rank with own load {ms['rank']:.3f}), p99 {p99:.3f} ms "
+            f"(target p50 <= 0.1 ms); thread CPU time p50 {ms['decision_cpu']:.3f} ms; "
+            f"bookkeeping after it {ms['bookkeeping']:.3f} ms"
+        )
+        out = {
+            "decision_ms_p50": ms["decision"],
+            "decision_ms_p99": p99,
+            "decision_cpu_ms_p50": ms["decision_cpu"],
+            "hash_ms_p50": ms["hash"],
+            "match_ms_p50": ms["match"],
+            "rank_ms_p50": ms["rank"],
+            "bookkeeping_ms_p50": ms["bookkeeping"],
+        }
     per_entry, per_block = mem / max(entries, 1), mem / max(len(index), 1)
     print(
-        f"  index memory {mem / 2**20:.0f} MiB: {per_entry:.0f} B per (worker, block) entry, {per_block:.0f} B per block"
+        f"  index memory {mem / 2**20:.0f} MiB: {per_entry:.0f} B per (worker, block) entry, {per_block:.0f} B per block; "
+        f"hash memo {len(hash_memo)} chunks"
     )
-    return {
-        "decision_ms_p50": ms["decision"],
-        "decision_ms_p99": p99,
-        "decision_cpu_ms_p50": ms["decision_cpu"],
-        "hash_ms_p50": ms["hash"],
-        "match_ms_p50": ms["match"],
-        "rank_ms_p50": ms["rank"],
-        "bookkeeping_ms_p50": ms["bookkeeping"],
-        "index_bytes_per_entry": per_entry,
-        "index_bytes_per_block": per_block,
-    }
+    return out | {"index_bytes_per_entry": per_entry, "index_bytes_per_block": per_block}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefixes", type=int, default=10_000)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3000)
+    p.add_argument(
+        "--memo", choices=("warm", "cold", "off", "hashed", "all"), default="warm", help="see run()"
+    )
     a = p.parse_args(argv)
-    r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps)
+    r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps, a.memo)  # "all": the summary is warm's
     fields = " ".join(
         f"{k}={v:.3f}" if k.endswith("ms_p50") or "ms_" in k else f"{k}={v:.0f}" for k, v in r.items()
     )

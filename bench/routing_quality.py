@@ -234,8 +234,11 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
 
 # Ablation variants (issue 17): "<policy>@<variant>" runs the router with these flags.
 VARIANTS = {
-    "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (the default)
-    "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view
+    # the router before issue 17: heartbeat load, Dynamo's decode weight 1
+    "old": {"load_view": "false", "optimistic_prefix_ttl_s": 0, "decode_weight": 1.0},
+    "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only, decode weight 0.1
+    "lv1": {"load_view": "true", "optimistic_prefix_ttl_s": 0, "decode_weight": 1.0},  # own view, weight 1
+    "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view (the default)
     "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes
     # + prefixes pulled instead of recomputed (the link and rates: pull_flags)
     "pull": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0, "prefix_pull_enabled": "true"},

@@ -62,10 +62,16 @@ class RouterConfig:
     policy: str = setting("kv_aware", f"routing policy, one of {POLICY_NAMES}")
     prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
     temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
-    # Both off by default: in bench/routing_quality.py replays (BENCHMARKS.md, issue 17) they did not
-    # beat heartbeat load at 4 and 8 workers and were far worse at 16 (one run).
+    # 0.1, not Dynamo's 1: an active decode block costs a pass far less than a block to prefill
+    # (services/router/policy.py; bench/routing_sim.py: 0.02 and 0.1 alike, 0.25 a little and 1 clearly
+    # worse; the real-process runs here could not tell 0.1 from 1: BENCHMARKS.md, issue 17).
+    decode_weight: float = setting(
+        0.1, "kv_aware, least_loaded: weight of an active decode block against a block to prefill"
+    )
+    # On since issue 17's second pass: with decode_weight 0.1 it is the best or tied variant at
+    # 4-32 workers in bench/routing_sim.py (BENCHMARKS.md); with weight 1 it was not.
     load_view: bool = setting(
-        False, "score on the router's own account of what it routed (blended with load reports)"
+        True, "score on the router's own account of what it routed (blended with load reports)"
     )
     optimistic_prefix_ttl_s: float = setting(
         0.0,
@@ -169,7 +175,7 @@ class RouterConfig:
         )
 
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(self.block_size, self.prefill_weight, self.temperature)
+        return PolicyConfig(self.block_size, self.prefill_weight, self.temperature, self.decode_weight)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
+from services.router.hash_memo import HashMemo, MemoHashChain
 from services.router.hedge import HedgeConfig
 from services.router.hedge_race import HedgeRace
 from services.router.load_view import LoadView
@@ -127,6 +128,7 @@ class RoutingContext:
     # (Router.reroute_unstarted, with a cause).
     reroute: Callable[[str, str], int] = lambda worker_id, cause: 0
     pull_planner: PrefixPullPlanner | None = None  # prefixes pulled instead of recomputed; None: off
+    hash_memo: HashMemo | None = None  # prompt block hashes computed before; None: hash every time
 
 
 def _worker_of(ch: Choice) -> str:
@@ -411,7 +413,11 @@ class RequestFlow:
         """Pick a decode worker for the next attempt and start the call."""
         ctx, cfg, plan = self.ctx, self.ctx.config, self.journey.next_attempt()
         input_ids = plan.prompt_token_ids + plan.resume_token_ids
-        hashes = BlockHashChain(input_ids, cfg.block_size)  # hashed as far as the match reads
+        # Hashed as far as the match reads; through the memo, a prefix routed before costs a lookup.
+        if ctx.hash_memo is not None:
+            hashes: BlockHashChain = MemoHashChain(input_ids, cfg.block_size, ctx.hash_memo)
+        else:
+            hashes = BlockHashChain(input_ids, cfg.block_size)
         now = ctx.clock()
         ctx.index.expire(now)  # optimistic entries nobody confirmed in time
         overlaps = ctx.index.match(hashes) if hashes else {}
@@ -420,9 +426,8 @@ class RequestFlow:
             for c in ctx.registry.eligible(WorkerRole.DECODE)
             if c.worker_id not in plan.exclude_workers and not saturated(c, cfg)
         ]
-        if ctx.load_view is not None:
-            cands = ctx.load_view.blend(cands)
-        ranked, pull = ctx.decode_policy.rank(cands, len(hashes), overlaps), None
+        own = ctx.load_view.totals() if ctx.load_view is not None else None
+        ranked, pull = ctx.decode_policy.rank(cands, len(hashes), overlaps, own=own), None
         if ctx.pull_planner is not None:  # issue 17: the plan's target first, maybe with a pull
             ranked, pull = plan_for_ranking(ctx.pull_planner, ranked, cands, overlaps, len(hashes))
         choice = self._pick(ranked)

@@ -5,8 +5,9 @@ its prefill tokens (the prompt tokens the worker still has to compute) count
 from routing until the worker's first token, its decode blocks (the KV blocks
 the request will add on the worker) until the attempt ends (finish, failure,
 cancel). The request flow (services/router/generate.py) calls `begin` when it
-routes, `first_token`, `end`, and `blend` to turn the registry's candidates
-(load as last reported) into the ones the policy scores.
+routes, `first_token`, `end`, and passes `totals` to the policy's `rank`
+(`own`), which scores each candidate on its reported load blended with these
+(`blend` builds the blended candidates themselves: the same numbers, slower).
 
 Why: a heartbeat is stale by up to one interval and the worker's
 `tokens_waiting` misses the unfinished chunks of a prompt already running, so
@@ -37,7 +38,7 @@ ours is the larger.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.router.policy import Candidate
@@ -122,6 +123,12 @@ class LoadView:
                 c = dataclasses.replace(c, load=load)
             out.append(c)
         return out
+
+    def totals(self) -> Mapping[str, _Totals]:
+        """worker id -> what this router has outstanding there (`prefill_tokens`,
+        `decode_blocks`): the policies' `own` argument, which blends as `blend` does
+        without copying candidates. A live view: read it, do not keep or change it."""
+        return self._totals
 
     # ---- introspection ------------------------------------------------------
 

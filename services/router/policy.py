@@ -13,10 +13,17 @@ worker's breaker lets the request through.
 - `kv_aware`: Dynamo's cost (lib/kv-router/src/scheduling/selector.rs):
 
       cost = prefill_weight * (max(prompt_blocks - overlap_blocks, 0) + queued_prefill_blocks)
-             + active_decode_blocks
+             + decode_weight * active_decode_blocks
 
   where queued_prefill_blocks = ceil(tokens_waiting / block_size) is the
   prefill work already queued on the worker (Dynamo's active_prefill_blocks).
+  Dynamo weighs a decode block like a prefill block (decode_weight 1, the
+  default here). The router runs 0.1 (RouterConfig): with long prompts a
+  worker's active decode blocks (every running sequence's whole context) are
+  thousands of blocks, which at weight 1 outweigh any prefix credit and any
+  prefill queue, while in the timing model a decode block costs a pass a tiny
+  fraction of what a block to prefill costs (bench/routing_sim.py measured it:
+  BENCHMARKS.md, issue 17).
   Lowest cost wins; ties are broken by the injected RNG. With temperature > 0
   the ranking is sampled (without replacement) from softmax(-normalized cost /
   temperature), normalized to [0, 1] by the spread of costs, as Dynamo does.
@@ -25,7 +32,9 @@ Overlap credit from more than one KV tier (`overlap_credit`): a block held in
 device memory saves its whole prefill; one held in a slower tier (host memory,
 later) saves the prefill minus its restore, so its weight is
 `tier_weight(restore_s, recompute_s)` = 1 - restore / recompute (0 when
-restoring is no faster), from measured times, not a constant. kv_aware takes
+restoring is no faster), from measured times, not a constant
+(`measured_tier_weight`: the tier's measured bandwidth and per-transfer latency
+against the worker's measured prefill rate). kv_aware takes
 per-worker credits in place of device overlaps when the caller passes them.
 
 Unhealthy candidates are dropped even though the caller should not pass them.
@@ -83,6 +92,7 @@ class PolicyConfig:
     block_size: int = setting(16, "tokens per KV block (converts queued prefill tokens to blocks)")
     prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
     temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
+    decode_weight: float = setting(1.0, "kv_aware, least_loaded: weight of an active decode block")
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, "block_size must be >= 1")
@@ -90,6 +100,7 @@ class PolicyConfig:
             self.prefill_weight >= 0 and math.isfinite(self.prefill_weight), "prefill_weight must be >= 0"
         )
         require(self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0")
+        require(self.decode_weight >= 0 and math.isfinite(self.decode_weight), "decode_weight must be >= 0")
 
 
 def tier_weight(restore_s: float, recompute_s: float) -> float:
@@ -107,6 +118,26 @@ def tier_weight(restore_s: float, recompute_s: float) -> float:
     if recompute_s == 0:
         return 0.0  # nothing to save
     return max(0.0, 1.0 - restore_s / recompute_s)
+
+
+def measured_tier_weight(
+    block_bytes: int,
+    restore_bytes_per_s: float,
+    restore_latency_s: float,
+    block_tokens: int,
+    prefill_tokens_per_s: float,
+    blocks: int = 1,
+) -> float:
+    """`tier_weight` from what a worker measured: restoring `blocks` blocks of
+    `block_bytes` takes one transfer (`restore_latency_s`) plus bytes at the tier's
+    measured bandwidth; recomputing them takes their tokens at the worker's measured
+    prefill rate. Per-transfer latency is why a short host-tier prefix earns less
+    per block than a long one. A rate of 0 (not measured yet) gives no credit."""
+    if blocks <= 0 or restore_bytes_per_s <= 0 or prefill_tokens_per_s <= 0:
+        return 0.0
+    restore_s = restore_latency_s + blocks * block_bytes / restore_bytes_per_s
+    recompute_s = blocks * block_tokens / prefill_tokens_per_s
+    return tier_weight(restore_s, recompute_s)
 
 
 @dataclass(frozen=True)
@@ -127,6 +158,13 @@ def overlap_credit(tiers: Sequence[TierOverlap]) -> float:
     return sum(t.blocks * t.weight for t in tiers)
 
 
+class OwnLoad(Protocol):
+    """What this router routed to a worker and has outstanding there (LoadView's totals)."""
+
+    prefill_tokens: int
+    decode_blocks: int
+
+
 class Policy(Protocol):
     name: str
 
@@ -135,11 +173,17 @@ class Policy(Protocol):
         candidates: Sequence[Candidate],
         prompt_blocks: int = 0,
         overlaps: Mapping[str, int] | None = None,
+        *,
+        own: Mapping[str, OwnLoad] | None = None,
     ) -> list[Choice]:
         """Healthy candidates, best first (empty when there are none).
 
         `prompt_blocks`: full blocks of the prompt; `overlaps`: worker id ->
-        leading prompt blocks that worker has cached (PrefixIndex.match).
+        leading prompt blocks that worker has cached (PrefixIndex.match);
+        `own`: worker id -> the router's own outstanding load there
+        (LoadView.totals), blended with the reported load as max(own, reported)
+        per component, as LoadView.blend does, without building new candidates
+        (that blend was most of a decision's ranking time).
         """
         ...
 
@@ -152,6 +196,15 @@ def _queued_prefill_blocks(load: WorkerLoad, block_size: int) -> int:
     return -(-load.tokens_waiting // block_size)
 
 
+def _blended(c: Candidate, own: Mapping[str, OwnLoad] | None) -> tuple[int, int]:
+    """(tokens waiting, active decode blocks) of `c`: max(own, reported) per component."""
+    load = c.load
+    t = own.get(c.worker_id) if own else None
+    if t is None:
+        return load.tokens_waiting, load.active_decode_blocks
+    return max(load.tokens_waiting, t.prefill_tokens), max(load.active_decode_blocks, t.decode_blocks)
+
+
 def _cost_and_tiebreak(k: tuple[float, float, Choice]) -> tuple[float, float]:
     return k[0], k[1]
 
@@ -162,7 +215,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None):
         healthy = sorted(_healthy(candidates), key=lambda c: c.worker_id)
         if not healthy:
             return []
@@ -183,15 +236,13 @@ class LeastLoadedPolicy:
         self.config = config
         self._rng = rng
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None):
         overlaps = overlaps or {}
         cfg = self.config
         keyed = []
         for c in _healthy(candidates):
-            cost = (
-                cfg.prefill_weight * _queued_prefill_blocks(c.load, cfg.block_size)
-                + c.load.active_decode_blocks
-            )
+            waiting, decode = _blended(c, own)
+            cost = cfg.prefill_weight * -(-waiting // cfg.block_size) + cfg.decode_weight * decode
             keyed.append((cost, c.inflight, self._rng.random(), c))
         keyed.sort(key=lambda k: k[:3])
         return [Choice(c.worker_id, cost, overlaps.get(c.worker_id, 0)) for cost, _, _, c in keyed]
@@ -208,14 +259,17 @@ class KvAwarePolicy:
         cfg = self.config
         to_prefill = max(prompt_blocks - overlap_blocks, 0)
         queued = _queued_prefill_blocks(candidate.load, cfg.block_size)
-        return cfg.prefill_weight * (to_prefill + queued) + candidate.load.active_decode_blocks
+        return (
+            cfg.prefill_weight * (to_prefill + queued)
+            + cfg.decode_weight * candidate.load.active_decode_blocks
+        )
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None, *, own=None):
         """As `Policy.rank`; `credits`: worker id -> overlap credit over every tier
         (`overlap_credit`), used in the cost in place of that worker's device overlap."""
         overlaps = overlaps or {}
         cfg = self.config
-        weight, bs = cfg.prefill_weight, cfg.block_size
+        weight, dweight, bs = cfg.prefill_weight, cfg.decode_weight, cfg.block_size
         scored = []
         # self.cost inlined: this loop runs once per candidate per decision (hot path).
         for c in candidates:
@@ -227,8 +281,14 @@ class KvAwarePolicy:
                 overlap = prompt_blocks
             credit = min(credits.get(wid, overlap), prompt_blocks) if credits else overlap
             load = c.load
-            queued = -(-load.tokens_waiting // bs)
-            cost = weight * (max(prompt_blocks - credit, 0) + queued) + load.active_decode_blocks
+            waiting, decode = load.tokens_waiting, load.active_decode_blocks
+            t = own.get(wid) if own else None
+            if t is not None:  # max(own, reported), as _blended
+                if t.prefill_tokens > waiting:
+                    waiting = t.prefill_tokens
+                if t.decode_blocks > decode:
+                    decode = t.decode_blocks
+            cost = weight * (max(prompt_blocks - credit, 0) - (-waiting // bs)) + dweight * decode
             scored.append(Choice(wid, cost, overlap))
         if cfg.temperature > 0 and len(scored) > 1:
             return self._sample(scored)

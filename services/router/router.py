@@ -41,6 +41,7 @@ from services.router.generate import (
     RoutingContext,
     check_capacity,
 )
+from services.router.hash_memo import HashMemo
 from services.router.load_view import LoadView
 from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
@@ -187,6 +188,7 @@ class Router:
             pull_planner=PrefixPullPlanner(settings.prefix_pull, cfg.block_size)
             if settings.prefix_pull.enabled
             else None,
+            hash_memo=HashMemo(),
         )
         self.flows: dict[str, RequestFlow] = {}
         # Keyed requests, so that a client's retry joins the running one (retries.py).

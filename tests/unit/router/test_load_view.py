@@ -79,3 +79,31 @@ def test_candidates_keep_everything_else():
     c = Candidate("a", WorkerLoad(running=3, free_blocks=7), healthy=True, inflight=2)
     (out,) = v.blend([c])
     assert (out.load.running, out.load.free_blocks, out.inflight) == (3, 7, 2)
+
+
+def test_policies_given_the_totals_rank_as_on_blended_candidates():
+    """`rank(..., own=view.totals())` (the request flow's path) equals ranking `blend`'s output."""
+    import random
+
+    from services.router.policy import PolicyConfig, make_policy
+
+    rng = random.Random(5)
+    view = LoadView()
+    cands = []
+    for i in range(12):
+        w = f"w{i}"
+        cands.append(
+            Candidate(
+                w, WorkerLoad(tokens_waiting=rng.randrange(5000), active_decode_blocks=rng.randrange(900))
+            )
+        )
+        if i % 3:
+            view.begin(w, rng.randrange(9000), rng.randrange(1500))
+    overlaps = {f"w{i}": rng.randrange(60) for i in range(0, 12, 2)}
+    for name in ("kv_aware", "least_loaded"):
+        for dw in (1.0, 0.1):
+            cfg = PolicyConfig(block_size=16, decode_weight=dw)
+            a = make_policy(name, cfg, random.Random(1)).rank(view.blend(cands), 50, overlaps)
+            b = make_policy(name, cfg, random.Random(1)).rank(cands, 50, overlaps, own=view.totals())
+            assert a == b
+            assert b != make_policy(name, cfg, random.Random(1)).rank(cands, 50, overlaps)  # own matters

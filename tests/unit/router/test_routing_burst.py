@@ -66,10 +66,15 @@ def final():
 
 
 class Mesh:
-    def __init__(self, load_view: bool, ttl_s: float):
+    def __init__(self, load_view: bool, ttl_s: float, decode_weight: float = 1.0):
         self.clock = FakeClock()
+        # decode_weight 1 (Dynamo's) unless a test asks: the costs worked out below assume it.
         cfg = RouterConfig(
-            policy="kv_aware", block_size=BS, optimistic_prefix_ttl_s=ttl_s, load_view=load_view
+            policy="kv_aware",
+            block_size=BS,
+            optimistic_prefix_ttl_s=ttl_s,
+            load_view=load_view,
+            decode_weight=decode_weight,
         )
         breakers = BreakerRegistry(clock=self.clock)
         self.registry = WorkerRegistry(cfg.registry_config(), self.clock, available=breakers.is_available)
@@ -162,6 +167,17 @@ async def test_with_the_load_view_the_burst_spreads_by_cost():
     assert len(mesh.view) == 0
     assert all(mesh.view.own(w) == (0, 0) for w in WORKERS)
     assert all(mesh.registry.get(w).inflight == 0 for w in WORKERS)
+
+
+async def test_with_the_routers_default_weights_the_burst_still_spreads():
+    """decode_weight 0.1 (RouterConfig's default): the k-th request on w0 costs 4 + 4.5 (k - 1),
+    the j-th elsewhere 12 + 13.3 (j - 1): w0 takes 1, 2, 6, 7, 8 and each other worker one."""
+    assert RouterConfig().decode_weight == 0.1 and RouterConfig().load_view
+    mesh = Mesh(load_view=True, ttl_s=0, decode_weight=RouterConfig().decode_weight)
+    placed = await mesh.burst()
+    assert placed == Counter({"w0": 5, "w1": 1, "w2": 1, "w3": 1})
+    await mesh.cancel_all()
+    assert len(mesh.view) == 0
 
 
 async def test_with_optimistic_prefixes_later_requests_follow_the_routed_copies():

@@ -56,3 +56,23 @@ def test_kv_aware_scores_on_credits_when_given():
     # A faster host tier (restore 1/16 of recompute): credit 15 beats 8 device blocks.
     credits["host"] = overlap_credit([TierOverlap(16, tier_weight(1.0, 16.0))])
     assert p.rank(cands, 16, overlaps, credits)[0].worker_id == "host"
+
+
+def test_the_weight_follows_the_measured_rates_not_a_constant():
+    from services.router.policy import measured_tier_weight
+
+    # 16-token blocks of 2 MiB (SmolLM-sized KV x 16), host link 20 GB/s, 1 ms per transfer;
+    # prefill 10k tokens/s -> recompute 1.6 ms per block.
+    kw = {"block_bytes": 2 << 20, "restore_latency_s": 1e-3, "block_tokens": 16}
+    one = measured_tier_weight(restore_bytes_per_s=20e9, prefill_tokens_per_s=10_000, blocks=1, **kw)
+    many = measured_tier_weight(restore_bytes_per_s=20e9, prefill_tokens_per_s=10_000, blocks=100, **kw)
+    assert 0 < one < many < 1  # the transfer latency weighs on a short prefix
+    assert many == pytest.approx(1 - (1e-3 + 100 * (2 << 20) / 20e9) / (100 * 16 / 10_000))
+    # A faster prefill (a bigger GPU) makes restoring worth less; a slower link too.
+    assert (
+        measured_tier_weight(restore_bytes_per_s=20e9, prefill_tokens_per_s=40_000, blocks=100, **kw) < many
+    )
+    assert measured_tier_weight(restore_bytes_per_s=5e9, prefill_tokens_per_s=10_000, blocks=100, **kw) < many
+    # Not measured yet: no credit rather than a guess.
+    assert measured_tier_weight(restore_bytes_per_s=0, prefill_tokens_per_s=10_000, blocks=100, **kw) == 0.0
+    assert measured_tier_weight(restore_bytes_per_s=20e9, prefill_tokens_per_s=0, blocks=100, **kw) == 0.0

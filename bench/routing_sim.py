@@ -1,0 +1,490 @@
+"""Routing policies on a model of the sim workers, in one process, in seconds (issue 17).
+
+Why: the real-process study (bench/routing_quality.py) takes minutes per policy
+on two shared cores and moves ±0.1 in kv/rr between runs, too slow and noisy to
+find *why* a cost formula loses. This models what the `sim` engine does per
+worker, in model time, with no processes and no wall clock:
+
+- the scheduler of services/engine/scheduler.py: running sequences first (a
+  decode token each, the rest of a chunked prompt), then waiting ones FCFS up
+  to max_num_batched_tokens, the prefix matched at admission (the last prompt
+  token always computed); full blocks join the prefix cache as computed;
+- the block pool: num_blocks, free cached blocks evicted LRU; admission waits
+  while the pool is full (no preemption: the recorded runs had none);
+- pass time = prefill_ms(T) + decode_ms(B, K) of the timing profile (timing.py),
+  the first token at the end of the pass that computes the last prompt token.
+
+The router sees, per policy variant: the workers' caches exactly (KV events
+are fast against pass times), or through KV events that arrive `lag` seconds
+after the pass that stored or evicted the blocks, optionally with optimistic
+entries (`ttl`: a routed prompt's blocks count as held until then or until an
+event says otherwise); and load either as heartbeats (tokens_waiting of
+waiting sequences and active_decode_blocks of running ones, every
+`report_interval_s`, plus the registry's pending blocks until the next report:
+the router before issue 17) or from its own account (services/router/load_view.py).
+Policies are the router's own classes (services/router/policy.py), so what wins
+here is what the router runs.
+
+Run: `python bench/routing_sim.py --workers 4 8 16 32 --requests 800 --variants
+rr,kv@hb,kv@lv,kv@lv:dw=0.1+lag=1+ttl=10` (options after ":" joined by "+": pw, dw,
+t (temperature), qw, lag, ttl, oracle=1). Not a substitute for the real study: no
+gRPC, no CPU contention. The "floor" line is every prompt alone on an idle worker
+with one unbounded cache's hits: no policy's mean TTFT can go below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import random
+import statistics
+import sys
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen import build_workload
+from bench.traces import VocabRange
+from services.model.hashing import block_hashes
+from services.model.timing import TimingProfile, load_profile
+from services.router.config import RouterConfig
+from services.router.load_view import LoadView
+from services.router.policy import Candidate, PolicyConfig, WorkerLoad, make_policy
+
+
+@dataclass(eq=False)
+class Req:
+    rid: int
+    arrival: float
+    hashes: list[int]
+    prompt: int
+    out: int
+    worker: int = -1
+    cached: int = 0
+    computed: int = 0  # tokens computed (prompt then decode)
+    produced: int = 0
+    first_token: float = math.nan
+    done: float = math.nan
+    key: int = -1  # load view key
+    blocks: list[int] = field(default_factory=list)  # hashes held (full prompt blocks)
+    extra_blocks: int = 0  # non-cacheable blocks held (partial + decode)
+
+
+class Worker:
+    def __init__(self, wid: int, prof: TimingProfile, num_blocks: int, bs: int, mbt: int, max_seqs: int):
+        self.wid, self.prof, self.bs, self.mbt, self.max_seqs = wid, prof, bs, mbt, max_seqs
+        self.capacity = num_blocks
+        self.cache: OrderedDict[int, None] = OrderedDict()  # computed full blocks, LRU order
+        self.refs: dict[int, int] = {}  # block -> running sequences using it
+        self.used_extra = 0
+        self.uncomputed = 0  # prompt blocks admitted, not computed yet
+        self.log: list[tuple[bool, int]] = []  # (stored?, block) since the last KV event batch
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.busy = False
+        self.cached_tokens = 0
+
+    def occupancy(self) -> int:
+        """Blocks taken: the cache (free or in use), blocks being computed, decode/partial blocks."""
+        return len(self.cache) + self.uncomputed + self.used_extra
+
+    def match(self, hashes: list[int], prompt: int) -> int:
+        usable = (prompt - 1) // self.bs
+        n = 0
+        cache = self.cache
+        while n < usable and n < len(hashes) and hashes[n] in cache:
+            n += 1
+        return n
+
+    def _room(self, need: int) -> bool:
+        """Evict free cached blocks (LRU) until `need` more blocks fit."""
+        while self.occupancy() + need > self.capacity:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _evict_one(self) -> bool:
+        for h in self.cache:
+            if h not in self.refs:
+                del self.cache[h]
+                self.log.append((False, h))
+                return True
+        return False
+
+    def schedule(self) -> tuple[list[tuple[Req, int]], int, int, int]:
+        budget = self.mbt
+        sched: list[tuple[Req, int]] = []
+        new = batch = dctx = 0
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.computed < r.prompt:
+                n = min(r.prompt - r.computed, budget)
+                new += n
+            else:
+                n = 1
+                batch += 1
+                dctx += r.computed + 1
+            sched.append((r, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            r = self.waiting[0]
+            m = self.match(r.hashes, r.prompt)
+            total_blocks = -(-(r.prompt + r.out) // self.bs)
+            need = total_blocks - m
+            for h in r.hashes[:m]:  # touched first: the eviction below must not take them
+                self.cache.move_to_end(h)
+            if not self._room(need):
+                break
+            self.waiting.popleft()
+            r.cached = m * self.bs
+            self.cached_tokens += r.cached
+            r.computed = r.cached
+            r.blocks = list(r.hashes)
+            for h in r.blocks:
+                self.refs[h] = self.refs.get(h, 0) + 1
+            r.extra_blocks = total_blocks - len(r.blocks)
+            self.used_extra += r.extra_blocks
+            self.uncomputed += len(r.blocks) - m
+            n = min(r.prompt - r.computed, budget)
+            new += n
+            sched.append((r, n))
+            self.running.append(r)
+            budget -= n
+        return sched, new, batch, dctx
+
+
+@dataclass
+class Variant:
+    name: str
+    policy: str
+    own_view: bool  # the router's own load view (else heartbeats + pending blocks)
+    prefill_weight: float = 1.0
+    decode_weight: float = RouterConfig().decode_weight  # the router's default (":dw=1" for Dynamo's)
+    temperature: float = 0.0
+    queue_weight: float = 1.0  # exploration: weight of queued prefill against the request's own
+    lag: float = -1.0  # KV events reach the router this long after the pass (s); < 0: it sees caches exactly
+    ttl: float = 0.0  # optimistic prefixes: a routed prompt's blocks count as cached this long (s)
+    oracle: bool = False  # exploration: the workers' true remaining prefill tokens as load
+
+
+class Cluster:
+    def __init__(self, args, variant: Variant, reqs: list[Req], prof: TimingProfile, seed: int):
+        self.args, self.v, self.prof = args, variant, prof
+        self.workers = [
+            Worker(i, prof, args.num_blocks, args.block_size, args.mbt, 256) for i in range(args.workers)
+        ]
+        self.reqs = reqs
+        cfg = PolicyConfig(
+            block_size=args.block_size,
+            prefill_weight=variant.prefill_weight,
+            temperature=variant.temperature,
+            **({"decode_weight": variant.decode_weight} if _has_decode_weight() else {}),
+        )
+        self.policy = make_policy(variant.policy, cfg, random.Random(seed))
+        self.view = LoadView()
+        self.reports = [WorkerLoad() for _ in self.workers]
+        self.pending = [0] * len(self.workers)
+        self.events: list[tuple[float, int, int, object]] = []
+        # The router's index when events lag: confirmed blocks and provisional ones (expiry) per worker.
+        self.seen: list[set[int]] = [set() for _ in self.workers]
+        self.prov: list[dict[int, float]] = [{} for _ in self.workers]
+        self._seq = 0
+
+    def push(self, t: float, kind: int, obj: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, kind, self._seq, obj))
+
+    def report(self) -> None:
+        for i, w in enumerate(self.workers):
+            self.reports[i] = WorkerLoad(
+                running=len(w.running),
+                waiting=len(w.waiting),
+                tokens_waiting=sum(r.prompt for r in w.waiting),
+                active_decode_blocks=sum(len(r.blocks) + r.extra_blocks for r in w.running),
+            )
+            self.pending[i] = 0
+
+    def route(self, r: Req, now: float) -> None:
+        bs = self.args.block_size
+        overlaps = {}
+        for w in self.workers:
+            m = w.match(r.hashes, r.prompt) if self.v.lag < 0 else self.indexed(w.wid, r, now)
+            if m:
+                overlaps[str(w.wid)] = m
+        cands = []
+        for i in range(len(self.workers)):
+            load = self.reports[i]
+            if not self.v.own_view and self.pending[i]:
+                load = WorkerLoad(
+                    tokens_waiting=load.tokens_waiting,
+                    active_decode_blocks=load.active_decode_blocks + self.pending[i],
+                )
+            cands.append(Candidate(str(i), load))
+        if self.v.own_view:
+            cands = self.view.blend(cands)
+        if self.v.oracle:
+            cands = [
+                Candidate(
+                    c.worker_id,
+                    WorkerLoad(
+                        tokens_waiting=sum(q.prompt - q.computed for q in w.running if q.computed < q.prompt)
+                        + sum(q.prompt - w.match(q.hashes, q.prompt) * bs for q in w.waiting),
+                        active_decode_blocks=c.load.active_decode_blocks,
+                    ),
+                )
+                for c, w in zip(cands, self.workers, strict=True)
+            ]
+        if self.v.queue_weight != 1.0:
+            qw = self.v.queue_weight
+            cands = [
+                Candidate(
+                    c.worker_id,
+                    WorkerLoad(
+                        tokens_waiting=int(c.load.tokens_waiting * qw),
+                        active_decode_blocks=c.load.active_decode_blocks,
+                    ),
+                )
+                for c in cands
+            ]
+        choice = self.policy.rank(cands, len(r.hashes), overlaps)[0]
+        wi = int(choice.worker_id)
+        r.worker = wi
+        total_blocks = -(-(r.prompt + r.out) // bs)
+        new_blocks = total_blocks - choice.overlap_blocks
+        if self.v.own_view:
+            r.key = self.view.begin(choice.worker_id, r.prompt - choice.overlap_blocks * bs, new_blocks)
+        else:
+            self.pending[wi] += new_blocks
+        if self.v.ttl > 0:
+            seen, prov = self.seen[wi], self.prov[wi]
+            for h in r.hashes:
+                if h not in seen:
+                    prov[h] = now + self.v.ttl
+        w = self.workers[wi]
+        w.waiting.append(r)
+        if not w.busy:
+            self.start_pass(w, now)
+
+    def indexed(self, wi: int, r: Req, now: float) -> int:
+        """Leading blocks of `r` the router's (lagging, maybe optimistic) index says `wi` holds."""
+        seen, prov = self.seen[wi], self.prov[wi]
+        usable = (r.prompt - 1) // self.args.block_size
+        n = 0
+        while n < usable:
+            h = r.hashes[n]
+            if h not in seen and prov.get(h, -1.0) < now:
+                break
+            n += 1
+        return n
+
+    def flush(self, w: Worker, now: float) -> None:
+        if w.log and self.v.lag >= 0:
+            self.push(now + self.v.lag, 3, (w.wid, w.log))
+            w.log = []
+        else:
+            w.log.clear()
+
+    def apply_events(self, wi: int, log: list[tuple[bool, int]]) -> None:
+        seen, prov = self.seen[wi], self.prov[wi]
+        for stored, h in log:
+            prov.pop(h, None)
+            if stored:
+                seen.add(h)
+            else:
+                seen.discard(h)
+
+    def start_pass(self, w: Worker, now: float) -> None:
+        sched, new, batch, dctx = w.schedule()
+        self.flush(w, now)
+        if not sched:
+            w.busy = False
+            return
+        w.busy = True
+        ms = self.prof.prefill_ms(new, 0) + self.prof.decode_ms(batch, dctx)
+        self.push(now + ms / 1000.0, 1, (w, sched))
+
+    def end_pass(self, w: Worker, sched: list[tuple[Req, int]], now: float) -> None:
+        bs = w.bs
+        for r, n in sched:
+            before = r.computed
+            r.computed += n
+            if before < r.prompt:
+                for b in range(before // bs, min(r.computed, r.prompt) // bs):
+                    h = r.hashes[b]
+                    if h not in w.cache:
+                        w.log.append((True, h))
+                    w.cache[h] = None
+                    w.cache.move_to_end(h)
+                    w.uncomputed -= 1
+            if r.computed >= r.prompt:
+                r.produced += 1
+                if r.produced == 1:
+                    r.first_token = now
+                    if r.key >= 0:
+                        self.view.first_token(r.key)
+                if r.produced >= r.out:
+                    r.done = now
+                    w.running.remove(r)
+                    for h in r.blocks:
+                        c = w.refs[h] - 1
+                        if c:
+                            w.refs[h] = c
+                        else:
+                            del w.refs[h]
+                    w.used_extra -= r.extra_blocks
+                    if r.key >= 0:
+                        self.view.end(r.key)
+        self.flush(w, now)
+        self.start_pass(w, now)
+
+    def run(self) -> None:
+        for r in self.reqs:
+            self.push(r.arrival, 2, r)
+        t = 0.0
+        while t < self.reqs[-1].arrival + 1:
+            self.push(t, 0, None)
+            t += self.args.report_interval_s
+        while self.events:
+            now, kind, _, obj = heapq.heappop(self.events)
+            if kind == 0:
+                self.report()
+            elif kind == 1:
+                w, sched = obj  # type: ignore[misc]
+                self.end_pass(w, sched, now)
+            elif kind == 3:
+                wi, log = obj  # type: ignore[misc]
+                self.apply_events(wi, log)
+            else:
+                self.route(obj, now)  # type: ignore[arg-type]
+
+
+def _has_decode_weight() -> bool:
+    return "decode_weight" in PolicyConfig.__dataclass_fields__
+
+
+VARIANTS = {
+    "rr": Variant("rr", "round_robin", False),
+    "kv@hb": Variant("kv@hb", "kv_aware", False),
+    "kv@lv": Variant("kv@lv", "kv_aware", True),
+    "ll@lv": Variant("ll@lv", "least_loaded", True),
+}
+
+
+def parse_variant(spec: str) -> Variant:
+    """'rr', 'kv@hb', 'kv@lv', 'll@lv', optionally with options: 'kv@lv:dw=0.05+t=0.1'."""
+    base, _, opts = spec.partition(":")
+    v = VARIANTS[base]
+    v = Variant(spec, v.policy, v.own_view, v.prefill_weight, v.decode_weight, v.temperature)
+    for kv in filter(None, opts.split("+")):
+        k, _, val = kv.partition("=")
+        name = {"pw": "prefill_weight", "dw": "decode_weight", "t": "temperature", "qw": "queue_weight"}.get(
+            k, k
+        )
+        if name not in Variant.__dataclass_fields__ or name in ("name", "policy", "own_view"):
+            raise ValueError(f"unknown variant option {k!r} in {spec!r}")
+        setattr(v, name, bool(int(val)) if name == "oracle" else float(val))
+    return v
+
+
+def make_reqs(args, time_factor: float) -> list[Req]:
+    items = build_workload(
+        "mooncake",
+        num_requests=args.requests,
+        max_duration_s=1e9,
+        length_factor=1,
+        time_factor=time_factor,
+        seed=args.seed,
+        vocab=VocabRange(0, 256),
+    )
+    out = []
+    for i, it in enumerate(items):
+        hashes = block_hashes(it.prompt_ids, args.block_size)
+        out.append(
+            Req(
+                i,
+                it.arrival_s,
+                hashes,
+                len(it.prompt_ids),
+                max(1, math.ceil(it.max_tokens / args.output_factor)),
+            )
+        )
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def unloaded_ttft_ms(prof: TimingProfile, tokens: int, mbt: int) -> float:
+    """TTFT of a prompt alone on a worker: its chunks of at most `mbt` tokens, one pass each."""
+    full, rest = divmod(max(tokens, 1), mbt)
+    return full * prof.prefill_ms(mbt) + (prof.prefill_ms(rest) if rest else 0.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--requests", type=int, default=800)
+    p.add_argument("--output-factor", type=float, default=16)
+    p.add_argument(
+        "--time-factor", type=float, default=0.6, help="model time factor at 4 workers (/ workers/4)"
+    )
+    p.add_argument("--num-blocks", type=int, default=65536)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mbt", type=int, default=8192)
+    p.add_argument("--report-interval-s", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", default="rr,kv@hb,kv@lv")
+    args = p.parse_args(argv)
+    prof = load_profile("dynamo-mocker").scaled_to(args.num_blocks, args.block_size)
+    for n in args.workers:
+        args.workers_n = n
+        tf = args.time_factor * 4 / n
+        base = make_reqs(args, tf)
+        print(f"{n} workers, {len(base)} requests, model time_factor {tf:g}")
+        seen: set[int] = set()
+        alone, alone_ideal = [], []
+        for r in base:
+            usable = (r.prompt - 1) // args.block_size
+            k = 0
+            while k < usable and r.hashes[k] in seen:
+                k += 1
+            seen.update(r.hashes)
+            alone.append(unloaded_ttft_ms(prof, r.prompt, args.mbt))
+            alone_ideal.append(unloaded_ttft_ms(prof, r.prompt - k * args.block_size, args.mbt))
+        print(
+            f"  floor: each prompt alone on an idle worker, mean TTFT {statistics.mean(alone):.0f} ms uncached, "
+            f"{statistics.mean(alone_ideal):.0f} ms with the ideal cache (p99 {pct(alone_ideal, 0.99):.0f})"
+        )
+        rows = {}
+        for spec in args.variants.split(","):
+            v = parse_variant(spec)
+            reqs = [Req(r.rid, r.arrival, r.hashes, r.prompt, r.out) for r in base]
+            a = argparse.Namespace(**vars(args))
+            a.workers = n
+            Cluster(a, v, reqs, prof, args.seed).run()
+            ttft = [(r.first_token - r.arrival) * 1000 for r in reqs]
+            hit = sum(r.cached for r in reqs) / sum(r.prompt for r in reqs)
+            span = max(r.done for r in reqs) - reqs[0].arrival
+            counts = [sum(1 for r in reqs if r.worker == i) for i in range(n)]
+            rows[spec] = (statistics.mean(ttft), pct(ttft, 0.5), pct(ttft, 0.99), hit, len(reqs) / span)
+            m, p50, p99, h, rps = rows[spec]
+            rr = rows.get("rr")
+            rel = f"  vs rr mean x{m / rr[0]:.2f} p99 x{p99 / rr[2]:.2f}" if rr and spec != "rr" else ""
+            if spec == "rr":  # the best ratio any policy could reach
+                rel = f"  (floor = x{statistics.mean(alone_ideal) / m:.2f} of this mean)"
+            print(
+                f"  {spec:28s} ttft mean {m:7.0f} p50 {p50:6.0f} p99 {p99:7.0f} ms  hit {h:.3f}  "
+                f"req/s {rps:5.2f} spread {max(counts) / statistics.mean(counts):.2f}{rel}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""The router's hash memo gives exactly the engines' block hashes, hashing each chunk once."""
+
+import random
+
+import pytest
+
+from services.model.hashing import block_hashes
+from services.router.hash_memo import CHUNK, HashMemo, MemoHashChain
+
+BS = 16
+
+
+def prompt(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("tokens", [0, 15, 16, 17, BS * CHUNK - 1, BS * CHUNK, BS * CHUNK * 3 + 5 * BS + 7])
+def test_the_hashes_are_the_engines(tokens):
+    toks = prompt(tokens)
+    memo = HashMemo()
+    want = block_hashes(toks, BS)
+    assert MemoHashChain(toks, BS, memo).all() == want
+    assert list(MemoHashChain(toks, BS, memo)) == want  # again, from the memo
+    assert len(MemoHashChain(toks, BS, memo)) == len(want)
+
+
+def test_a_shared_prefix_is_hashed_once_and_the_rest_lazily():
+    memo = HashMemo()
+    base = prompt(BS * CHUNK * 4)
+    MemoHashChain(base, BS, memo).all()
+    assert (memo.misses, len(memo)) == (4, 4)
+    # The next turn: the same prefix plus more; reading 2 chunks deep costs 2 lookups, no new entry.
+    turn = base + prompt(BS * CHUNK * 2, seed=1)
+    chain = MemoHashChain(turn, BS, memo)
+    assert chain[2 * CHUNK - 1] == block_hashes(turn, BS)[2 * CHUNK - 1]
+    assert chain.computed == 2 * CHUNK and (memo.hits, len(memo)) == (2, 4)
+    assert chain.all() == block_hashes(turn, BS)
+    assert len(memo) == 6
+
+
+def test_another_prefix_before_the_same_chunk_gets_its_own_hashes():
+    """A chunk's hashes depend on everything before it: the key includes the parent digest."""
+    memo = HashMemo()
+    tail = prompt(BS * CHUNK, seed=2)
+    a, b = prompt(BS * CHUNK, seed=3) + tail, prompt(BS * CHUNK, seed=4) + tail
+    assert MemoHashChain(a, BS, memo).all() == block_hashes(a, BS)
+    assert MemoHashChain(b, BS, memo).all() == block_hashes(b, BS)
+    assert MemoHashChain(a, BS, memo).all() != MemoHashChain(b, BS, memo).all()
+
+
+def test_the_memo_is_bounded_lru():
+    memo = HashMemo(max_chunks=2)
+    chains = [prompt(BS * CHUNK, seed=s) for s in range(3)]
+    for c in chains:
+        MemoHashChain(c, BS, memo).all()
+    assert len(memo) == 2
+    MemoHashChain(chains[0], BS, memo).all()  # evicted: recomputed, still right
+    assert memo.misses == 4 and MemoHashChain(chains[0], BS, memo).all() == block_hashes(chains[0], BS)
+    with pytest.raises(ValueError):
+        HashMemo(0)
+
+
+def test_out_of_range_tokens_still_raise_when_read():
+    chain = MemoHashChain([1 << 32] * BS * CHUNK, BS, HashMemo())
+    with pytest.raises(OverflowError):
+        chain[0]
