@@ -216,6 +216,10 @@ class EngineStats:
     host_restores_declined: int = 0
     host_rejected: int = 0
     host_evicted: int = 0
+    # What the host tier's restore-vs-recompute rule measured (0 = not yet):
+    # seconds to restore one block, and to prefill one block's tokens.
+    host_restore_s_per_block: float = 0.0
+    prefill_s_per_block: float = 0.0
 
 
 @dataclass(frozen=True)

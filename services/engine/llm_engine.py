@@ -315,6 +315,8 @@ class LLMEngine:
             "host_restores_declined": bm.tier_cost.declined,
             "host_rejected": h.rejected,
             "host_evicted": h.evicted,
+            "host_restore_s_per_block": bm.tier_cost.restore_s(1),
+            "prefill_s_per_block": (bm.tier_cost.prefill_s_per_token or 0.0) * bm.block_size,
         }
 
     def kv_snapshot_tiers(self):

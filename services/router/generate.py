@@ -349,8 +349,17 @@ class RequestFlow:
         ]
         if ctx.load_view is not None:
             cands = ctx.load_view.blend(cands)
+        credits = None  # host-tier hits: credited by what each worker measured (tier_index)
+        tier_credits = getattr(ctx.index, "tier_credits", None)
+        if tier_credits is not None and ctx.decode_policy.name == "kv_aware" and ctx.index.tiers.has_tiers():
+            credits = tier_credits(hashes, overlaps, {c.worker_id: c.load for c in cands}) or None
         choice = None
-        for ch in ctx.decode_policy.rank(cands, len(hashes), overlaps):
+        ranked = (
+            ctx.decode_policy.rank(cands, len(hashes), overlaps, credits=credits)
+            if credits
+            else ctx.decode_policy.rank(cands, len(hashes), overlaps)
+        )
+        for ch in ranked:
             if ctx.breakers.allow_request(ch.worker_id):
                 choice = ch
                 break

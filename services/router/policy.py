@@ -53,6 +53,10 @@ class WorkerLoad:
     free_blocks: int = 0
     estimated_wait_ms: float = 0.0
     active_decode_blocks: int = 0
+    # Host KV tier (0 = none / not measured): measured ms to restore one block
+    # from it and to prefill one block; tier_index.host_weight turns them into credit.
+    host_restore_ms_per_block: float = 0.0
+    prefill_ms_per_block: float = 0.0
 
 
 @dataclass(frozen=True)

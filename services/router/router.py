@@ -45,7 +45,7 @@ from services.router.load_view import LoadView
 from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.policy import WorkerLoad, make_policy
-from services.router.prefix_index import EventSequencer, PrefixIndex
+from services.router.prefix_index import EventSequencer
 from services.router.registry import (
     JoinResult,
     Resolver,
@@ -57,6 +57,7 @@ from services.router.registry import (
     system_resolver,
 )
 from services.router.retry_budget import RetryBudget
+from services.router.tier_index import TieredPrefixIndex
 from services.router.worker_pool import WorkerPool
 
 log = structlog.get_logger()
@@ -131,7 +132,7 @@ class Router:
         self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self.breakers.is_available)
         self.membership = MembershipGuard()  # who may speak for a registered worker
-        self.index = PrefixIndex(settings.index)
+        self.index = TieredPrefixIndex(settings.index)  # pool blocks + host tiers
         self.sequencer = EventSequencer()
         self.load_view = LoadView() if cfg.load_view else None
         self.budget = RetryBudget(settings.retry_budget, clock)

@@ -92,6 +92,8 @@ def load_from_stats(s: EngineStats, estimated_wait_ms: float) -> common_pb2.Work
         free_blocks=s.free_blocks,
         estimated_wait_ms=estimated_wait_ms,
         active_decode_blocks=s.active_decode_blocks,
+        host_restore_ms_per_block=s.host_restore_s_per_block * 1000.0,
+        prefill_ms_per_block=s.prefill_s_per_block * 1000.0,
     )
 
 
