@@ -80,6 +80,7 @@ class Study:
     slo_ttft_ms: float = 2000.0  # model time
     slo_tpot_ms: float = 100.0  # model time
     timeout_s: float = 300.0  # wall, per request
+    host_tier_blocks: int = 0  # per worker, blocks of the profile's model (0 = no host KV tier)
 
     @property
     def wall_factor(self) -> float:
@@ -204,6 +205,11 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
         log_level="warning",
         **limits(study),
     )
+    if study.host_tier_blocks:
+        from services.model.timing import load_profile
+
+        block_bytes = load_profile(study.profile).kv_bytes_per_token * study.block_size
+        engine += flags(engine_host_tier_bytes=study.host_tier_blocks * block_bytes)
     workers = [
         launcher.start(
             ServiceSpec(
@@ -225,6 +231,7 @@ VARIANTS = {
     "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (the default)
     "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view
     "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes
+    "notier": {"tier_credit": "false"},  # host-tier blocks not credited (bench/kv_tiers.py)
 }
 
 
@@ -270,6 +277,7 @@ def worker_counters(workers: list[RunningService]) -> dict[str, dict[str, int]]:
         out[s.info.worker_id] = {
             "prompt_tokens_cached": c.prompt_tokens_cached,
             "prompt_tokens_computed": c.prompt_tokens_computed,
+            "prompt_tokens_restored": c.prompt_tokens_restored,
             "preemptions": c.preemptions,
         }
     return out

@@ -85,29 +85,38 @@ class HostTier:
         """Offer evicted pool blocks [(hash, parent)] with their KV `data` [n, *block_shape].
 
         Returns (hashes stored, hashes evicted from this tier to make room)."""
-        stored: list[int] = []
+        stored: dict[int, None] = {}  # ordered set
         evicted: list[int] = []
+        pending: dict[int, int] = {}  # slot -> row of `data` to copy there
+        entries, free = self._entries, self._free_slots
         for i, (h, parent) in enumerate(blocks):
-            self.offered += 1
-            entry = self._entries.get(h)
-            if entry is not None:  # already here (restored earlier, evicted again): refresh
-                self._entries.move_to_end(h)
+            if h in entries:  # already here (restored earlier, evicted again): refresh
+                entries.move_to_end(h)
                 continue
-            if not self._free_slots:
-                victim = next(iter(self._entries))
+            if not free:
+                victim = next(iter(entries))
                 if self.uses(h) < self.uses(victim):
                     self.rejected += 1
                     continue
-                slot, _ = self._entries.pop(victim)
-                self._free_slots.append(slot)
-                evicted.append(victim)
-                self.evicted += 1
-            slot = self._free_slots.pop()
-            self.pool[slot].copy_(data[i])
-            self._entries[h] = (slot, parent)
-            stored.append(h)
-            self.stored += 1
-        return stored, evicted
+                slot, _ = entries.pop(victim)
+                free.append(slot)
+                if victim in stored:  # offered in this same batch: never copied, never reported
+                    del stored[victim]
+                    del pending[slot]
+                else:
+                    evicted.append(victim)
+            slot = free.pop()
+            entries[h] = (slot, parent)
+            stored[h] = None
+            pending[slot] = i
+        self.offered += len(blocks)
+        self.evicted += len(evicted)
+        self.stored += len(stored)
+        if pending:  # one indexed copy (index_copy_: pool[idx] = ... is far slower on many-dim tensors)
+            slots, rows = list(pending), list(pending.values())
+            src = data if rows == list(range(len(blocks))) else data.index_select(0, torch.tensor(rows, dtype=torch.long))
+            self.pool.index_copy_(0, torch.tensor(slots, dtype=torch.long), src)
+        return list(stored), evicted
 
     # ---- restore ---------------------------------------------------------------
 
@@ -134,7 +143,7 @@ class HostTier:
             self._entries.move_to_end(h)
             slots.append(slot)
         self.restored_blocks += len(slots)
-        return self.pool[torch.tensor(slots, dtype=torch.long)]
+        return self.pool.index_select(0, torch.tensor(slots, dtype=torch.long))
 
     def pairs(self) -> list[tuple[int | None, int]]:
         """(parent, hash) of every block held."""

@@ -109,7 +109,7 @@ def apply_kv_message(
         index.apply_snapshot(worker_id, [(_parent(c), c.block_hashes) for c in snap.chains if c.tier != host])
         tiers = getattr(index, "tiers", None)  # a TieredPrefixIndex also tracks host tiers
         if tiers is not None:
-            tiers.snapshot(worker_id, [(_parent(c), c.block_hashes, c.tier == host) for c in snap.chains])
+            tiers.snapshot(worker_id, [h for c in snap.chains if c.tier == host for h in c.block_hashes])
         sequencer.start(worker_id, snap.seq)
         return 1
     if body != "events":
@@ -127,14 +127,14 @@ def apply_kv_message(
             host = ev.stored.tier == common_pb2.KV_TIER_HOST
             if not host:  # the PrefixIndex is the pool's; host-tier blocks go to the TierView only
                 index.apply_stored(worker_id, _parent(ev.stored), ev.stored.block_hashes)
-            if tiers is not None:
-                tiers.stored(worker_id, _parent(ev.stored), ev.stored.block_hashes, host)
+            elif tiers is not None:
+                tiers.stored(worker_id, ev.stored.block_hashes)
         elif kind == "removed":
             host = ev.removed.tier == common_pb2.KV_TIER_HOST
             if not host:
                 index.apply_removed(worker_id, ev.removed.block_hashes)
-            if tiers is not None:
-                tiers.removed(worker_id, ev.removed.block_hashes, host)
+            elif tiers is not None:
+                tiers.removed(worker_id, ev.removed.block_hashes)
         elif kind == "cleared":
             index.clear(worker_id)
             index.apply_snapshot(worker_id, ())  # still known, with an empty cache

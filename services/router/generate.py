@@ -351,7 +351,12 @@ class RequestFlow:
             cands = ctx.load_view.blend(cands)
         credits = None  # host-tier hits: credited by what each worker measured (tier_index)
         tier_credits = getattr(ctx.index, "tier_credits", None)
-        if tier_credits is not None and ctx.decode_policy.name == "kv_aware" and ctx.index.tiers.has_tiers():
+        if (
+            tier_credits is not None
+            and cfg.tier_credit
+            and ctx.decode_policy.name == "kv_aware"
+            and ctx.index.tiers.has_tiers()
+        ):
             credits = tier_credits(hashes, overlaps, {c.worker_id: c.load for c in cands}) or None
         choice = None
         ranked = (

@@ -209,3 +209,11 @@ def test_sim_engine_charges_restores_at_the_profiles_host_bandwidth():
     assert engine.runner.last_pass.ms == profile.prefill_ms(4, 96) + restore_ms
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_batch_larger_than_the_tier_keeps_its_last_blocks_with_their_own_data():
+    t = tier(2)
+    data = torch.cat([block(float(v)) for v in (1, 2, 3)])
+    stored, evicted = t.offer([(1, None), (2, 1), (3, 2)], data)
+    assert stored == [2, 3] and evicted == []  # 1 was displaced within the batch: never reported
+    assert torch.equal(t.read([2, 3]), torch.cat([block(2.0), block(3.0)]))

@@ -34,6 +34,12 @@ def feed(index, seqr, worker, *events, snapshot=None):
         apply_kv_message(index, seqr, worker, worker_pb2.SubscribeKvEventsResponse(events=batch))
 
 
+def reach(index, hashes, worker="w"):
+    """Leading prompt blocks `worker` holds in either tier (credit at weight 1)."""
+    overlaps = index.match(hashes)
+    return index.tier_credits(hashes, overlaps, {worker: WorkerLoad()}).get(worker, overlaps.get(worker, 0))
+
+
 def test_offload_moves_a_block_to_the_host_view_and_a_host_eviction_keeps_the_pools_copy():
     index, seqr = TieredPrefixIndex(), EventSequencer()
     feed(index, seqr, "w", snapshot=worker_pb2.KvCacheSnapshot(seq=0))
@@ -41,14 +47,16 @@ def test_offload_moves_a_block_to_the_host_view_and_a_host_eviction_keeps_the_po
     # The pool evicts 3, 4 (tail first) into the host tier.
     feed(index, seqr, "w", removed(2, [4, 3]), stored(3, [3, 4], parent=2, tier=HOST))
     assert index.match([1, 2, 3, 4]) == {"w": 2}  # the pool's view: 2 blocks
-    assert index.tiers.union.match([1, 2, 3, 4]) == {"w": 4}
+    assert reach(index, [1, 2, 3, 4]) == 4
     # 3 is restored to the pool, then the host tier drops it: the pool still has it.
     feed(index, seqr, "w", stored(4, [3], parent=2), removed(5, [3], tier=HOST))
     assert index.match([1, 2, 3, 4]) == {"w": 3}
-    assert index.tiers.union.match([1, 2, 3, 4]) == {"w": 4}
+    assert reach(index, [1, 2, 3, 4]) == 4
+    # 4 leaves the host tier too: nothing past the pool's 3.
+    feed(index, seqr, "w", removed(6, [4], tier=HOST))
+    assert reach(index, [1, 2, 3, 4]) == 3
     index.clear("w")
-    assert index.match([1, 2]) == {} and index.tiers.union.match([1, 2]) == {}
-    assert not index.tiers.has_tiers()
+    assert index.match([1, 2]) == {} and not index.tiers.has_tiers()
 
 
 def test_a_snapshot_with_host_chains_rebuilds_both_views():
@@ -60,15 +68,15 @@ def test_a_snapshot_with_host_chains_rebuilds_both_views():
     ]
     feed(index, seqr, "w", snapshot=worker_pb2.KvCacheSnapshot(seq=7, chains=chains))
     assert index.match([1, 2, 3]) == {"w": 2}
-    assert index.tiers.union.match([1, 2, 3]) == {"w": 3}
+    assert reach(index, [1, 2, 3]) == 3 and index.tiers.blocks("w") == 1
 
 
 def test_workers_without_a_host_tier_cost_the_view_nothing():
     index, seqr = TieredPrefixIndex(), EventSequencer()
     feed(index, seqr, "w", snapshot=worker_pb2.KvCacheSnapshot(seq=0))
     feed(index, seqr, "w", stored(1, [1, 2]))
-    assert not index.tiers.has_tiers() and len(index.tiers.union) == 0
-    assert index.tier_credits([1, 2], {"w": 2}, {}) == {}
+    assert not index.tiers.has_tiers()
+    assert index.tier_credits([1, 2], {"w": 2}, {"w": WorkerLoad()}) == {}
 
 
 def test_host_credit_comes_from_the_workers_measured_times():
