@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="800 requests (make bench)")
     ap.add_argument("--device-blocks", type=int, default=8192, help="KV pool per worker, blocks of 16 tokens")
-    ap.add_argument("--host-blocks", type=int, default=65536, help="host tier per worker, blocks of 16 tokens")
+    ap.add_argument(
+        "--host-blocks", type=int, default=65536, help="host tier per worker, blocks of 16 tokens"
+    )
     ap.add_argument("--requests", type=int, default=None)
     args = ap.parse_args(argv)
 
@@ -91,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         "ms per block at 4k tokens (marginal)"
     )
     runs: dict[str, PolicyResult] = {}
-    for name, study, policy in (
-        ("none", replace(base, host_tier_blocks=0, policies=("kv_aware",)), "kv_aware"),
-        ("host_notier", replace(base, host_tier_blocks=args.host_blocks, policies=("kv_aware@notier",)), None),
-        ("host", replace(base, host_tier_blocks=args.host_blocks, policies=("kv_aware",)), None),
+    for name, study in (
+        ("none", replace(base, host_tier_blocks=0, policies=("kv_aware",))),
+        ("host_notier", replace(base, host_tier_blocks=args.host_blocks, policies=("kv_aware@notier",))),
+        ("host", replace(base, host_tier_blocks=args.host_blocks, policies=("kv_aware",))),
     ):
         print(f"run {name}:")
         results, _ = run_study(study)

@@ -114,7 +114,11 @@ class HostTier:
         self.stored += len(stored)
         if pending:  # one indexed copy (index_copy_: pool[idx] = ... is far slower on many-dim tensors)
             slots, rows = list(pending), list(pending.values())
-            src = data if rows == list(range(len(blocks))) else data.index_select(0, torch.tensor(rows, dtype=torch.long))
+            src = (
+                data
+                if rows == list(range(len(blocks)))
+                else data.index_select(0, torch.tensor(rows, dtype=torch.long))
+            )
             self.pool.index_copy_(0, torch.tensor(slots, dtype=torch.long), src)
         return list(stored), evicted
 
