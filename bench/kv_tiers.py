@@ -74,12 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         "--host-blocks", type=int, default=65536, help="host tier per worker, blocks of 16 tokens"
     )
     ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="run the simulated GPUs this many times slower (model-time figures stay; the CPUs need less)",
+    )
     args = ap.parse_args(argv)
 
     base = QUICK if args.quick else FULL
     base = replace(base, name="kv_tiers", num_blocks=args.device_blocks, block_size=16)
     if args.requests:
         base = replace(base, requests=args.requests)
+    if args.slowdown != 1.0:
+        base = replace(base, speedup=base.speedup / args.slowdown)
     profile = load_profile(base.profile)
     ws = working_set_blocks(base)
     print(f"CPU: {cpu_model()}")
