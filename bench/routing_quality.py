@@ -80,6 +80,7 @@ class Study:
     slo_ttft_ms: float = 2000.0  # model time
     slo_tpot_ms: float = 100.0  # model time
     timeout_s: float = 300.0  # wall, per request
+    host_tier_blocks: int = 0  # per worker, blocks of the profile's model (0 = no host KV tier)
 
     @property
     def wall_factor(self) -> float:
@@ -216,6 +217,11 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
         log_level="warning",
         **limits(study),
     )
+    if study.host_tier_blocks:
+        from services.model.timing import load_profile
+
+        block_bytes = load_profile(study.profile).kv_bytes_per_token * study.block_size
+        engine += flags(engine_host_tier_bytes=study.host_tier_blocks * block_bytes)
     workers = [
         launcher.start(
             ServiceSpec(
@@ -249,6 +255,7 @@ VARIANTS = {
         "prefix_pull_enabled": "true",
         "prefix_pull_min_gain": 0.99,
     },
+    "notier": {"tier_credit": "false"},  # host-tier blocks not credited (bench/kv_tiers.py)
 }
 
 
@@ -310,6 +317,7 @@ def worker_counters(workers: list[RunningService]) -> dict[str, dict[str, int]]:
         out[s.info.worker_id] = {
             "prompt_tokens_cached": c.prompt_tokens_cached,
             "prompt_tokens_computed": c.prompt_tokens_computed,
+            "prompt_tokens_restored": c.prompt_tokens_restored,
             "preemptions": c.preemptions,
             "prefix_pulls_ok": s.prefix_pulls.get("ok", 0),
             "prefix_pull_tokens": s.prefix_pull_tokens_saved,

@@ -25,6 +25,11 @@ class AcceleratorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACCELERATOR_KIND_UNSPECIFIED: _ClassVar[AcceleratorKind]
     ACCELERATOR_KIND_CPU: _ClassVar[AcceleratorKind]
     ACCELERATOR_KIND_CUDA: _ClassVar[AcceleratorKind]
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -35,6 +40,8 @@ WORKER_ROLE_PREFILL: WorkerRole
 ACCELERATOR_KIND_UNSPECIFIED: AcceleratorKind
 ACCELERATOR_KIND_CPU: AcceleratorKind
 ACCELERATOR_KIND_CUDA: AcceleratorKind
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -191,7 +198,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., accelerator: _Optional[_Union[AcceleratorKind, str]] = ..., kv_capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., engine_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_agent_name: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks", "not_serving_reason", "no_progress_ms")
+    __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks", "not_serving_reason", "no_progress_ms", "host_restore_ms_per_block", "prefill_ms_per_block")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     TOKENS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +208,8 @@ class WorkerLoad(_message.Message):
     ACTIVE_DECODE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
     NO_PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
+    HOST_RESTORE_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     tokens_waiting: int
@@ -210,7 +219,9 @@ class WorkerLoad(_message.Message):
     active_decode_blocks: int
     not_serving_reason: str
     no_progress_ms: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ..., active_decode_blocks: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., no_progress_ms: _Optional[int] = ...) -> None: ...
+    host_restore_ms_per_block: float
+    prefill_ms_per_block: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ..., active_decode_blocks: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., no_progress_ms: _Optional[int] = ..., host_restore_ms_per_block: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("seq", "stored", "removed", "cleared")
@@ -225,25 +236,29 @@ class KvEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[KvBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KvCacheCleared, _Mapping]] = ...) -> None: ...
 
 class KvBlocksStored(_message.Message):
-    __slots__ = ("parent_hash", "block_hashes")
+    __slots__ = ("parent_hash", "block_hashes", "tier")
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     parent_hash: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, parent_hash: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, parent_hash: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class KvBlocksRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class KvCacheCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "decode_tokens_computed", "prompt_tokens_cached", "prompt_tokens_transferred", "preemptions", "pinned_blocks", "pins_evicted", "pins_expired")
+    __slots__ = ("prompt_tokens_computed", "decode_tokens_computed", "prompt_tokens_cached", "prompt_tokens_transferred", "preemptions", "pinned_blocks", "pins_evicted", "pins_expired", "host_blocks", "host_capacity_blocks", "host_bytes", "prompt_tokens_restored", "host_restores", "host_restore_s", "host_restores_declined", "host_rejected", "host_evicted")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +267,15 @@ class EngineCounters(_message.Message):
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PINS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     PINS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    HOST_RESTORES_FIELD_NUMBER: _ClassVar[int]
+    HOST_RESTORE_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_RESTORES_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    HOST_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     decode_tokens_computed: int
     prompt_tokens_cached: int
@@ -260,4 +284,13 @@ class EngineCounters(_message.Message):
     pinned_blocks: int
     pins_evicted: int
     pins_expired: int
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_transferred: _Optional[int] = ..., preemptions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_evicted: _Optional[int] = ..., pins_expired: _Optional[int] = ...) -> None: ...
+    host_blocks: int
+    host_capacity_blocks: int
+    host_bytes: int
+    prompt_tokens_restored: int
+    host_restores: int
+    host_restore_s: float
+    host_restores_declined: int
+    host_rejected: int
+    host_evicted: int
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_transferred: _Optional[int] = ..., preemptions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_evicted: _Optional[int] = ..., pins_expired: _Optional[int] = ..., host_blocks: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., host_bytes: _Optional[int] = ..., prompt_tokens_restored: _Optional[int] = ..., host_restores: _Optional[int] = ..., host_restore_s: _Optional[float] = ..., host_restores_declined: _Optional[int] = ..., host_rejected: _Optional[int] = ..., host_evicted: _Optional[int] = ...) -> None: ...

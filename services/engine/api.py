@@ -157,6 +157,14 @@ class KvEventKind(enum.Enum):
     CLEARED = "cleared"
 
 
+class KvTier(enum.IntEnum):
+    """Where a cached block lives: the engine's KV pool, or the host tier behind it
+    (services/engine/host_tier.py). Values match the proto's KvTier."""
+
+    DEVICE = 0
+    HOST = 1
+
+
 @dataclass(frozen=True)
 class KvEvent:
     """A prefix-cache event; `seq` grows by 1 per event of one engine."""
@@ -165,6 +173,7 @@ class KvEvent:
     kind: KvEventKind
     block_hashes: tuple[int, ...] = ()
     parent_hash: int | None = None
+    tier: KvTier = KvTier.DEVICE  # STORED / REMOVED: which tier gained / lost the blocks
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,23 @@ class EngineStats:
     pinned_blocks: int = 0
     pins_evicted: int = 0
     pins_expired: int = 0
+    # Host tier (issue 22; all 0 when off): capacity and use now, prompt tokens
+    # restored from it instead of recomputed, restores taken and their time,
+    # restores declined (predicted slower than recomputing), blocks the frequency
+    # filter refused, blocks it evicted (LRU).
+    host_capacity_blocks: int = 0
+    host_blocks: int = 0
+    host_bytes: int = 0
+    prompt_tokens_restored: int = 0
+    host_restores: int = 0
+    host_restore_s: float = 0.0
+    host_restores_declined: int = 0
+    host_rejected: int = 0
+    host_evicted: int = 0
+    # What the host tier's restore-vs-recompute rule measured (0 = not yet):
+    # seconds to restore one block, and to prefill one block's tokens.
+    host_restore_s_per_block: float = 0.0
+    prefill_s_per_block: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -233,6 +233,10 @@ class TorchEngine:
     def kv_snapshot(self) -> tuple[int, list[tuple[int | None, int]]]:
         return self._started().kv_snapshot()
 
+    def kv_snapshot_tiers(self) -> tuple[int, list[tuple[int | None, int]], list[tuple[int | None, int]]]:
+        """(seq, pool pairs, host-tier pairs), consistent with each other."""
+        return self._started().kv_snapshot_tiers()
+
     async def wait_kv_events(self, after_seq: int) -> None:
         core = self._started()
         while core.block_manager.events.last_seq <= after_seq:

@@ -19,6 +19,14 @@ TTL (`expire_pins`, counted as expired), when the workflow ends (`unpin`), when
 the next step pins again (replaced), or under pressure: an allocation that
 would fail releases pins lowest value first (fewest blocks = least recompute
 lost, then the soonest to expire), counted as evicted.
+
+Host tier (optional, `attach_host_tier`): a cached block evicted to reuse its
+slot is first offered to a larger HostTier (its KV copied there, a `stored`
+event with tier HOST after the pool's `removed`), and a prompt whose chain goes
+on past the pool's hits can have the next blocks restored from it
+(`match_host` + `restore`) when TierCost predicts that is faster than
+recomputing them. The tier is inclusive: a restored block stays there too, so
+it is still a hit after the pool evicts it again.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from services.engine.api import KvTier
+from services.engine.host_tier import HostTier, TierCost
 from services.engine.kv_events import KvEventLog
 from services.engine.sequence import Sequence
 from services.model.hashing import block_hashes
@@ -85,6 +95,24 @@ class BlockManager:
         self._pins: dict[str, _Pin] = {}  # workflow id -> its pin
         self._pinned_blocks = 0
         self._pins_expired = self._pins_evicted = self._pins_released = 0
+        # Host tier: off until attach_host_tier. `_offload` collects (block id,
+        # hash, parent) of blocks evicted by the current allocation.
+        self.host: HostTier | None = None
+        self.tier_cost: TierCost | None = None
+        self._read_blocks: Callable | None = None
+        self._write_blocks: Callable | None = None
+        self._offload: list[tuple[int, int, int | None]] = []
+        self.prompt_tokens_restored = 0
+        self.restores = 0
+        self.restore_s = 0.0
+
+    def attach_host_tier(
+        self, tier: HostTier, cost: TierCost, read_blocks: Callable, write_blocks: Callable
+    ) -> None:
+        """Back the pool with `tier`; `read_blocks(ids) -> Tensor` / `write_blocks(ids, Tensor)`
+        copy KV out of / into pool blocks (the runner's export/import)."""
+        self.host, self.tier_cost = tier, cost
+        self._read_blocks, self._write_blocks = read_blocks, write_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,7 +137,60 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.host is not None and hits:
+            self.host.record_use(hashes[: len(hits)])
         return hits
+
+    def match_host(self, seq: Sequence, max_tokens: int, start: int) -> list[int]:
+        """Hashes of the blocks after the pool's `start` hits that the host tier can
+        restore, within `seq`'s first `max_tokens` tokens; [] when restoring them is
+        not predicted to be faster than recomputing (counted as declined)."""
+        if self.host is None or not self.enable_prefix_caching:
+            return []
+        limit = min(max_tokens, seq.num_tokens) // self.block_size
+        if start >= limit:
+            return []
+        hashes = seq.block_hashes(limit)[start:]
+        n = self.host.match(hashes)
+        if n == 0:
+            return []
+        context = start * self.block_size
+        rest = seq.num_tokens - context - n * self.block_size
+        if not self.tier_cost.worth_restoring(n, context, rest):
+            return []
+        self.host.touch(hashes[:n])  # most recent: the allocation's offloads evict others first
+        return hashes[:n]
+
+    def restore(self, seq: Sequence, start: int, hashes: list[int], data) -> None:
+        """Write host-tier KV `data` of `hashes` into `seq`'s blocks from index `start`
+        (allocated by allocate_slots) and make them cached; emits `stored` events."""
+        t0 = time.perf_counter()
+        ids = seq.block_table[start : start + len(hashes)]
+        self._write_blocks(ids, data)
+        seconds = time.perf_counter() - t0
+        self.tier_cost.observe_restore(len(ids), seconds)
+        self.host.record_use(hashes)
+        chain = seq.block_hashes(start + len(hashes))
+        with self._lock:
+            run: list[int] = []
+            run_parent: int | None = None
+            for i, (block_id, h) in enumerate(zip(ids, hashes, strict=True)):
+                parent = chain[start + i - 1] if start + i else None
+                if h in self._cached:  # computed again meanwhile: keep that entry
+                    self.events.stored(run_parent, run)
+                    run = []
+                    continue
+                block = self.blocks[block_id]
+                block.block_hash, block.parent_hash = h, parent
+                self._cached[h] = block_id
+                if not run:
+                    run_parent = parent
+                run.append(h)
+            self.events.stored(run_parent, run)
+        seq.num_registered_blocks = start + len(hashes)
+        self.prompt_tokens_restored += len(hashes) * self.block_size
+        self.restores += 1
+        self.restore_s += seconds
 
     def cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
         """Leading tokens of `token_ids` cached here, a multiple of block_size. Thread-safe."""
@@ -150,7 +231,31 @@ class BlockManager:
             for _ in range(need):
                 seq.block_table.append(self._take_free(evicted))
             self.events.removed(evicted)
+            if self._offload:
+                self._offload_to_host()
         return True
+
+    def _offload_to_host(self) -> None:
+        """Copy the blocks just evicted (still holding their KV: nothing has run on
+        them yet) into the host tier; events for what it stored and dropped. Lock held."""
+        pending, self._offload = self._offload, []
+        data = self._read_blocks([block_id for block_id, _, _ in pending])
+        stored, dropped = self.host.offer([(h, parent) for _, h, parent in pending], data)
+        self.events.removed(dropped, KvTier.HOST)
+        if stored:  # one event per chain run, as cache_full_blocks does
+            kept = set(stored)
+            run: list[int] = []
+            run_parent: int | None = None
+            for _, h, parent in pending:
+                if h not in kept:
+                    continue
+                if run and parent != run[-1]:
+                    self.events.stored(run_parent, run, KvTier.HOST)
+                    run = []
+                if not run:
+                    run_parent = parent
+                run.append(h)
+            self.events.stored(run_parent, run, KvTier.HOST)
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first; blocks stay cached until evicted."""
@@ -184,6 +289,8 @@ class BlockManager:
                     run_parent = block.parent_hash
                 run.append(hashes[i])
             self.events.stored(run_parent, run)
+        if self.host is not None:
+            self.host.record_use(hashes[start:num_full])
         seq.num_registered_blocks = num_full
 
     def reset_prefix_cache(self) -> None:
@@ -192,6 +299,8 @@ class BlockManager:
             for block_id in self._cached.values():
                 self.blocks[block_id].block_hash = None
             self._cached.clear()
+            if self.host is not None:
+                self.host.clear()
             self.events.cleared()
 
     def snapshot(self) -> tuple[int, list[tuple[int | None, int]]]:
@@ -199,6 +308,13 @@ class BlockManager:
         with self._lock:
             pairs = [(self.blocks[b].parent_hash, h) for h, b in self._cached.items()]
             return self.events.last_seq, pairs
+
+    def snapshot_tiers(self) -> tuple[int, list[tuple[int | None, int]], list[tuple[int | None, int]]]:
+        """(last event seq, pool pairs, host-tier pairs), consistent with each other. Thread-safe."""
+        with self._lock:
+            pairs = [(self.blocks[b].parent_hash, h) for h, b in self._cached.items()]
+            host = [] if self.host is None else self.host.pairs()
+            return self.events.last_seq, pairs, host
 
     # ---- workflow pins ------------------------------------------------------
 
@@ -293,6 +409,8 @@ class BlockManager:
         if block.block_hash is not None:  # evict: the caller holds the lock
             del self._cached[block.block_hash]
             evicted.append(block.block_hash)
+            if self.host is not None:
+                self._offload.append((block_id, block.block_hash, block.parent_hash))
             block.block_hash = None
             block.parent_hash = None
         block.ref_count = 1

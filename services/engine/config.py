@@ -58,6 +58,11 @@ class EngineConfig:
     workflow_pin_ttl_s: float = setting(
         0.0, "keep a workflow step's cached blocks for its next step this long (0 = off)"
     )
+    host_tier_bytes: int = setting(
+        0,
+        "host KV tier behind the pool, in bytes (0 = off): evicted cached blocks are kept there and "
+        "restored on a prefix hit when that beats recomputing; the sim backend counts its profile's bytes",
+    )
     sim_profile: str = setting("dynamo-mocker", "sim backend: timing profile in services/model/profiles.json")
     sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
 
@@ -94,6 +99,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
         if not (self.workflow_pin_ttl_s >= 0 and math.isfinite(self.workflow_pin_ttl_s)):
             raise ValueError(f"EngineConfig.workflow_pin_ttl_s must be >= 0, got {self.workflow_pin_ttl_s}")
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"EngineConfig.host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
         if self.num_threads < 0:
             raise ValueError(f"EngineConfig.num_threads must be >= 0, got {self.num_threads}")
         if not (self.sim_speedup > 0 and math.isfinite(self.sim_speedup)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from services.engine.api import KvEvent, KvEventKind
+from services.engine.api import KvEvent, KvEventKind, KvTier
 
 
 class KvEventLog:
@@ -21,13 +21,13 @@ class KvEventLog:
         # Seq of the last event appended; the first event has seq 1.
         self.last_seq = 0
 
-    def stored(self, parent_hash: int | None, block_hashes: list[int]) -> None:
+    def stored(self, parent_hash: int | None, block_hashes: list[int], tier: KvTier = KvTier.DEVICE) -> None:
         if block_hashes:
-            self._append(KvEventKind.STORED, tuple(block_hashes), parent_hash)
+            self._append(KvEventKind.STORED, tuple(block_hashes), parent_hash, tier)
 
-    def removed(self, block_hashes: list[int]) -> None:
+    def removed(self, block_hashes: list[int], tier: KvTier = KvTier.DEVICE) -> None:
         if block_hashes:
-            self._append(KvEventKind.REMOVED, tuple(block_hashes), None)
+            self._append(KvEventKind.REMOVED, tuple(block_hashes), None, tier)
 
     def cleared(self) -> None:
         self._append(KvEventKind.CLEARED, (), None)
@@ -41,8 +41,12 @@ class KvEventLog:
             skip = max(0, seq - first + 1)
             return list(self._events)[skip:]
 
-    def _append(self, kind: KvEventKind, hashes: tuple[int, ...], parent: int | None) -> None:
+    def _append(
+        self, kind: KvEventKind, hashes: tuple[int, ...], parent: int | None, tier: KvTier = KvTier.DEVICE
+    ) -> None:
         with self._lock:
             seq = self.last_seq + 1
-            self._events.append(KvEvent(seq=seq, kind=kind, block_hashes=hashes, parent_hash=parent))
+            self._events.append(
+                KvEvent(seq=seq, kind=kind, block_hashes=hashes, parent_hash=parent, tier=tier)
+            )
             self.last_seq = seq

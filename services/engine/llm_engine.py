@@ -17,6 +17,7 @@ Request paths (api.py has the lifecycle):
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -39,6 +40,7 @@ from services.engine.api import (
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
+from services.engine.host_tier import HostTier, ModeledTierCost, TierCost
 from services.engine.model_runner import ModelRunner, scratch_sequence
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, SequenceStatus
@@ -71,6 +73,8 @@ class LLMEngine:
             config.kv_event_buffer,
             pin_ttl_s=config.workflow_pin_ttl_s,
         )
+        if config.host_tier_bytes > 0 and config.enable_prefix_caching:
+            self._attach_host_tier(block_manager, config)
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # The Scheduler drives it (allocation, freeing, the prefix cache); this class
         # reads it (lookups, events, stats) and borrows scratch blocks in
@@ -96,6 +100,29 @@ class LLMEngine:
             "kv_pool_bytes": self.spec.num_blocks * self.spec.layout.block_bytes,
         }
 
+    def _attach_host_tier(self, block_manager: BlockManager, config: EngineConfig) -> None:
+        """A host tier of config.host_tier_bytes in the pool's block layout. A runner
+        that models time (sim) sizes it in its modeled model's bytes and prices
+        restores from its profile; otherwise both are measured."""
+        pool = self.runner.kv_pool
+        profile = getattr(self.runner, "profile", None)
+        if profile is not None:
+            block_bytes = profile.kv_bytes_per_token * config.block_size
+            cost = ModeledTierCost(
+                config.block_size, profile.restore_s(config.block_size), profile.prefill_ms
+            )
+        else:
+            block_bytes = self.spec.layout.block_bytes
+            cost = TierCost(config.block_size)
+        capacity = config.host_tier_bytes // block_bytes
+        if capacity <= 0:
+            raise ValueError(
+                f"EngineConfig.host_tier_bytes {config.host_tier_bytes} holds no block of {block_bytes} bytes"
+            )
+        tier = HostTier(capacity, tuple(pool.shape[1:]), pool.dtype, block_bytes)
+        write = getattr(self.runner, "restore_blocks", self.runner.import_blocks)
+        block_manager.attach_host_tier(tier, cost, self.runner.export_blocks, write)
+
     # ---- requests -------------------------------------------------------
 
     def validate(self, request: EngineRequest) -> None:
@@ -119,7 +146,10 @@ class LLMEngine:
         self.last_step_progressed = bool(out.scheduled or out.preempted)
         if not out.scheduled:
             return []
+        prompt_before = self.prompt_tokens_computed
+        t0 = time.perf_counter()
         sampled = self.runner.run(out.scheduled)
+        elapsed = time.perf_counter() - t0
         outputs = []
         with self.mutex:
             for (seq, n), token in zip(out.scheduled, sampled, strict=True):
@@ -127,6 +157,11 @@ class LLMEngine:
                 self.scheduler.computed(seq, n)
                 if token is not None:
                     outputs.append(self._append(seq, token))
+        cost = self.block_manager.tier_cost
+        if cost is not None and self.prompt_tokens_computed > prompt_before:
+            # The whole pass over its prompt tokens: decodes in it make this an
+            # overestimate of recompute time, which only errs towards restoring.
+            cost.observe_prefill(self.prompt_tokens_computed - prompt_before, elapsed)
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -306,7 +341,31 @@ class LLMEngine:
             pinned_blocks=pins.pinned_blocks,
             pins_evicted=pins.pins_evicted,
             pins_expired=pins.pins_expired,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict:
+        bm = self.block_manager
+        if bm.host is None:
+            return {}
+        h = bm.host.stats()
+        return {
+            "host_capacity_blocks": h.capacity_blocks,
+            "host_blocks": h.blocks,
+            "host_bytes": h.bytes,
+            "prompt_tokens_restored": bm.prompt_tokens_restored,
+            "host_restores": bm.restores,
+            "host_restore_s": bm.restore_s,
+            "host_restores_declined": bm.tier_cost.declined,
+            "host_rejected": h.rejected,
+            "host_evicted": h.evicted,
+            "host_restore_s_per_block": bm.tier_cost.restore_s(1),
+            "prefill_s_per_block": (bm.tier_cost.prefill_s_per_token or 0.0) * bm.block_size,
+        }
+
+    def kv_snapshot_tiers(self):
+        """(seq, pool pairs, host-tier pairs): the prefix cache in every tier. Thread-safe."""
+        return self.block_manager.snapshot_tiers()
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits [S, V] of every prompt position (scratch blocks, not cached)."""

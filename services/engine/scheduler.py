@@ -98,11 +98,20 @@ class Scheduler:
             seq = self.waiting[0]
             # The last token is always computed: its logits give the next sample.
             cached = bm.match_prefix(seq, seq.num_tokens - 1)
-            num_cached = len(cached) * self.block_size
+            # Blocks after the pool's hits that the host tier holds (when restoring beats recomputing).
+            restore = bm.match_host(seq, seq.num_tokens - 1, len(cached))
+            num_cached = (len(cached) + len(restore)) * self.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not bm.allocate_slots(seq, num_cached + n, cached):
                 break
             self.waiting.popleft()
+            if restore:
+                # The allocation's own offloads may have pushed some out of the host tier:
+                # restore what is still there; the blocks allocated cover computing the rest.
+                restore = restore[: bm.host.match(restore)]
+                if restore:
+                    bm.restore(seq, len(cached), restore, bm.host.read(restore))
+                num_cached = (len(cached) + len(restore)) * self.block_size
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:  # a recompute's hits are its own earlier work
                 seq.num_cached_tokens = num_cached

@@ -14,6 +14,11 @@ pass time this model gives, divided by a speedup factor.
                mocker: max(d_min, m0 + m1*u + m2*u^2), u = min(K / capacity, 1)
     pass_ms = prefill_ms + decode_ms                          (no overlap, as Dynamo's mocker)
     transfer_s(tokens) = tokens * kv_bytes_per_token / (kv_bandwidth_gbps * 1e9)
+    restore_s(tokens)  = tokens * kv_bytes_per_token / (host_bandwidth_gbps * 1e9)
+
+host_bandwidth_gbps is the host <-> accelerator copy rate the host KV tier
+restores at; 25 GB/s unless a profile says otherwise (PCIe Gen4 x16 moves ~25
+GB/s a direction in practice, Gen5 x16 ~50; NVIDIA's bandwidthTest).
 
 T: new prompt tokens in the pass; C: context tokens they attend to that were
 already cached or computed; B: decoding requests; K: their total context.
@@ -44,6 +49,7 @@ class TimingProfile:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    host_bandwidth_gbps: float = 25.0
 
     def __post_init__(self) -> None:
         if self.decode_form not in DECODE_FORMS:
@@ -56,7 +62,12 @@ class TimingProfile:
             raise ValueError(
                 f"profile {self.name}: prefill needs 4 and {self.decode_form} decode {want} coefficients"
             )
-        if self.kv_bandwidth_gbps <= 0 or self.num_blocks <= 0 or self.block_size <= 0:
+        if (
+            self.kv_bandwidth_gbps <= 0
+            or self.host_bandwidth_gbps <= 0
+            or self.num_blocks <= 0
+            or self.block_size <= 0
+        ):
             raise ValueError(f"profile {self.name}: bandwidth, num_blocks and block_size must be positive")
 
     @property
@@ -91,6 +102,10 @@ class TimingProfile:
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.kv_bandwidth_gbps * 1e9)
+
+    def restore_s(self, tokens: int) -> float:
+        """Copying `tokens` tokens of KV from the host tier into the accelerator's pool."""
+        return tokens * self.kv_bytes_per_token / (self.host_bandwidth_gbps * 1e9)
 
 
 def load_profiles(path: Path = PROFILES_PATH) -> dict[str, TimingProfile]:

@@ -78,6 +78,11 @@ class RouterConfig:
         "a routed prompt's blocks count as cached on its worker until a KV event confirms them, "
         "for at most this long (0 = off: only KV events)",
     )
+    tier_credit: bool = setting(
+        True,
+        "kv_aware: credit prefix blocks held in a worker's host KV tier by its measured restore vs "
+        "prefill time (false: only blocks in its pool count)",
+    )
     max_prefill_candidates: int = setting(4, "ranked prefill workers passed with each decode request")
     first_token_timeout_s: float = setting(
         120.0,

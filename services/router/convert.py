@@ -65,6 +65,8 @@ def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
         active_decode_blocks=msg.active_decode_blocks,
         not_serving_reason=msg.not_serving_reason,
         no_progress_ms=msg.no_progress_ms,
+        host_restore_ms_per_block=msg.host_restore_ms_per_block,
+        prefill_ms_per_block=msg.prefill_ms_per_block,
     )
 
 
@@ -79,6 +81,8 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
         active_decode_blocks=load.active_decode_blocks,
         not_serving_reason=load.not_serving_reason,
         no_progress_ms=load.no_progress_ms,
+        host_restore_ms_per_block=load.host_restore_ms_per_block,
+        prefill_ms_per_block=load.prefill_ms_per_block,
     )
 
 
@@ -105,12 +109,17 @@ def apply_kv_message(
     body = msg.WhichOneof("body")
     if body == "snapshot":
         snap = msg.snapshot
-        index.apply_snapshot(worker_id, [(_parent(c), c.block_hashes) for c in snap.chains])
+        host = common_pb2.KV_TIER_HOST
+        index.apply_snapshot(worker_id, [(_parent(c), c.block_hashes) for c in snap.chains if c.tier != host])
+        tiers = getattr(index, "tiers", None)  # a TieredPrefixIndex also tracks host tiers
+        if tiers is not None:
+            tiers.snapshot(worker_id, [h for c in snap.chains if c.tier == host for h in c.block_hashes])
         sequencer.start(worker_id, snap.seq)
         return 1
     if body != "events":
         return 0
     applied = 0
+    tiers = getattr(index, "tiers", None)
     for ev in msg.events.events:
         verdict = sequencer.check(worker_id, ev.seq)
         if verdict is SeqVerdict.DUPLICATE:
@@ -119,9 +128,17 @@ def apply_kv_message(
             raise KvResync(f"worker {worker_id}: kv event seq {ev.seq} after a gap")
         kind = ev.WhichOneof("kind")
         if kind == "stored":
-            index.apply_stored(worker_id, _parent(ev.stored), ev.stored.block_hashes)
+            host = ev.stored.tier == common_pb2.KV_TIER_HOST
+            if not host:  # the PrefixIndex is the pool's; host-tier blocks go to the TierView only
+                index.apply_stored(worker_id, _parent(ev.stored), ev.stored.block_hashes)
+            elif tiers is not None:
+                tiers.stored(worker_id, ev.stored.block_hashes)
         elif kind == "removed":
-            index.apply_removed(worker_id, ev.removed.block_hashes)
+            host = ev.removed.tier == common_pb2.KV_TIER_HOST
+            if not host:
+                index.apply_removed(worker_id, ev.removed.block_hashes)
+            elif tiers is not None:
+                tiers.removed(worker_id, ev.removed.block_hashes)
         elif kind == "cleared":
             index.clear(worker_id)
             index.apply_snapshot(worker_id, ())  # still known, with an empty cache

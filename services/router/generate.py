@@ -427,7 +427,21 @@ class RequestFlow:
             if c.worker_id not in plan.exclude_workers and not saturated(c, cfg)
         ]
         own = ctx.load_view.totals() if ctx.load_view is not None else None
-        ranked, pull = ctx.decode_policy.rank(cands, len(hashes), overlaps, own=own), None
+        credits = None  # host-tier hits: credited by what each worker measured (tier_index)
+        tier_credits = getattr(ctx.index, "tier_credits", None)
+        if (
+            tier_credits is not None
+            and cfg.tier_credit
+            and ctx.decode_policy.name == "kv_aware"
+            and ctx.index.tiers.has_tiers()
+        ):
+            credits = tier_credits(hashes, overlaps, {c.worker_id: c.load for c in cands}) or None
+        ranked = (
+            ctx.decode_policy.rank(cands, len(hashes), overlaps, credits=credits, own=own)
+            if credits
+            else ctx.decode_policy.rank(cands, len(hashes), overlaps, own=own)
+        )
+        pull = None
         if ctx.pull_planner is not None:  # issue 17: the plan's target first, maybe with a pull
             ranked, pull = plan_for_ranking(ctx.pull_planner, ranked, cands, overlaps, len(hashes))
         choice = self._pick(ranked)

@@ -66,6 +66,10 @@ class WorkerLoad:
     # ("no_progress"), and how long it has had work and computed nothing.
     not_serving_reason: str = ""
     no_progress_ms: int = 0
+    # Host KV tier (0 = none / not measured): measured ms to restore one block
+    # from it and to prefill one block; tier_index.host_weight turns them into credit.
+    host_restore_ms_per_block: float = 0.0
+    prefill_ms_per_block: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
 from services.router.outlier import OutlierDetector, OutlierState
 from services.router.policy import WorkerLoad, make_policy
-from services.router.prefix_index import EventSequencer, PrefixIndex
+from services.router.prefix_index import EventSequencer
 from services.router.prefix_pull import PrefixPullPlanner
 from services.router.registry import (
     JoinResult,
@@ -61,6 +61,7 @@ from services.router.registry import (
 )
 from services.router.retries import RetriedArrivals, SharedFlow
 from services.router.retry_budget import RetryBudget
+from services.router.tier_index import TieredPrefixIndex
 from services.router.worker_pool import WorkerPool
 
 log = structlog.get_logger()
@@ -137,7 +138,7 @@ class Router:
         self.outliers = OutlierDetector(settings.outlier, clock, self._on_outlier)
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
         self.membership = MembershipGuard()  # who may speak for a registered worker
-        self.index = PrefixIndex(settings.index)
+        self.index = TieredPrefixIndex(settings.index)  # pool blocks + host tiers
         self.sequencer = EventSequencer()
         self.load_view = LoadView() if cfg.load_view else None
         self.budget = RetryBudget(settings.retry_budget, clock)

@@ -35,6 +35,28 @@ class EngineCollector:
             ("pdmesh_engine_tokens_waiting", "prompt tokens not yet computed", s.tokens_waiting),
             ("pdmesh_kv_blocks_pinned", "KV blocks pinned for workflows' next steps", s.pinned_blocks),
         )
+        # Per tier (issue 22): the pool is "device"; the host tier is 0 when off.
+        for name, doc, device, host in (
+            ("pdmesh_kv_tier_blocks", "cached KV blocks held, per tier", s.cached_blocks, s.host_blocks),
+            (
+                "pdmesh_kv_tier_bytes",
+                "bytes of KV held, per tier (the pool: its whole size)",
+                s.kv_pool_bytes,
+                s.host_bytes,
+            ),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["role", "tier"])
+            g.add_metric([self._role, "device"], device)
+            g.add_metric([self._role, "host"], host)
+            yield g
+        c = CounterMetricFamily(
+            "pdmesh_kv_tier_hit_tokens",
+            "prompt tokens not recomputed, per tier they came from",
+            labels=["role", "tier"],
+        )
+        c.add_metric([self._role, "device"], s.prompt_tokens_cached - s.prompt_tokens_restored)
+        c.add_metric([self._role, "host"], s.prompt_tokens_restored)
+        yield c
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["role"])
             g.add_metric([self._role], value)
@@ -59,6 +81,19 @@ class EngineCollector:
             ("pdmesh_engine_preemptions", "requests preempted (recomputed later)", s.preemptions),
             ("pdmesh_kv_pins_evicted", "workflow KV pins released under memory pressure", s.pins_evicted),
             ("pdmesh_kv_pins_expired", "workflow KV pins released on their TTL", s.pins_expired),
+            ("pdmesh_kv_host_restores", "prefix hits restored from the host tier", s.host_restores),
+            ("pdmesh_kv_host_restore_seconds", "time spent restoring from the host tier", s.host_restore_s),
+            (
+                "pdmesh_kv_host_restores_declined",
+                "host-tier hits recomputed instead (restore predicted slower)",
+                s.host_restores_declined,
+            ),
+            (
+                "pdmesh_kv_host_rejected",
+                "evicted blocks the host tier's frequency filter refused",
+                s.host_rejected,
+            ),
+            ("pdmesh_kv_host_evicted", "blocks the host tier evicted (LRU)", s.host_evicted),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["role"])

@@ -24,32 +24,47 @@ MAX_EVENTS_PER_MESSAGE = 256
 
 def event_to_proto(e: KvEvent) -> common_pb2.KvEvent:
     if e.kind is KvEventKind.STORED:
-        stored = common_pb2.KvBlocksStored(block_hashes=list(e.block_hashes))
+        stored = common_pb2.KvBlocksStored(block_hashes=list(e.block_hashes), tier=int(e.tier))
         if e.parent_hash is not None:
             stored.parent_hash = e.parent_hash
         return common_pb2.KvEvent(seq=e.seq, stored=stored)
     if e.kind is KvEventKind.REMOVED:
         return common_pb2.KvEvent(
-            seq=e.seq, removed=common_pb2.KvBlocksRemoved(block_hashes=list(e.block_hashes))
+            seq=e.seq,
+            removed=common_pb2.KvBlocksRemoved(block_hashes=list(e.block_hashes), tier=int(e.tier)),
         )
     return common_pb2.KvEvent(seq=e.seq, cleared=common_pb2.KvCacheCleared())
 
 
-def snapshot_to_proto(seq: int, pairs: list[tuple[int | None, int]]) -> worker_pb2.KvCacheSnapshot:
+def snapshot_to_proto(
+    seq: int, pairs: list[tuple[int | None, int]], host_pairs: list[tuple[int | None, int]] = ()
+) -> worker_pb2.KvCacheSnapshot:
     chains = []
-    for parent, block in pairs:
-        stored = common_pb2.KvBlocksStored(block_hashes=[block])
-        if parent is not None:
-            stored.parent_hash = parent
-        chains.append(stored)
+    for tier, tier_pairs in ((common_pb2.KV_TIER_DEVICE, pairs), (common_pb2.KV_TIER_HOST, host_pairs)):
+        for parent, block in tier_pairs:
+            stored = common_pb2.KvBlocksStored(block_hashes=[block], tier=tier)
+            if parent is not None:
+                stored.parent_hash = parent
+            chains.append(stored)
     return worker_pb2.KvCacheSnapshot(seq=seq, chains=chains)
+
+
+def engine_snapshot(engine: Engine) -> tuple[int, list, list]:
+    """(seq, pool pairs, host-tier pairs); engines without tiers have no host pairs."""
+    tiers = getattr(engine, "kv_snapshot_tiers", None)
+    if tiers is not None:
+        return tiers()
+    seq, pairs = engine.kv_snapshot()
+    return seq, pairs, []
 
 
 async def kv_event_stream(
     engine: Engine, worker_id: str, context: grpc.aio.ServicerContext
 ) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
-    seq, pairs = engine.kv_snapshot()
-    yield worker_pb2.SubscribeKvEventsResponse(worker_id=worker_id, snapshot=snapshot_to_proto(seq, pairs))
+    seq, pairs, host_pairs = engine_snapshot(engine)
+    yield worker_pb2.SubscribeKvEventsResponse(
+        worker_id=worker_id, snapshot=snapshot_to_proto(seq, pairs, host_pairs)
+    )
     while True:
         await engine.wait_kv_events(seq)
         events = engine.kv_events_since(seq)
@@ -81,6 +96,8 @@ def load_from_stats(
         free_blocks=s.free_blocks,
         estimated_wait_ms=estimated_wait_ms,
         active_decode_blocks=s.active_decode_blocks,
+        host_restore_ms_per_block=s.host_restore_s_per_block * 1000.0,
+        prefill_ms_per_block=s.prefill_s_per_block * 1000.0,
     )
     return health.fill_load(load) if health is not None else load
 
@@ -95,6 +112,15 @@ def counters_from_stats(s: EngineStats) -> common_pb2.EngineCounters:
         pinned_blocks=s.pinned_blocks,
         pins_evicted=s.pins_evicted,
         pins_expired=s.pins_expired,
+        host_blocks=s.host_blocks,
+        host_capacity_blocks=s.host_capacity_blocks,
+        host_bytes=s.host_bytes,
+        prompt_tokens_restored=s.prompt_tokens_restored,
+        host_restores=s.host_restores,
+        host_restore_s=s.host_restore_s,
+        host_restores_declined=s.host_restores_declined,
+        host_rejected=s.host_rejected,
+        host_evicted=s.host_evicted,
     )
 
 

@@ -24,7 +24,7 @@ import hashlib
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -48,10 +48,11 @@ class PassCost:
     decode_context_tokens: int  # total context of those sequences
     prefill_ms: float
     decode_ms: float
+    restore_ms: float = 0.0  # host-tier restores since the last pass (copied in before it runs)
 
     @property
     def ms(self) -> float:
-        return self.prefill_ms + self.decode_ms
+        return self.prefill_ms + self.decode_ms + self.restore_ms
 
 
 class SimRunner:
@@ -82,6 +83,8 @@ class SimRunner:
         # The last pass: its sequences and when its modeled time ends (wall clock).
         self._previous: list[Sequence] = []
         self._deadline = 0.0
+        # Modeled time of host-tier restores not yet charged to a pass.
+        self._pending_restore_ms = 0.0
 
     def pass_cost(self, scheduled: list[tuple[Sequence, int]]) -> PassCost:
         """Price one pass (see `pass_shape` for what is counted)."""
@@ -106,6 +109,9 @@ class SimRunner:
         """
         now = self._clock()
         cost = self.pass_cost(scheduled)
+        if self._pending_restore_ms:
+            cost = replace(cost, restore_ms=self._pending_restore_ms)
+            self._pending_restore_ms = 0.0
         out = [
             self.token_for(seq, seq.num_output_tokens)
             if seq.num_computed_tokens + n == seq.num_tokens
@@ -141,10 +147,16 @@ class SimRunner:
         raise EngineError("the sim engine computes no logits")
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return self.kv_pool[torch.tensor(block_ids, dtype=torch.long)]
+        # index_select, not pool[idx]: advanced indexing of this 6-dim tensor is ~500x slower
+        return self.kv_pool.index_select(0, torch.tensor(block_ids, dtype=torch.long))
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        self.kv_pool[torch.tensor(block_ids, dtype=torch.long)] = blocks
+        self.kv_pool.index_copy_(0, torch.tensor(block_ids, dtype=torch.long), blocks.to(self.kv_pool.dtype))
+
+    def restore_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """A host-tier restore: the copy, and its modeled time charged to the next pass."""
+        self.import_blocks(block_ids, blocks)
+        self._pending_restore_ms += self.profile.restore_s(len(block_ids) * self.profile.block_size) * 1000.0
 
 
 def pass_shape(scheduled: list[tuple[Sequence, int]]) -> tuple[int, float, int, int]:
