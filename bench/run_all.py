@@ -25,6 +25,7 @@ BENCHES = [
     ("routing_decision", ["bench/routing.py", "--decision"]),
     ("planner", ["bench/planner.py", "--quick"]),
     ("workflows", ["bench/workflows.py", "--quick"]),
+    ("kv_tiers", ["bench/kv_tiers.py", "--quick"]),
 ]
 
 
