@@ -48,9 +48,11 @@ def waste(res: RunResult) -> dict[str, float]:
     """Computed, useful and wasted tokens, with the causes (see bench/faults.py's docstring)."""
     ok = [r for r in res.records if r.ok]
     computed = res.delta("computed_tokens")
-    useful = sum(r.prompt_len + r.tokens for r in ok)
-    migrated = sum(max(r.computed - r.prompt_len - r.tokens, 0) for r in ok if r.migrations)
-    router_retried = sum(max(r.computed - r.prompt_len - r.tokens, 0) for r in ok if not r.migrations)
+    # One attempt computes every prompt position and every output token but the last (sampled,
+    # never fed back): the router's computed_tokens of an undisturbed request.
+    useful = sum(r.prompt_len + r.tokens - 1 for r in ok)
+    migrated = sum(max(r.computed - r.prompt_len - r.tokens + 1, 0) for r in ok if r.migrations)
+    router_retried = sum(max(r.computed - r.prompt_len - r.tokens + 1, 0) for r in ok if not r.migrations)
     client_retried = failed = 0
     for r in res.records:
         lost = [r.prompt_len + got for got in r.failed_attempt_tokens]
