@@ -63,11 +63,14 @@ import asyncio
 import json
 import os
 import platform
+import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,23 +108,20 @@ COMMON = dict(
     resubscribe_max_s=1.0,
     log_level="warning",
 )
-# The one place that says what each router runs with. New mechanisms (outlier
-# ejection, hedging, ...) get their on/off flags here when they land on main.
+# The one place that says what each router runs with. Switches that only exist once issue 18's
+# mechanisms are on main (outlier ejection, hedging, re-route of unstarted requests, retried
+# arrivals, the breaker's and budget's own off switches) are in SWITCHES and used only when the
+# router's --help lists them; LEGACY says how the naive router turns a mechanism off without one.
 ROUTERS: dict[str, tuple[dict, RetryPolicy]] = {
     "pdmesh": (
         dict(
             stall_timeout_s=2.0,  # mid-stream stall -> migrate
-            first_token_timeout_s=3.0,  # no first token -> fail over (3x SLO TTFT)
+            first_token_timeout_s=3.0,  # no first token -> fail over (3x SLO TTFT; a cap once predicted)
         ),
         SDK,
     ),
     "naive": (
         dict(
-            breaker_consecutive_failures=1_000_000,  # breaker never opens
-            breaker_failure_rate=1.0,
-            breaker_min_requests=1_000_000,
-            retry_budget_retry_ratio=1.0,  # budget never refuses
-            retry_budget_min_retries_per_second=1e6,
             max_migrations=0,  # no migration ...
             stall_timeout_s=0,  # ... nor stall detection
             first_token_timeout_s=0,  # no per-try timeout (a plain proxy's default)
@@ -129,6 +129,49 @@ ROUTERS: dict[str, tuple[dict, RetryPolicy]] = {
         NAIVE,
     ),
 }
+SWITCHES: dict[str, dict] = {
+    "pdmesh": dict(
+        outlier_enabled="true",
+        hedge_enabled="true",  # off by default; "everything on"
+        reroute_unstarted="true",
+        retry_attach_enabled="true",
+        first_token_timeout_floor_s=1.0,  # the predicted-TTFT timeout may go down to 1 s (cap 3 s)
+    ),
+    "naive": dict(
+        breaker_enabled="false",
+        retry_budget_enabled="false",
+        outlier_enabled="false",
+        hedge_enabled="false",
+        reroute_unstarted="false",
+        retry_attach_enabled="false",
+        first_token_timeout_multiple=0,
+    ),
+}
+LEGACY: dict[str, dict] = {  # used where the router has no breaker_enabled / retry_budget_enabled
+    "breaker_enabled": dict(
+        breaker_consecutive_failures=1_000_000, breaker_failure_rate=1.0, breaker_min_requests=1_000_000
+    ),
+    "retry_budget_enabled": dict(retry_budget_retry_ratio=1.0, retry_budget_min_retries_per_second=1e6),
+}
+
+
+def router_flags(kind: str, known: set[str]) -> dict:
+    """COMMON + ROUTERS[kind] + the SWITCHES this router knows (+ LEGACY for those it does not)."""
+    out = {**COMMON, **ROUTERS[kind][0]}
+    for name, value in SWITCHES[kind].items():
+        if name in known:
+            out[name] = value
+        elif kind == "naive":
+            out.update(LEGACY.get(name, {}))
+    return out
+
+
+def known_router_flags() -> set[str]:
+    """Flag names (snake_case) of the router on this checkout, from its --help."""
+    text = subprocess.run(
+        [sys.executable, "-m", "services.router.main", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
+    return {m.replace("-", "_") for m in re.findall(r"--([a-z0-9-]+)", text)}
 
 
 @dataclass(frozen=True)
@@ -195,12 +238,13 @@ def trace(span_s: float, seed: int) -> list[Item]:
 class Mesh:
     launcher: Launcher
     router_kind: str
+    router_args: dict
     router: RunningService | None = None
     workers: dict[int, RunningService] = field(default_factory=dict)
     incarnation: dict[int, int] = field(default_factory=dict)
 
     def start(self) -> None:
-        args = flags(**COMMON, **ROUTERS[self.router_kind][0])
+        args = flags(**self.router_args, metrics_port=0)
         self.router = self.launcher.start(
             ServiceSpec(
                 f"router-{self.router_kind}",
@@ -216,6 +260,7 @@ class Mesh:
             time.sleep(0.05)
         ports = json.loads(self.router.port_file.read_text())
         self.router.port, self.router.internal_port = ports["port"], ports["internal_port"]
+        self.router.metrics_port = ports.get("metrics_port")
         for i in range(N_WORKERS):
             self.start_worker(i, wait=False)
         for w in self.workers.values():
@@ -286,6 +331,35 @@ def router_stats(mesh: Mesh) -> router_pb2.RouterServiceStatsResponse:
     ch, stub = router_stub(mesh)
     with ch:
         return stub.Stats(router_pb2.RouterServiceStatsRequest(), timeout=10)
+
+
+# Router metrics read at the start and end of a run (those that exist on this checkout).
+METRICS = (
+    "pdmesh_router_wasted_tokens_by_cause",
+    "pdmesh_router_hedges",
+    "pdmesh_router_reroutes",
+    "pdmesh_router_outlier_transitions",
+    "pdmesh_router_retried_arrivals",
+    "pdmesh_router_breaker_transitions",
+)
+
+
+def scrape(mesh: Mesh) -> dict[str, float]:
+    """{'name{labels}': value} of the METRICS counters on the router's /metrics."""
+    assert mesh.router is not None
+    if not mesh.router.metrics_port:
+        return {}
+    url = f"http://127.0.0.1:{mesh.router.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(METRICS):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0].endswith("_total"):
+            out[key.replace("_total", "", 1)] = float(value)
+    return out
 
 
 # ---- fault driver and Stats poller (threads; times on the run clock) ---------------------
@@ -456,11 +530,19 @@ def leaked_blocks(mesh: Mesh, timeout_s: float = 60.0) -> int:
         time.sleep(0.25)  # polling until idle, with a deadline
 
 
-def run_one(name: str, router_kind: str, faulted: bool, sched: Schedule, items: list[Item], workdir: str):
+def run_one(
+    name: str,
+    router_kind: str,
+    router_args: dict,
+    faulted: bool,
+    sched: Schedule,
+    items: list[Item],
+    workdir: str,
+):
     from bench.faults_report import RunResult
 
     launcher = Launcher(Path(workdir) / name)
-    mesh = Mesh(launcher, router_kind)
+    mesh = Mesh(launcher, router_kind, router_args)
     stop, closed = threading.Event(), threading.Event()
     win = Windows()
     samples: list[Sample] = []
@@ -471,7 +553,7 @@ def run_one(name: str, router_kind: str, faulted: bool, sched: Schedule, items: 
             f"  {name}: mesh up in {time.perf_counter() - t_start:.0f} s (logs {launcher.workdir})",
             flush=True,
         )
-        stats0 = router_stats(mesh)
+        stats0, metrics0 = router_stats(mesh), scrape(mesh)
         t0 = time.perf_counter()
 
         def clock() -> float:
@@ -490,8 +572,8 @@ def run_one(name: str, router_kind: str, faulted: bool, sched: Schedule, items: 
         threads[0].join(60)
         for i in mesh.workers:
             mesh.signal(i, signal.SIGCONT)
-        stats1 = router_stats(mesh)
-        leaked = leaked_blocks(mesh)
+        leaked = leaked_blocks(mesh)  # idle first: every request's cost is in the ledger
+        stats1, metrics1 = router_stats(mesh), scrape(mesh)
     finally:
         stop.set()
         mesh.close()
@@ -499,7 +581,9 @@ def run_one(name: str, router_kind: str, faulted: bool, sched: Schedule, items: 
     for line in win.log:
         print(f"    {line}")
     slow = win.faults.get(0, [(0.0, 0.0)])[0]
-    return RunResult(name, records, samples, win, stats0, stats1, sched.span_s, leaked, slow[0], slow[1])
+    res = RunResult(name, records, samples, win, stats0, stats1, sched.span_s, leaked, slow[0], slow[1])
+    res.metrics = {k: v - metrics0.get(k, 0.0) for k, v in metrics1.items() if v - metrics0.get(k, 0.0)}
+    return res
 
 
 # ---- main ------------------------------------------------------------------------------
@@ -544,14 +628,23 @@ def main(argv: list[str] | None = None) -> int:
         f"+ restart; decode-3 flapping {sched.flap_period_s:g} s up / {sched.flap_period_s:g} s down "
         f"{sched.flap_at:g}-{sched.flap_at + sched.flap_s:g} s"
     )
-    for kind, (rflags, policy) in ROUTERS.items():
-        out(f"  {kind} router flags: {' '.join(flags(**COMMON, **rflags))}; clients: {policy}")
+    known = known_router_flags()
+    args_of = {kind: router_flags(kind, known) for kind in ROUTERS}
+    head = subprocess.run(
+        ["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True
+    ).stdout.strip()
+    out(f"  checkout: {head[:100]}")
+    for kind, (_, policy) in ROUTERS.items():
+        out(f"  {kind} router flags: {' '.join(flags(**args_of[kind]))}; clients: {policy}")
+    missing = sorted({n for sw in SWITCHES.values() for n in sw} - known)
+    if missing:
+        out(f"  not on this checkout (so not used): {', '.join('--' + m.replace('_', '-') for m in missing)}")
     workdir = tempfile.mkdtemp(prefix="bench-faults-")
     plan = {"clean": ("pdmesh", False), "pdmesh": ("pdmesh", True), "naive": ("naive", True)}
     results: dict[str, rep.RunResult] = {}
     for name in args.runs.split(","):
         kind, faulted = plan[name]
-        results[name] = res = run_one(name, kind, faulted, sched, items, workdir)
+        results[name] = res = run_one(name, kind, args_of[kind], faulted, sched, items, workdir)
         for line in rep.summary_lines(res, SLO_TTFT_S, SLO_TPOT_S, HUNG_SLACK_S):
             out(line)
     RESULTS.mkdir(exist_ok=True)

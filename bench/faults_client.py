@@ -10,7 +10,9 @@ inside) and the retry loop around `RouterService.Generate`. Two policies:
   retry-after hint of at most 60 s (here the router's `retry-after-ms`
   trailer), which it waits instead. A stream that broke after its first token
   is not retried (the SDK retries the request, not a stream it already
-  returned). The same request id on every attempt (an idempotency key).
+  returned). Every attempt of a request carries one idempotency key (gRPC
+  metadata `idempotency-key`, the HTTP header's name), as a client with
+  idempotent retries sends; the router may join a retry to the running request.
 - `NAIVE`: a client behind a plain proxy with default retries: on any error,
   mid-stream too, send the whole request again at once, until its deadline
   (`MAX_NAIVE_ATTEMPTS` only bounds a pathological loop; reported if hit).
@@ -43,18 +45,18 @@ class RetryPolicy:
     backoff: bool  # exponential backoff with jitter (else: at once)
     honour_hint: bool  # wait the server's retry-after hint when it sends one
     retry_mid_stream: bool  # retry a stream that broke after its first token
-    same_request_id: bool  # every attempt carries the first one's request id
+    idempotency_key: bool  # every attempt carries one key per request (gRPC metadata idempotency-key)
     any_error: bool = False  # retry every error (else only RETRYABLE codes)
 
 
-SDK = RetryPolicy("sdk", 2, backoff=True, honour_hint=True, retry_mid_stream=False, same_request_id=True)
+SDK = RetryPolicy("sdk", 2, backoff=True, honour_hint=True, retry_mid_stream=False, idempotency_key=True)
 NAIVE = RetryPolicy(
     "naive",
     MAX_NAIVE_ATTEMPTS - 1,
     backoff=False,
     honour_hint=False,
     retry_mid_stream=True,
-    same_request_id=False,
+    idempotency_key=False,
     any_error=True,
 )
 
@@ -130,9 +132,11 @@ class RetryingClient:
             if left <= 0:
                 rec.code = rec.code or "DEADLINE_EXCEEDED"
                 break
-            rid = f"{run_id}-{rec.index}" + ("" if self.policy.same_request_id else f"-a{rec.attempts}")
+            key = f"{run_id}-{rec.index}"
+            rid = f"{key}-a{rec.attempts}"  # a new id per attempt: the last one may still be ending
+            meta = (("idempotency-key", key),) if self.policy.idempotency_key else None
             rec.attempts += 1
-            got, err = await self._attempt(rec, prompt, rid, left, clock)
+            got, err = await self._attempt(rec, prompt, rid, meta, left, clock)
             if err is None:
                 break
             rec.code = err.code().name
@@ -154,7 +158,7 @@ class RetryingClient:
                 await asyncio.sleep(wait)  # the client's retry backoff, not synchronisation
         rec.end_s = clock()
 
-    async def _attempt(self, rec: Logical, prompt, rid: str, timeout_s: float, clock):
+    async def _attempt(self, rec: Logical, prompt, rid: str, meta, timeout_s: float, clock):
         """(tokens received, None) on success, (tokens received, error) on failure."""
         sampling = common_pb2.SamplingParams(max_tokens=rec.max_tokens, ignore_eos=True)
         req = router_pb2.GenerateRequest(
@@ -162,7 +166,7 @@ class RetryingClient:
         )
         got, first, final = 0, None, None
         try:
-            async for msg in self._stub.Generate(req, timeout=timeout_s):
+            async for msg in self._stub.Generate(req, timeout=timeout_s, metadata=meta):
                 if msg.HasField("delta"):
                     if msg.delta.token_ids and first is None:
                         first = clock()

@@ -28,7 +28,7 @@ class RunResult:
     leaked_blocks: int = 0
     slow_at: float = 0.0
     slow_end: float = 0.0
-    extra: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # router counters' deltas over the run (nonzero)
 
     def delta(self, name: str) -> int:
         return int(getattr(self.stats1, name) - getattr(self.stats0, name))
@@ -144,6 +144,7 @@ def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s:
         f"count {w['router_wasted']:,})",
         f"    wasted by cause: failed {w['failed']:,}, client retries {w['client_retried']:,}, "
         f"router retries {w['router_retried']:,}, migrated {w['migrated']:,}, other {w['other']:,}",
+        *_metric_lines(res),
         f"    healthy workers' peak queue (waiting+running) {peak}, waiting alone {peak_wait}; "
         f"leaked blocks at the end {res.leaked_blocks}",
     ]
@@ -153,6 +154,26 @@ def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s:
             f"{slow_share(res, res.slow_at, res.slow_at + 10):.3f}, after 10 s "
             f"{slow_share(res, res.slow_at + 10, res.slow_end):.3f}"
         )
+    return lines
+
+
+def _label(key: str) -> str:
+    """'name{cause="hedged"}' -> 'hedged'."""
+    return key.split("=", 1)[1].strip('"}') if "=" in key else key
+
+
+def _metric_lines(res: RunResult) -> list[str]:
+    if not res.metrics:
+        return []
+    by_cause = {k: v for k, v in res.metrics.items() if k.startswith("pdmesh_router_wasted_tokens_by_cause")}
+    rest = {k: v for k, v in res.metrics.items() if k not in by_cause}
+    lines = []
+    if by_cause:
+        text = ", ".join(f"{_label(k)} {v:,.0f}" for k, v in sorted(by_cause.items()))
+        lines.append(f"    router's wasted tokens by cause: {text}")
+    if rest:
+        text = ", ".join(f"{k.removeprefix('pdmesh_router_')} {v:g}" for k, v in sorted(rest.items()))
+        lines.append(f"    router counters: {text}")
     return lines
 
 
