@@ -94,6 +94,7 @@ DEADLINE_S = 10.0  # per request, from its arrival, all attempts included
 SLO_TTFT_S = 1.0
 SLO_TPOT_S = 0.1
 HUNG_SLACK_S = 1.0
+READ_TIMEOUT_S = 4.0  # both clients abandon an attempt with no message for this long (4x the SLO TTFT)
 POLL_S = 0.25
 HEAL_GRACE_S = 3.0
 
@@ -493,7 +494,7 @@ def poll(mesh: Mesh, clock, stop: threading.Event, out: list[Sample]) -> None:
 
 
 async def send(items: list[Item], address: str, policy: RetryPolicy, clock, seed: int) -> list[Logical]:
-    client = RetryingClient(address, policy, seed)
+    client = RetryingClient(address, policy, seed, READ_TIMEOUT_S)
     run_id = uuid.uuid4().hex[:8]
     records: list[Logical] = []
     tasks: list[asyncio.Task] = []
@@ -619,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     out(
         f"  {N_WORKERS} sim decode workers (dynamo-mocker, speedup {SPEEDUP:g}, max_num_seqs {MAX_NUM_SEQS}, "
         f"no prefix cache); Poisson {RATE:g} req/s for {sched.span_s:.0f} s = {len(items)} requests, "
-        f"prompts 48-384, outputs 16-48 tokens; deadline {DEADLINE_S:g} s; SLO TTFT <= {SLO_TTFT_S:g} s, "
+        f"prompts 48-384, outputs 16-48 tokens; deadline {DEADLINE_S:g} s, client read timeout "
+        f"{READ_TIMEOUT_S:g} s; SLO TTFT <= {SLO_TTFT_S:g} s, "
         f"TPOT <= {1000 * SLO_TPOT_S:g} ms"
     )
     out(

@@ -19,7 +19,11 @@ inside) and the retry loop around `RouterService.Generate`. Two policies:
 
 Every request has a deadline `deadline_s` from its arrival; an attempt gets
 what is left as its gRPC timeout, so nothing can outlive it by more than the
-scheduling of this process. Tokens an attempt received before failing are
+scheduling of this process. Both clients also have a read timeout
+(`read_timeout_s`, as an application sets the SDK's `timeout=`, which httpx
+applies to every read): an attempt with no message for that long is
+abandoned (cancelled) and counts as READ_TIMEOUT, which the SDK retries before
+the first token (APITimeoutError) and the naive client always. Tokens an attempt received before failing are
 counted per request (`failed_attempt_tokens`): the clients' own count of
 work thrown away.
 """
@@ -34,7 +38,7 @@ import grpc
 
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN"}
+RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN", "READ_TIMEOUT"}
 MAX_NAIVE_ATTEMPTS = 50
 
 
@@ -115,8 +119,9 @@ def _hint_s(err: grpc.aio.AioRpcError) -> float | None:
 
 
 class RetryingClient:
-    def __init__(self, address: str, policy: RetryPolicy, seed: int):
+    def __init__(self, address: str, policy: RetryPolicy, seed: int, read_timeout_s: float):
         self.policy = policy
+        self.read_timeout_s = read_timeout_s
         self._rng = random.Random(seed)
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
@@ -165,8 +170,16 @@ class RetryingClient:
             request_id=rid, token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling
         )
         got, first, final = 0, None, None
+        call = self._stub.Generate(req, timeout=timeout_s, metadata=meta)
         try:
-            async for msg in self._stub.Generate(req, timeout=timeout_s, metadata=meta):
+            while True:
+                try:  # the client's read timeout: no message for this long abandons the attempt
+                    msg = await asyncio.wait_for(call.read(), self.read_timeout_s)
+                except TimeoutError:
+                    call.cancel()
+                    return got, _Failed("READ_TIMEOUT")
+                if msg is grpc.aio.EOF:
+                    break
                 if msg.HasField("delta"):
                     if msg.delta.token_ids and first is None:
                         first = clock()
@@ -176,7 +189,7 @@ class RetryingClient:
         except grpc.aio.AioRpcError as e:
             return got, e
         if final is None or got == 0:
-            return got, _Incomplete()
+            return got, _Failed("INCOMPLETE")
         rec.ok, rec.code, rec.first_token_s, rec.tokens = True, "", first, got
         rec.computed, rec.migrations, rec.worker_id = (
             final.usage.computed_tokens,
@@ -186,11 +199,15 @@ class RetryingClient:
         return got, None
 
 
-class _Incomplete:
-    """A stream that ended OK without a final message or tokens (never expected: a bug if seen)."""
+class _Failed:
+    """An attempt that ended without a gRPC error: READ_TIMEOUT (the client gave up on it) or
+    INCOMPLETE (OK without a final message or tokens: never expected, a bug if seen)."""
+
+    def __init__(self, name: str):
+        self.name = name
 
     def code(self):
-        return grpc.StatusCode.DATA_LOSS
+        return self
 
     def trailing_metadata(self):
         return ()
