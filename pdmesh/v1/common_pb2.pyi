@@ -191,7 +191,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., accelerator: _Optional[_Union[AcceleratorKind, str]] = ..., kv_capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., engine_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_agent_name: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks")
+    __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks", "not_serving_reason", "no_progress_ms")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     TOKENS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,8 @@ class WorkerLoad(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_DECODE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
+    NO_PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     tokens_waiting: int
@@ -206,7 +208,9 @@ class WorkerLoad(_message.Message):
     free_blocks: int
     estimated_wait_ms: float
     active_decode_blocks: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ..., active_decode_blocks: _Optional[int] = ...) -> None: ...
+    not_serving_reason: str
+    no_progress_ms: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ..., active_decode_blocks: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., no_progress_ms: _Optional[int] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("seq", "stored", "removed", "cleared")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,15 @@ log = structlog.get_logger()
 # Status details travel in a header (percent-encoded, up to 12 bytes a character);
 # clients refuse headers over 16 KiB and then see RESOURCE_EXHAUSTED instead of the status.
 MAX_DETAILS_CHARS = 512
+
+# Retry hints ("retry-after-ms") are spread over [h, (1 + RETRY_JITTER) h]: clients
+# shed in the same burst are told different waits and come back spread out, not
+# as one wave that is shed again (issue 18 item 4). Only upwards: never sooner
+# than the estimate.
+RETRY_JITTER = 0.25
+# The hint of an UNAVAILABLE that names none: half the router's health-probe interval (1 s),
+# so a client is back about when the mesh has seen a worker come or go (HTTP: Retry-After 1).
+UNAVAILABLE_RETRY_AFTER_S = 0.5
 
 
 class MeshError(Exception):
@@ -67,6 +77,20 @@ class Unauthenticated(MeshError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+def retry_after_ms(
+    exc: BaseException | None, code: grpc.StatusCode, rand: Callable[[], float] = random.random
+) -> int | None:
+    """The jittered "retry-after-ms" hint of an error at the edge, None for none:
+    the error's own `retry_after_s`, else UNAVAILABLE_RETRY_AFTER_S for UNAVAILABLE.
+    O(1), one float draw: it runs on every shed request."""
+    hint = getattr(exc, "retry_after_s", None)
+    if hint is None and code == grpc.StatusCode.UNAVAILABLE:
+        hint = UNAVAILABLE_RETRY_AFTER_S
+    if hint is None:
+        return None
+    return int(hint * (1.0 + RETRY_JITTER * rand()) * 1000)
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The gRPC status for a known domain error, None for anything else.
 
@@ -97,9 +121,9 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException, metho
     code, message = mapped
     if len(message) > MAX_DETAILS_CHARS:  # messages echo client input, and headers have a size limit
         message = message[:MAX_DETAILS_CHARS] + "..."
-    retry_after = getattr(exc, "retry_after_s", None)
-    if retry_after is not None:
-        context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))
+    retry_ms = retry_after_ms(exc, code)
+    if retry_ms is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
     await context.abort(code, message)
 
 

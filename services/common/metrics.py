@@ -10,30 +10,78 @@ every service's registry against these rules.
 
 from __future__ import annotations
 
+import socket
+import threading
 import weakref
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
     GCCollector,
     PlatformCollector,
     ProcessCollector,
+    make_wsgi_app,
     start_http_server,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
+
+# (ready, reason) for the HTTP readiness probe; answered on the server's own thread.
+Readiness = Callable[[], tuple[bool, str]]
 
 # Latency buckets in seconds, from sub-millisecond router hops to long prefills.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class MetricsServer:
-    """The HTTP server exposing one registry on /metrics."""
+    """The HTTP server exposing one registry on /metrics; with `readiness`, also the
+    Kubernetes-style probes `/livez` (200 while the process answers) and `/readyz`
+    (200, or 503 with the reason as the body)."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, readiness: Readiness | None = None):
+        if readiness is None:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        else:
+            self._server, self._thread = _serve(_with_probes(make_wsgi_app(registry), readiness), host, port)
         self.port: int = self._server.server_port
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # probes every few seconds: no access log
+        pass
+
+
+def _serve(app: Callable, host: str, port: int) -> tuple[ThreadingWSGIServer, threading.Thread]:
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
+def _with_probes(metrics_app: Callable, readiness: Readiness) -> Callable:
+    """/livez and /readyz in front of the metrics app. They never touch the event loop
+    or the engine: `readiness` reads state the service keeps current."""
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/livez", "/readyz"):
+            return metrics_app(environ, start_response)
+        ok, reason = (True, "live") if path == "/livez" else readiness()
+        body = f"{reason or ('ready' if ok else 'not ready')}\n".encode()
+        status = "200 OK" if ok else "503 Service Unavailable"
+        start_response(
+            status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+        )
+        return [body]
+
+    return app
 
 
 _WITH_PROCESS_METRICS: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()
@@ -51,9 +99,11 @@ def add_process_metrics(registry: CollectorRegistry) -> CollectorRegistry:
     return registry
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer | None:
-    """Serve `registry` (with the process metrics) on host:port (0 = any free port); None
-    when port < 0 (disabled)."""
+def start_metrics_server(
+    registry: CollectorRegistry, host: str, port: int, readiness: Readiness | None = None
+) -> MetricsServer | None:
+    """Serve `registry` (with the process metrics) on host:port (0 = any free port), and
+    the probes when `readiness` is given; None when port < 0 (disabled)."""
     if port < 0:
         return None
-    return MetricsServer(add_process_metrics(registry), host, port)
+    return MetricsServer(add_process_metrics(registry), host, port, readiness)

@@ -7,8 +7,10 @@
   - a drain gate: on SIGTERM health goes NOT_SERVING, new application calls
     get UNAVAILABLE, in-flight calls finish (up to `drain_grace_s`), then the
     server stops;
-  - optionally the Prometheus metrics HTTP server and a port file that tells a
-    parent process (pdmesh up, e2e tests) the ports bound when asked for port 0;
+  - optionally the Prometheus metrics HTTP server, with the HTTP probes
+    `/livez` and `/readyz` (the same readiness as grpc.health.v1, with its
+    reason), and a port file that tells a parent process (pdmesh up, e2e
+    tests) the ports bound when asked for port 0;
   - with a `TlsConfig` holding a certificate: TLS (mTLS with require_client_cert)
     on the port, the certificate re-read when its files change, per-method mesh
     roles (services/common/call_guards.py), and optionally a plaintext port that
@@ -40,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from services.common.call_guards import ConnectionLimit, MeshAuthorizer
 from services.common.channels import KEEPALIVE_TIME_MS, server_keepalive_options
 from services.common.config import require, setting
+from services.common.errors import retry_after_ms
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.request_guard import MalformedRequestGuard
 from services.common.tls import TlsConfig, server_credentials
@@ -132,6 +135,9 @@ class _DrainGate(grpc.aio.ServerInterceptor):
         ser = {"request_deserializer": h.request_deserializer, "response_serializer": h.response_serializer}
 
         async def refuse(context: grpc.aio.ServicerContext) -> None:
+            # A hint like every UNAVAILABLE's: a client with no other instance waits for the restart.
+            retry_ms = retry_after_ms(None, grpc.StatusCode.UNAVAILABLE)
+            context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another instance")
 
         if h.unary_unary is not None:
@@ -261,6 +267,12 @@ class MeshServer:
         self.metrics: MetricsServer | None = None
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Future[None] | None = None
+        # Readiness as the HTTP probe reports it (read from the metrics thread).
+        self._ready = False
+        self._not_ready_reason = "starting"
+        # A further check for the HTTP probe: a non-empty reason means not ready
+        # (a worker's HealthWatch: its event loop stopped ticking).
+        self.readiness_check: Callable[[], str] | None = None
 
     @property
     def address(self) -> str:
@@ -299,7 +311,9 @@ class MeshServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.registry is not None:
-            self.metrics = start_metrics_server(self.registry, self.config.host, self.config.metrics_port)
+            self.metrics = start_metrics_server(
+                self.registry, self.config.host, self.config.metrics_port, self.http_readiness
+            )
         self._write_port_file()
         log.info(
             "serving",
@@ -324,12 +338,24 @@ class MeshServer:
             json.dump(data, f)
         os.replace(tmp, self.config.port_file)  # atomic: readers never see half a file
 
-    async def set_ready(self, ready: bool) -> None:
+    async def set_ready(self, ready: bool, reason: str = "") -> None:
+        """Readiness of the service's own name; `reason` says why not (the HTTP probe's body)."""
         status = (
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         if not self._gate.draining:
+            self._ready, self._not_ready_reason = ready, "" if ready else (reason or "not ready")
             await self.health.set(self.service_name, status)
+
+    def http_readiness(self) -> tuple[bool, str]:
+        """(ready, reason) for `/readyz`: what grpc.health.v1 says for the service's name,
+        from state this server keeps (never a call into the loop)."""
+        if self._gate.draining:
+            return False, "draining"
+        if not self._ready:
+            return False, self._not_ready_reason
+        extra = self.readiness_check() if self.readiness_check is not None else ""
+        return (not extra, extra or "serving")
 
     async def drain(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, refuse new calls, let in-flight calls finish, stop."""

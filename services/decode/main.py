@@ -45,6 +45,7 @@ async def serve(settings: DecodeSettings) -> None:
         probe=PrefillLoadProbe(rt.channels) if remote is not None else None,
         max_request_s=decode_cfg.max_request_s,
         draining=rt.server.drain_started,
+        health=rt.health,
     )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, rt.server.server)
     await rt.serve(servicer.load)

@@ -37,6 +37,7 @@ from services.decode.remote_prefill import RemotePrefill
 from services.decode.worker import DecodeJob, DecodeWorker, Finished, Tokens
 from services.engine.api import Engine, EngineRequest
 from services.model.sampling import FINISH_TO_PROTO, check_sampling
+from services.worker.health import HealthWatch
 from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 _MODES = {
@@ -60,8 +61,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         probe: PrefillLoadProbe | None = None,
         max_request_s: float = DecodeConfig.max_request_s,
         draining: asyncio.Event | None = None,
+        health: HealthWatch | None = None,
     ):
         self.engine = engine
+        self.health = health  # the forward-progress verdict Stats and heartbeats carry
         self.metrics = metrics
         self.limits = limits
         self.info = worker_info
@@ -153,7 +156,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def load(self) -> common_pb2.WorkerLoad:
         s = self.engine.stats()
-        return load_from_stats(s, self.worker.local_wait_s(s) * 1000.0)
+        return load_from_stats(s, self.worker.local_wait_s(s) * 1000.0, self.health)
 
     def stats_response(self) -> worker_pb2.StatsResponse:
         s = self.engine.stats()

@@ -5,8 +5,9 @@ with a status code that says who should act: 400 for the request (malformed
 body, unsupported parameter, or the router's INVALID_ARGUMENT, whose leading
 "field:" becomes `param`), 404 for an unknown model (as OpenAI and vLLM answer),
 429 with `Retry-After` when the router sheds (RESOURCE_EXHAUSTED and its
-"retry-after-ms" trailer), 503 when the router is unreachable or draining
-(UNAVAILABLE), 504 on DEADLINE_EXCEEDED, 401 with `WWW-Authenticate: Bearer`
+"retry-after-ms" trailer, also passed on as the `retry-after-ms` header the
+OpenAI SDK reads first), 503 with the same headers when the router is
+unreachable or draining (UNAVAILABLE), 504 on DEADLINE_EXCEEDED, 401 with `WWW-Authenticate: Bearer`
 on UNAUTHENTICATED (a missing or unknown API key).
 """
 
@@ -55,7 +56,7 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
 }
 
-# Retry-After when the router sheds without a hint (seconds).
+# Retry-After when the router sheds or is unavailable without a hint (seconds).
 DEFAULT_RETRY_AFTER_S = 1
 
 
@@ -80,7 +81,7 @@ def from_grpc(code: grpc.StatusCode, details: str, trailing: object = ()) -> Gat
     err = GatewayError(status, details or code.name, kind, code=code.name.lower())
     if status == 400 and (m := _FIELD.match(details or "")):
         err.param = m.group("param")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
         ms = retry_after_ms(trailing)
         # Retry-After is whole seconds (RFC 9110); the exact hint rides along in ms.
         err.headers["Retry-After"] = str(
@@ -88,8 +89,6 @@ def from_grpc(code: grpc.StatusCode, details: str, trailing: object = ()) -> Gat
         )
         if ms is not None:
             err.headers["retry-after-ms"] = str(ms)
-    elif code == grpc.StatusCode.UNAVAILABLE:
-        err.headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S)
     elif code == grpc.StatusCode.UNAUTHENTICATED:
         err.headers["WWW-Authenticate"] = "Bearer"
     return err

@@ -52,6 +52,7 @@ async def serve(settings: PrefillSettings) -> None:
         kv_source_address=rt.address,
         agent_name=rt.transport.agent_name if rt.transport else "",
         config=prefill_cfg,
+        health=rt.health,
     )
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, rt.server.server)
     keeper.start()

@@ -46,6 +46,7 @@ from services.model.sampling import FINISH_TO_PROTO, check_sampling
 from services.prefill.config import PrefillConfig
 from services.prefill.lease_budget import LeaseBudget
 from services.prefill.metrics import PrefillMetrics
+from services.worker.health import HealthWatch
 from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 log = structlog.get_logger()
@@ -62,8 +63,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         kv_source_address: str,
         agent_name: str,
         config: PrefillConfig | None = None,
+        health: HealthWatch | None = None,
     ):
         self.engine = engine
+        self.health = health  # the forward-progress verdict Stats and heartbeats carry
         self.leases = leases
         self.metrics = metrics
         self.limits = limits
@@ -281,4 +284,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def load(self) -> common_pb2.WorkerLoad:
         s = self.engine.stats()
         self.waits.observe(s.prompt_tokens_computed, s.tokens_waiting)
-        return load_from_stats(s, self.waits.wait_s(s.tokens_waiting) * 1000.0)
+        return load_from_stats(s, self.waits.wait_s(s.tokens_waiting) * 1000.0, self.health)

@@ -31,7 +31,11 @@ start before its deadline is refused at once (`DeadlineUnreachable`) rather
 than queued to die: when the deadline has passed, when its tenant's bucket
 refills only after it, or when the estimated queue wait ends after it. The wait
 estimate is (position + 1) x mean slot hold time / max_inflight, with the mean
-an EWMA of observed holds: a lower bound when later arrivals outrank it.
+an EWMA of observed holds: a lower bound when later arrivals outrank it. A
+request shed because its priority's queue is full is told that same estimate
+as its retry hint (the wait behind everyone at or above its priority), and the
+shed itself is O(1): no scan of the queue unless the newcomer has sunk
+workflow tokens to weigh against a waiter's.
 """
 
 from __future__ import annotations
@@ -247,8 +251,11 @@ class AdmissionController:
         if waiting_here >= cfg.queue_limit_per_priority and self._shed_for(priority, workflow, now):
             waiting_here -= 1
         if waiting_here >= cfg.queue_limit_per_priority:
-            ahead = self._waiting_at_or_above(priority + 1)
-            retry = self._clamp_retry((ahead + 1) * self._slot_interval_s())
+            # The hint is the wait a request of this priority queued now would see: every
+            # waiter at or above it goes first, one slot release (measured hold time /
+            # slots) each. Counting only the higher priorities (as before issue 18) told
+            # clients ~50 ms while the queue took seconds, and they came back as a storm.
+            retry = self._clamp_retry(self.estimated_wait_s(priority))
             self._reject(AdmissionRejected("queue_full", f"queue for priority {priority} is full", retry))
         est = self.estimated_wait_s(priority)
         if deadline is not None and now + est >= deadline:
@@ -362,7 +369,9 @@ class AdmissionController:
         """Make room in `priority`'s full queue for a newcomer with `workflow`'s
         sunk cost by shedding the waiter whose loss wastes the fewest spent
         tokens, if that is fewer than the newcomer's. True when one was shed."""
-        if not self.config.sunk_cost_shedding:
+        if not self.config.sunk_cost_shedding or workflow.tokens_spent <= 0:
+            # A newcomer with no sunk tokens displaces nobody (no waiter has fewer than
+            # none): the common shed, in a storm, stays O(1) with no scan of the queue.
             return False
         # Scans the heap: bounded by queue_limit_per_priority per level, and only when one is full.
         candidates = [
@@ -407,6 +416,7 @@ class AdmissionController:
         return min(max(seconds, self.config.min_retry_after_s), self.config.max_retry_after_s)
 
     def _waiting_at_or_above(self, priority: int) -> int:
+        # O(priority levels with waiters), at most the configured range: never the queue.
         return sum(n for p, n in self._waiting_by_priority.items() if p >= priority)
 
     def _open(self, tenant: str, delta: int) -> None:

@@ -63,6 +63,8 @@ def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
         free_blocks=msg.free_blocks,
         estimated_wait_ms=msg.estimated_wait_ms,
         active_decode_blocks=msg.active_decode_blocks,
+        not_serving_reason=msg.not_serving_reason,
+        no_progress_ms=msg.no_progress_ms,
     )
 
 
@@ -75,6 +77,8 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
         free_blocks=load.free_blocks,
         estimated_wait_ms=load.estimated_wait_ms,
         active_decode_blocks=load.active_decode_blocks,
+        not_serving_reason=load.not_serving_reason,
+        no_progress_ms=load.no_progress_ms,
     )
 
 

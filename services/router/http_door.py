@@ -29,7 +29,7 @@ import structlog
 import uvicorn
 
 from pdmesh.v1 import router_pb2
-from services.common.errors import Unavailable, status_of
+from services.common.errors import Unavailable, retry_after_ms, status_of
 from services.common.server import ServerConfig
 from services.common.tls import TlsConfig, https_server_context
 from services.gateway.app import Gateway
@@ -53,8 +53,8 @@ def http_error(exc: BaseException) -> GatewayError:
         log.error("internal_error", method="http_door", exc_info=exc)
         return GatewayError(500, f"internal error ({type(exc).__name__})", "internal_error", code="internal")
     code, message = mapped
-    retry_after = getattr(exc, "retry_after_s", None)
-    trailing = (("retry-after-ms", str(int(retry_after * 1000))),) if retry_after is not None else ()
+    retry_ms = retry_after_ms(exc, code)  # jittered, as the gRPC door's trailer
+    trailing = (("retry-after-ms", str(retry_ms)),) if retry_ms is not None else ()
     return from_grpc(code, message, trailing)
 
 

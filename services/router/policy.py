@@ -53,6 +53,10 @@ class WorkerLoad:
     free_blocks: int = 0
     estimated_wait_ms: float = 0.0
     active_decode_blocks: int = 0
+    # The worker's own readiness verdict (issue 18): "" while ready, else why not
+    # ("no_progress"), and how long it has had work and computed nothing.
+    not_serving_reason: str = ""
+    no_progress_ms: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 `WorkerRuntime` owns, in start order: the engine (model loaded, step loop
 running), the gRPC server (bound early so the worker knows its address), the
-KV transport with its agent registered at the KV-transfer service, and the
-router membership. Role-specific mains add their servicers between `setup()`
+KV transport with its agent registered at the KV-transfer service, the
+forward-progress health watch (services/worker/health.py) and the router
+membership. Role-specific mains add their servicers between `setup()`
 and `serve()`. Shutdown runs in reverse: drain the server (NOT_SERVING,
 in-flight calls finish), leave the router, close the transport, close the
 engine. With a `TlsConfig` the server and every client channel (router,
@@ -38,6 +39,7 @@ from services.common.tracing import shutdown as shutdown_tracing
 from services.engine.api import Engine
 from services.engine.config import EngineConfig
 from services.engine.factory import create_engine
+from services.worker.health import HealthWatch
 from services.worker.metrics import EngineCollector
 from services.worker.serving import default_worker_id
 
@@ -56,10 +58,16 @@ class WorkerConfig:
         "", "host:port of the router's internal port (--internal-port) to join at run time ('' = static only)"
     )
     router_lease_ms: int = setting(10_000, "lease of the runtime registration at the router")
+    stall_not_serving_s: float = setting(
+        5.0,
+        "readiness goes NOT_SERVING (reason no_progress) when the engine has requests and computes "
+        "no token for this long, and comes back when tokens flow (0 = off)",
+    )
 
     def __post_init__(self) -> None:
         require(self.kv_transport in KINDS, f"kv_transport must be one of {KINDS}, got {self.kv_transport!r}")
         require(self.router_lease_ms >= 500, "router_lease_ms must be >= 500")
+        require(self.stall_not_serving_s >= 0, "stall_not_serving_s must be >= 0")
 
 
 class WorkerRuntime:
@@ -87,6 +95,12 @@ class WorkerRuntime:
         self.directory: AgentDirectory | None = None
         self.reporter: ServiceReporter | None = None
         self.membership: RouterMembership | None = None
+        # Readiness from forward progress; None when --stall-not-serving-s is 0.
+        self.health: HealthWatch | None = (
+            HealthWatch(self.engine, self.server, config.stall_not_serving_s)
+            if config.stall_not_serving_s > 0
+            else None
+        )
         self.worker_id = ""
         self.address = ""
 
@@ -150,6 +164,8 @@ class WorkerRuntime:
         """Start serving, become ready, join the router; return once drained."""
         await self.server.start()
         await self.server.set_ready(True)
+        if self.health is not None:
+            self.health.start()
         if self.config.router_address:
             self.membership = RouterMembership(
                 self.channels.get(self.config.router_address), self.info, load, self.config.router_lease_ms
@@ -161,6 +177,8 @@ class WorkerRuntime:
 
     async def shutdown(self) -> None:
         """After the drain: leave the router, close KV and the engine."""
+        if self.health is not None:
+            await self.health.stop()
         if self.membership is not None:
             await self.membership.stop()
         if self.reporter is not None:

@@ -17,6 +17,7 @@ import grpc
 
 from pdmesh.v1 import common_pb2, worker_pb2
 from services.engine.api import Engine, EngineStats, KvEvent, KvEventKind
+from services.worker.health import HealthWatch
 
 MAX_EVENTS_PER_MESSAGE = 256
 
@@ -68,8 +69,11 @@ async def kv_event_stream(
         seq = events[-1].seq
 
 
-def load_from_stats(s: EngineStats, estimated_wait_ms: float) -> common_pb2.WorkerLoad:
-    return common_pb2.WorkerLoad(
+def load_from_stats(
+    s: EngineStats, estimated_wait_ms: float, health: HealthWatch | None = None
+) -> common_pb2.WorkerLoad:
+    """The load report of Stats and heartbeats; with `health`, its not-serving reason too."""
+    load = common_pb2.WorkerLoad(
         running=s.running,
         waiting=s.waiting,
         tokens_waiting=s.tokens_waiting,
@@ -78,6 +82,7 @@ def load_from_stats(s: EngineStats, estimated_wait_ms: float) -> common_pb2.Work
         estimated_wait_ms=estimated_wait_ms,
         active_decode_blocks=s.active_decode_blocks,
     )
+    return health.fill_load(load) if health is not None else load
 
 
 def counters_from_stats(s: EngineStats) -> common_pb2.EngineCounters:

@@ -40,6 +40,12 @@ def test_resource_exhausted_without_a_hint_still_says_when_to_retry():
     assert garbled.headers == {"Retry-After": "1"}
 
 
+def test_unavailable_passes_the_router_hint_on_too():
+    err = from_grpc(grpc.StatusCode.UNAVAILABLE, "draining", (("retry-after-ms", "1100"),))
+    assert err.status == 503 and err.headers == {"Retry-After": "2", "retry-after-ms": "1100"}
+    assert from_grpc(grpc.StatusCode.UNAVAILABLE, "down", ()).headers == {"Retry-After": "1"}
+
+
 def test_the_router_field_name_fills_param():
     err = from_grpc(
         grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be <= 4096 (the serving limit), got 5000"

@@ -109,7 +109,8 @@ async def test_every_worker_saturated_sheds_before_admission(mesh):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await h.generate("x")
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "saturated" in e.value.details() and _retry_after_ms(e.value) == 500
+    # The configured 0.5 s, jittered upwards at the edge (issue 18: no retry wave).
+    assert "saturated" in e.value.details() and 500 <= _retry_after_ms(e.value) <= 625
     assert d1.calls == [] and d2.calls == []
     # One worker with room is enough.
     d2.load.waiting = 0

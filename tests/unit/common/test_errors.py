@@ -11,11 +11,15 @@ import structlog.testing
 from kvtransfer.errors import FailureKind, KvTransferFailed, NotOwner, StaleHandle
 from kvtransfer.layout import LayoutMismatch
 from services.common.errors import (
+    RETRY_JITTER,
+    UNAVAILABLE_RETRY_AFTER_S,
     InvalidArgument,
     MeshError,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
     grpc_errors,
+    retry_after_ms,
     status_of,
 )
 from services.engine.api import (
@@ -94,3 +98,26 @@ async def test_the_edge_turns_errors_into_statuses_and_logs_the_method_of_a_bug(
     assert boom.value.code() == S.INTERNAL and boom.value.details() == "internal error (RuntimeError)"
     assert [(e["event"], e["method"]) for e in logs] == [("internal_error", "_Probe.Boom")]
     assert (refused.value.code(), refused.value.details()) == (S.NOT_FOUND, "no held KV 'r1'")
+
+
+# ---- retry hints at the edge (issue 18 item 4) ------------------------------------
+
+
+def test_retry_hints_are_jittered_upwards_within_the_bound():
+    shed = ResourceExhausted("queue full", retry_after_s=2.0)
+    assert retry_after_ms(shed, S.RESOURCE_EXHAUSTED, rand=lambda: 0.0) == 2000  # never sooner
+    top = retry_after_ms(shed, S.RESOURCE_EXHAUSTED, rand=lambda: 0.999)
+    assert 2000 < top <= 2000 * (1 + RETRY_JITTER)
+    # With the real draw, clients shed together are told different waits.
+    hints = {retry_after_ms(shed, S.RESOURCE_EXHAUSTED) for _ in range(50)}
+    assert len(hints) > 10 and all(2000 <= h <= 2500 for h in hints)
+
+
+def test_unavailable_always_carries_a_hint_and_other_errors_none():
+    assert retry_after_ms(Unavailable("no worker"), S.UNAVAILABLE, rand=lambda: 0.0) == int(
+        UNAVAILABLE_RETRY_AFTER_S * 1000
+    )
+    assert retry_after_ms(None, S.UNAVAILABLE, rand=lambda: 0.0) == int(UNAVAILABLE_RETRY_AFTER_S * 1000)
+    assert retry_after_ms(Unavailable("x", retry_after_s=0.2), S.UNAVAILABLE, rand=lambda: 0.0) == 200
+    assert retry_after_ms(InvalidArgument("bad"), S.INVALID_ARGUMENT) is None
+    assert retry_after_ms(ResourceExhausted("no hint"), S.RESOURCE_EXHAUSTED) is None
