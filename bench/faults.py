@@ -164,6 +164,10 @@ def router_flags(kind: str, known: set[str]) -> dict:
             out[name] = value
         elif kind == "naive":
             out.update(LEGACY.get(name, {}))
+    if kind == "pdmesh" and "first_token_timeout_multiple" in known:
+        # The first-token timeout follows the worker's predicted TTFT (x multiple, >= floor);
+        # first_token_timeout_s is then only its cap, below the clients' 10 s deadline.
+        out["first_token_timeout_s"] = 8.0
     return out
 
 

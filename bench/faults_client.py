@@ -92,6 +92,7 @@ class Logical:
     worker_id: str = ""
     failed_attempt_tokens: list[int] = field(default_factory=list)
     hints_s: list[float] = field(default_factory=list)  # retry-after hints received
+    details: list[str] = field(default_factory=list)  # each failed attempt's "CODE: details"
 
     @property
     def ttft_s(self) -> float | None:
@@ -146,6 +147,8 @@ class RetryingClient:
                 break
             rec.code = err.code().name
             rec.failed_attempt_tokens.append(got)
+            detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else ""
+            rec.details.append(f"{rec.code}: {(detail or '')[:80]}")
             hint = _hint_s(err)
             if hint is not None:
                 rec.hints_s.append(hint)

@@ -145,6 +145,7 @@ def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s:
         f"    wasted by cause: failed {w['failed']:,}, client retries {w['client_retried']:,}, "
         f"router retries {w['router_retried']:,}, migrated {w['migrated']:,}, other {w['other']:,}",
         *_metric_lines(res),
+        *_error_lines(res),
         f"    healthy workers' peak queue (waiting+running) {peak}, waiting alone {peak_wait}; "
         f"leaked blocks at the end {res.leaked_blocks}",
     ]
@@ -155,6 +156,14 @@ def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s:
             f"{slow_share(res, res.slow_at + 10, res.slow_end):.3f}"
         )
     return lines
+
+
+def _error_lines(res: RunResult, top: int = 4) -> list[str]:
+    """The most frequent failed-attempt errors (code and the start of its details)."""
+    c = Counter(d for r in res.records for d in r.details)
+    if not c:
+        return []
+    return ["    failed attempts, most frequent: " + "; ".join(f"{n}x {d}" for d, n in c.most_common(top))]
 
 
 def _label(key: str) -> str:
