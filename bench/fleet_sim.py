@@ -301,4 +301,5 @@ class FleetSim:
             ttft_q_s=q(firsts),
             itl_q_s=q(itls),
             ready_prefill_workers=sum(1 for w in self.workers if w.role == "prefill" and w.state == ACTIVE),
+            ready_decode_workers=sum(1 for w in self.workers if w.role == "decode" and w.state == ACTIVE),
         )

@@ -37,8 +37,9 @@ the scale ratio is bounded well below 2 there. Each rate is printed with the
 client's CPU share.
 
 Part 1 also runs the headline study at 8 workers (`--sizes`, offered load per
-worker fixed); `--ablation` adds kv_aware@lv (the router's own load view) and
-kv_aware@opt (+ optimistic prefixes) to every study; plain kv_aware is the
+worker fixed); `--ablation` adds kv_aware@lv (the router's own load view),
+kv_aware@opt (+ optimistic prefixes) and kv_aware@pull (+ prefixes pulled from a
+loaded holder instead of recomputed) to every study; plain kv_aware is the
 default router (heartbeat load, no optimistic prefixes). On a busy machine, `--slowdown K` runs the simulated GPUs K times
 slower (model-time figures stay comparable; the wall-clock request rate and so
 the CPU need drop K times) and `--requests N` shortens the trace.
@@ -56,7 +57,7 @@ hit_vs_ideal=.. decision_ms_p50=.. pull_share=0` (hit = cached / prompt
 tokens; ttft_*_vs_rr = ratio of mean TTFTs, target kv <= 0.5; the ttft_p50/p99
 fields are part 2's router-hop TTFTs; hit_vs_ideal = kv_aware's hit rate over
 one unbounded cache's at the largest size run, target >= 0.9 at 32 workers;
-pull_share = requests served with a pulled prefix: 0, pulls are not built).
+pull_share = share of kv_aware@pull's requests served with a pulled prefix, 0 without --ablation).
 """
 
 from __future__ import annotations
@@ -468,7 +469,7 @@ def part1(studies: list[Study], sizes: tuple[int, ...] = ()) -> dict[str, str]:
     study, p = head or runs[-1]
     kv, rr, ll = p["kv_aware"], p["round_robin"], p["least_loaded"]
     print(f"headline: time_factor {study.time_factor:g}")
-    out = {}
+    out = {"pull_share": f"{p['kv_aware@pull'].pull_share:.3f}"} if "kv_aware@pull" in p else {}
     hit_vs_ideal = kv.hit / ideals[study.name]
     for n in sizes:
         scaled = scale_study(n, study)
@@ -545,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ablation",
         action="store_true",
-        help="part 1 also runs kv_aware@lv (own load view) and kv_aware@opt (+ optimistic prefixes)",
+        help="part 1 also runs kv_aware@lv (own load view), kv_aware@opt (+ optimistic prefixes) "
+        "and kv_aware@pull (+ prefixes pulled instead of recomputed)",
     )
     p.add_argument(
         "--sizes", default="8", help="part 1 also at these worker counts (comma-separated; '' = none)"
@@ -584,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             for tf in FULL_LOADS
         ]
     )
-    policies = POLICIES + (("kv_aware@lv", "kv_aware@opt") if args.ablation else ())
+    policies = POLICIES + (("kv_aware@lv", "kv_aware@opt", "kv_aware@pull") if args.ablation else ())
     studies = [
         replace(
             s,
@@ -604,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     order += ("ttft_p99_kv_vs_rr",)
     order += tuple(f"{k}_{n}" for n in sizes for k in ("hit_kv", "ttft_kv_vs_rr", "ttft_p99_kv_vs_rr"))
     order += ("hit_vs_ideal", "decision_ms_p50", "pull_share")
-    fields = quality | cost | decision | {"pull_share": "0"}  # pulls (issue 17 item 3) not built yet
+    fields = {"pull_share": "0"} | quality | cost | decision  # 0 unless --ablation ran kv_aware@pull
     kv = {k: fields[k] for k in order if k in fields}
     print("routing " + " ".join(f"{k}={v}" for k, v in kv.items()))
     return 0

@@ -114,6 +114,12 @@ class PolicyResult:
         return cached / max(cached + computed, 1)
 
     @property
+    def pull_share(self) -> float:
+        """Share of successful requests served with a prefix pulled from another worker (issue 17)."""
+        pulls = sum(d.get("prefix_pulls_ok", 0) for d in self.worker_delta.values())
+        return pulls / max(self.summary.ok, 1)
+
+    @property
     def preemptions(self) -> int:
         return sum(d["preemptions"] for d in self.worker_delta.values())
 
@@ -192,7 +198,13 @@ def limits(study: Study) -> dict[str, int]:
 
 
 def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
-    engine = flags(
+    kv: tuple[str, ...] = ()
+    if any("@pull" in p for p in study.policies):  # pulls move KV: a transport, its registry
+        svc = launcher.start_ready(
+            ServiceSpec("kvtransfer", "services.kvtransfer.main", ready_service="pdmesh.v1.KvTransferService")
+        )
+        kv = flags(kvtransfer_address=svc.address, kv_transport="grpc")
+    engine = kv + flags(
         engine_backend="sim",
         engine_preset="tiny",
         engine_sim_profile=study.profile,
@@ -225,7 +237,31 @@ VARIANTS = {
     "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only (the default)
     "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view
     "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes
+    # + prefixes pulled instead of recomputed (the link and rates: pull_flags)
+    "pull": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0, "prefix_pull_enabled": "true"},
+    # the same, but never moving a request off the holder the policy chose (pulls only to the choice)
+    "pullkeep": {
+        "load_view": "true",
+        "optimistic_prefix_ttl_s": 10.0,
+        "prefix_pull_enabled": "true",
+        "prefix_pull_min_gain": 0.99,
+    },
 }
+
+
+def pull_flags(study: Study) -> dict[str, float]:
+    """The router's pull model in wall time (the sim runs `speedup` times faster than its
+    profile): the profile's KV bytes and link, its prefill rate as the prior for a worker
+    that reported none, and ~3 ms of RPCs (lease, read) per pull on this machine."""
+    from services.model.timing import load_profile
+
+    prof = load_profile(study.profile)
+    return {
+        "prefix_pull_kv_bytes_per_token": float(prof.kv_bytes_per_token),
+        "prefix_pull_link_bytes_per_s": prof.kv_bandwidth_gbps * 1e9 * study.speedup,
+        "prefix_pull_prior_tokens_per_s": 4096 / (prof.prefill_ms(4096) / 1000) * study.speedup,
+        "prefix_pull_latency_s": 0.003,
+    }
 
 
 def start_router(launcher: Launcher, study: Study, policy: str, workers: list[RunningService]):
@@ -238,6 +274,7 @@ def start_router(launcher: Launcher, study: Study, policy: str, workers: list[Ru
         policy=name,
         prefill_weight=float(weight) if weight else None,
         **VARIANTS.get(variant, {}),
+        **(pull_flags(study) if variant.startswith("pull") else {}),
         preset="tiny",
         block_size=study.block_size,
         max_model_len=study.num_blocks * study.block_size,
@@ -271,6 +308,8 @@ def worker_counters(workers: list[RunningService]) -> dict[str, dict[str, int]]:
             "prompt_tokens_cached": c.prompt_tokens_cached,
             "prompt_tokens_computed": c.prompt_tokens_computed,
             "preemptions": c.preemptions,
+            "prefix_pulls_ok": s.prefix_pulls.get("ok", 0),
+            "prefix_pull_tokens": s.prefix_pull_tokens_saved,
         }
     return out
 
@@ -409,6 +448,10 @@ def print_study(study: Study, results: list[PolicyResult], ideal: float) -> None
     )
     for line in table(results):
         print(line)
+    for r in results:
+        if "@pull" in r.policy:
+            tokens = sum(d.get("prefix_pull_tokens", 0) for d in r.worker_delta.values())
+            print(f"  {r.policy}: pull_share {r.pull_share:.3f} of requests, {tokens:,} prompt tokens pulled")
     p = by_policy(results)
     rr = p.get("round_robin")
     for name, kv in p.items():

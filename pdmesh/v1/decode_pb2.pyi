@@ -31,7 +31,7 @@ class PrefillCandidate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "resume_token_ids", "sampling", "tenant", "priority", "workflow", "prefill_candidates", "disagg_mode")
+    __slots__ = ("request_id", "prompt_token_ids", "resume_token_ids", "sampling", "tenant", "priority", "workflow", "prefill_candidates", "disagg_mode", "prefix_pull")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class DecodeServiceGenerateRequest(_message.Message):
     WORKFLOW_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     DISAGG_MODE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -50,7 +51,20 @@ class DecodeServiceGenerateRequest(_message.Message):
     workflow: _common_pb2.WorkflowContext
     prefill_candidates: _containers.RepeatedCompositeFieldContainer[PrefillCandidate]
     disagg_mode: DisaggMode
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., workflow: _Optional[_Union[_common_pb2.WorkflowContext, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[_Union[PrefillCandidate, _Mapping]]] = ..., disagg_mode: _Optional[_Union[DisaggMode, str]] = ...) -> None: ...
+    prefix_pull: PrefixPullHint
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., workflow: _Optional[_Union[_common_pb2.WorkflowContext, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[_Union[PrefillCandidate, _Mapping]]] = ..., disagg_mode: _Optional[_Union[DisaggMode, str]] = ..., prefix_pull: _Optional[_Union[PrefixPullHint, _Mapping]] = ...) -> None: ...
+
+class PrefixPullHint(_message.Message):
+    __slots__ = ("worker_id", "address", "kv_agent_name", "blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    kv_agent_name: str
+    blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., kv_agent_name: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceGenerateResponse(_message.Message):
     __slots__ = ("tokens", "final")
@@ -67,20 +81,22 @@ class TokenIdsDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeFinal(_message.Message):
-    __slots__ = ("finish_reason", "usage", "prefill_path", "disagg_reason", "prefill_worker_id", "kv_bytes_transferred")
+    __slots__ = ("finish_reason", "usage", "prefill_path", "disagg_reason", "prefill_worker_id", "kv_bytes_transferred", "pulled_prefix_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PATH_FIELD_NUMBER: _ClassVar[int]
     DISAGG_REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    PULLED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     prefill_path: str
     disagg_reason: str
     prefill_worker_id: str
     kv_bytes_transferred: int
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_path: _Optional[str] = ..., disagg_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., kv_bytes_transferred: _Optional[int] = ...) -> None: ...
+    pulled_prefix_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_path: _Optional[str] = ..., disagg_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., kv_bytes_transferred: _Optional[int] = ..., pulled_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceLinkRequest(_message.Message):
     __slots__ = ("open", "cancel")

@@ -178,3 +178,37 @@ class ReadBlocksResponse(_message.Message):
     data: bytes
     total_bytes: int
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class LeasePrefixRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "max_blocks", "requester_id", "requester_agent", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_blocks: int
+    requester_id: str
+    requester_agent: str
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., requester_id: _Optional[str] = ..., requester_agent: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LeasePrefixResponse(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: _common_pb2.KvHandle
+    def __init__(self, handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ...) -> None: ...
+
+class ReleasePrefixRequest(_message.Message):
+    __slots__ = ("handle_id",)
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    handle_id: str
+    def __init__(self, handle_id: _Optional[str] = ...) -> None: ...
+
+class ReleasePrefixResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -399,3 +399,136 @@ class KvSourceService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PrefixSourceServiceStub:
+    """Cached prefix blocks of a worker (any role), leased to another worker that
+    would otherwise recompute them (issue 17: prefixes pulled instead of
+    recomputed). The bytes then move over the KV transport like a prefill
+    handoff's: a NIXL READ, or KvSourceService.ReadBlocks on the same port.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LeasePrefix = channel.unary_unary(
+                '/pdmesh.v1.PrefixSourceService/LeasePrefix',
+                request_serializer=pdmesh_dot_v1_dot_kvtransfer__pb2.LeasePrefixRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_kvtransfer__pb2.LeasePrefixResponse.FromString,
+                _registered_method=True)
+        self.ReleasePrefix = channel.unary_unary(
+                '/pdmesh.v1.PrefixSourceService/ReleasePrefix',
+                request_serializer=pdmesh_dot_v1_dot_kvtransfer__pb2.ReleasePrefixRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_kvtransfer__pb2.ReleasePrefixResponse.FromString,
+                _registered_method=True)
+
+
+class PrefixSourceServiceServicer:
+    """Cached prefix blocks of a worker (any role), leased to another worker that
+    would otherwise recompute them (issue 17: prefixes pulled instead of
+    recomputed). The bytes then move over the KV transport like a prefill
+    handoff's: a NIXL READ, or KvSourceService.ReadBlocks on the same port.
+    """
+
+    def LeasePrefix(self, request, context):
+        """Pin the leading blocks of `prompt_token_ids` this worker has cached (hashed
+        here, never taken from the caller) and lease them to the requester. Only
+        blocks cached when the call arrives: nothing is computed. NOT_FOUND when
+        none is cached; RESOURCE_EXHAUSTED when the requester (or all requesters
+        together) would hold more than their share of this worker's pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePrefix(self, request, context):
+        """End a lease early (the pull is done or was abandoned); only its owner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefixSourceServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LeasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeasePrefix,
+                    request_deserializer=pdmesh_dot_v1_dot_kvtransfer__pb2.LeasePrefixRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_kvtransfer__pb2.LeasePrefixResponse.SerializeToString,
+            ),
+            'ReleasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePrefix,
+                    request_deserializer=pdmesh_dot_v1_dot_kvtransfer__pb2.ReleasePrefixRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_kvtransfer__pb2.ReleasePrefixResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdmesh.v1.PrefixSourceService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdmesh.v1.PrefixSourceService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefixSourceService:
+    """Cached prefix blocks of a worker (any role), leased to another worker that
+    would otherwise recompute them (issue 17: prefixes pulled instead of
+    recomputed). The bytes then move over the KV transport like a prefill
+    handoff's: a NIXL READ, or KvSourceService.ReadBlocks on the same port.
+    """
+
+    @staticmethod
+    def LeasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.PrefixSourceService/LeasePrefix',
+            pdmesh_dot_v1_dot_kvtransfer__pb2.LeasePrefixRequest.SerializeToString,
+            pdmesh_dot_v1_dot_kvtransfer__pb2.LeasePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.PrefixSourceService/ReleasePrefix',
+            pdmesh_dot_v1_dot_kvtransfer__pb2.ReleasePrefixRequest.SerializeToString,
+            pdmesh_dot_v1_dot_kvtransfer__pb2.ReleasePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

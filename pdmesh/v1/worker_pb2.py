@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\".\n\x18SubscribeKvEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x91\x01\n\x19SubscribeKvEventsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12.\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1a.pdmesh.v1.KvCacheSnapshotH\x00\x12)\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x17.pdmesh.v1.KvEventBatchH\x00\x42\x06\n\x04\x62ody\"I\n\x0fKvCacheSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x19.pdmesh.v1.KvBlocksStored\"2\n\x0cKvEventBatch\x12\"\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x12.pdmesh.v1.KvEvent\"\x0e\n\x0cStatsRequest\"\xc5\x03\n\rStatsResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12+\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.EngineCounters\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12(\n\x06leases\x18\x05 \x01(\x0b\x32\x18.pdmesh.v1.LeaseCounters\x12.\n\ttransfers\x18\x06 \x01(\x0b\x32\x1b.pdmesh.v1.TransferCounters\x12G\n\x10\x64isagg_decisions\x18\x07 \x03(\x0b\x32-.pdmesh.v1.StatsResponse.DisaggDecisionsEntry\x12\x16\n\x0erequests_total\x18\x08 \x01(\x04\x12\x17\n\x0frequests_failed\x18\t \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\n \x01(\x04\x1a\x36\n\x14\x44isaggDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"u\n\rLeaseCounters\x12\x0c\n\x04held\x18\x01 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x02 \x01(\r\x12\x0e\n\x06issued\x18\x03 \x01(\x04\x12\x0e\n\x06pulled\x18\x04 \x01(\x04\x12\x10\n\x08released\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04\"g\n\x10TransferCounters\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\x04\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x11\n\tfallbacks\x18\x05 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\".\n\x18SubscribeKvEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x91\x01\n\x19SubscribeKvEventsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12.\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1a.pdmesh.v1.KvCacheSnapshotH\x00\x12)\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x17.pdmesh.v1.KvEventBatchH\x00\x42\x06\n\x04\x62ody\"I\n\x0fKvCacheSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x19.pdmesh.v1.KvBlocksStored\"2\n\x0cKvEventBatch\x12\"\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x12.pdmesh.v1.KvEvent\"\x0e\n\x0cStatsRequest\"\xdc\x04\n\rStatsResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12+\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.EngineCounters\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12(\n\x06leases\x18\x05 \x01(\x0b\x32\x18.pdmesh.v1.LeaseCounters\x12.\n\ttransfers\x18\x06 \x01(\x0b\x32\x1b.pdmesh.v1.TransferCounters\x12G\n\x10\x64isagg_decisions\x18\x07 \x03(\x0b\x32-.pdmesh.v1.StatsResponse.DisaggDecisionsEntry\x12\x16\n\x0erequests_total\x18\x08 \x01(\x04\x12\x17\n\x0frequests_failed\x18\t \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\n \x01(\x04\x12?\n\x0cprefix_pulls\x18\x0b \x03(\x0b\x32).pdmesh.v1.StatsResponse.PrefixPullsEntry\x12 \n\x18prefix_pull_tokens_saved\x18\x0c \x01(\x04\x1a\x36\n\x14\x44isaggDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10PrefixPullsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"u\n\rLeaseCounters\x12\x0c\n\x04held\x18\x01 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x02 \x01(\r\x12\x0e\n\x06issued\x18\x03 \x01(\x04\x12\x0e\n\x06pulled\x18\x04 \x01(\x04\x12\x10\n\x08released\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04\"g\n\x10TransferCounters\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\x04\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x11\n\tfallbacks\x18\x05 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_DISAGGDECISIONSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_DISAGGDECISIONSENTRY']._serialized_options = b'8\001'
+  _globals['_STATSRESPONSE_PREFIXPULLSENTRY']._loaded_options = None
+  _globals['_STATSRESPONSE_PREFIXPULLSENTRY']._serialized_options = b'8\001'
   _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=61
   _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=107
   _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=110
@@ -45,11 +47,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=384
   _globals['_STATSREQUEST']._serialized_end=398
   _globals['_STATSRESPONSE']._serialized_start=401
-  _globals['_STATSRESPONSE']._serialized_end=854
-  _globals['_STATSRESPONSE_DISAGGDECISIONSENTRY']._serialized_start=800
-  _globals['_STATSRESPONSE_DISAGGDECISIONSENTRY']._serialized_end=854
-  _globals['_LEASECOUNTERS']._serialized_start=856
-  _globals['_LEASECOUNTERS']._serialized_end=973
-  _globals['_TRANSFERCOUNTERS']._serialized_start=975
-  _globals['_TRANSFERCOUNTERS']._serialized_end=1078
+  _globals['_STATSRESPONSE']._serialized_end=1005
+  _globals['_STATSRESPONSE_DISAGGDECISIONSENTRY']._serialized_start=899
+  _globals['_STATSRESPONSE_DISAGGDECISIONSENTRY']._serialized_end=953
+  _globals['_STATSRESPONSE_PREFIXPULLSENTRY']._serialized_start=955
+  _globals['_STATSRESPONSE_PREFIXPULLSENTRY']._serialized_end=1005
+  _globals['_LEASECOUNTERS']._serialized_start=1007
+  _globals['_LEASECOUNTERS']._serialized_end=1124
+  _globals['_TRANSFERCOUNTERS']._serialized_start=1126
+  _globals['_TRANSFERCOUNTERS']._serialized_end=1229
 # @@protoc_insertion_point(module_scope)

@@ -42,8 +42,15 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("info", "load", "counters", "cached_blocks", "leases", "transfers", "disagg_decisions", "requests_total", "requests_failed", "requests_cancelled")
+    __slots__ = ("info", "load", "counters", "cached_blocks", "leases", "transfers", "disagg_decisions", "requests_total", "requests_failed", "requests_cancelled", "prefix_pulls", "prefix_pull_tokens_saved")
     class DisaggDecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PrefixPullsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +67,8 @@ class StatsResponse(_message.Message):
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULLS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_TOKENS_SAVED_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.WorkerInfo
     load: _common_pb2.WorkerLoad
     counters: _common_pb2.EngineCounters
@@ -70,7 +79,9 @@ class StatsResponse(_message.Message):
     requests_total: int
     requests_failed: int
     requests_cancelled: int
-    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., counters: _Optional[_Union[_common_pb2.EngineCounters, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[_Union[LeaseCounters, _Mapping]] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., disagg_decisions: _Optional[_Mapping[str, int]] = ..., requests_total: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ...) -> None: ...
+    prefix_pulls: _containers.ScalarMap[str, int]
+    prefix_pull_tokens_saved: int
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., counters: _Optional[_Union[_common_pb2.EngineCounters, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[_Union[LeaseCounters, _Mapping]] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., disagg_decisions: _Optional[_Mapping[str, int]] = ..., requests_total: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., prefix_pulls: _Optional[_Mapping[str, int]] = ..., prefix_pull_tokens_saved: _Optional[int] = ...) -> None: ...
 
 class LeaseCounters(_message.Message):
     __slots__ = ("held", "held_blocks", "issued", "pulled", "released", "expired")

@@ -80,6 +80,10 @@ POLICY: tuple[tuple[str, frozenset[str]], ...] = (
     ("/pdmesh.v1.KvTransferService/ReportTransfers", WORKER_ROLES),
     ("/pdmesh.v1.KvTransferService/Stats", ADMIN_ROLES),
     ("/pdmesh.v1.KvSourceService/ReadBlocks", _DECODE),
+    # Cached prefixes leased to a decode worker that pulls them instead of recomputing
+    # (issue 17): decode's to take and release, like a prefill worker's held KV.
+    ("/pdmesh.v1.PrefixSourceService/LeasePrefix", _DECODE),
+    ("/pdmesh.v1.PrefixSourceService/ReleasePrefix", _DECODE),
 )
 
 

@@ -104,6 +104,9 @@ class _DrainGate(grpc.aio.ServerInterceptor):
 
     def __init__(self) -> None:
         self.draining = False
+        # Methods still served while draining: calls that end what the drain waits for
+        # (a KV holder's reads and releases of held blocks), set by `MeshServer.serve_during_drain`.
+        self.served_while_draining: tuple[str, ...] = ()
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -128,17 +131,23 @@ class _DrainGate(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(_ALWAYS_ALLOWED):
             return handler
-        return self._wrap(handler, counted=not details.method.endswith(_SUBSCRIPTIONS))
+        served = bool(self.served_while_draining) and details.method.startswith(self.served_while_draining)
+        return self._wrap(handler, counted=not details.method.endswith(_SUBSCRIPTIONS), refused=not served)
 
-    def _wrap(self, h: grpc.RpcMethodHandler, counted: bool = True) -> grpc.RpcMethodHandler:
+    def _wrap(
+        self, h: grpc.RpcMethodHandler, counted: bool = True, refused: bool = True
+    ) -> grpc.RpcMethodHandler:
         gate = self
         ser = {"request_deserializer": h.request_deserializer, "response_serializer": h.response_serializer}
 
         async def refuse(context: grpc.aio.ServicerContext) -> None:
-            # A hint like every UNAVAILABLE's: a client with no other instance waits for the restart.
-            retry_ms = retry_after_ms(None, grpc.StatusCode.UNAVAILABLE)
-            context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another instance")
+            if refused:
+                # A hint like every UNAVAILABLE's: a client with no other instance waits for the restart.
+                retry_ms = retry_after_ms(None, grpc.StatusCode.UNAVAILABLE)
+                context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another instance"
+                )
 
         if h.unary_unary is not None:
 
@@ -273,6 +282,7 @@ class MeshServer:
         # A further check for the HTTP probe: a non-empty reason means not ready
         # (a worker's HealthWatch: its event loop stopped ticking).
         self.readiness_check: Callable[[], str] | None = None
+        self._settle: Callable[[], Awaitable[bool]] | None = None
 
     @property
     def address(self) -> str:
@@ -357,8 +367,19 @@ class MeshServer:
         extra = self.readiness_check() if self.readiness_check is not None else ""
         return (not extra, extra or "serving")
 
+    def serve_during_drain(
+        self, method_prefixes: Sequence[str], settle: Callable[[], Awaitable[bool]]
+    ) -> None:
+        """Keep serving `method_prefixes` while draining and await `settle()` after the in-flight
+        calls finish, before the server stops. For a KV holder (the prefill worker): its handles
+        are still out after the Prefill calls that made them return, and stopping then fails the
+        decodes that have not pulled yet. `settle` bounds its own wait (the leases' ends) and
+        returns whether everything settled."""
+        self._gate.served_while_draining = tuple(method_prefixes)
+        self._settle = settle
+
     async def drain(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, refuse new calls, let in-flight calls finish, stop."""
+        """NOT_SERVING, refuse new calls, let in-flight calls finish (then `settle`), stop."""
         if self._gate.draining:
             await self._stopped.wait()
             return
@@ -370,6 +391,10 @@ class MeshServer:
         finished = await self._gate.wait_idle(grace)
         if not finished:
             log.warning("drain_grace_expired", service=self.service_name, inflight=self._gate.inflight)
+        if self._settle is not None:
+            settled = await self._settle()
+            log.info("drain_settled" if settled else "drain_settle_expired", service=self.service_name)
+            await self._gate.wait_idle(grace)  # reads the settle let in finish too
         await self.server.stop(0.5)
         if self.metrics is not None:
             self.metrics.close()

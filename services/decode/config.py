@@ -13,8 +13,10 @@ from services.common.tls import TlsConfig
 from services.common.tracing import TracingConfig
 from services.common.validation import RequestLimits
 from services.decode.disagg_policy import DisaggConfig
+from services.decode.prefix_pull import PullerConfig
 from services.engine.config import EngineConfig
 from services.worker import settings as worker_settings
+from services.worker.prefix_source import PrefixSourceConfig
 from services.worker.runtime import WorkerConfig
 from services.worker.settings import Section, WorkerSettings
 
@@ -40,6 +42,9 @@ class DecodeConfig:
 class DecodeSettings(WorkerSettings):
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    # Issue 17: this worker's cached prefixes leased to peers, and its pulls of theirs.
+    prefix_source: PrefixSourceConfig = field(default_factory=PrefixSourceConfig)
+    prefix_pull: PullerConfig = field(default_factory=PullerConfig)
 
 
 SECTIONS: tuple[Section, ...] = (
@@ -47,6 +52,8 @@ SECTIONS: tuple[Section, ...] = (
     ("worker", WorkerConfig, ""),
     ("decode", DecodeConfig, ""),
     ("disagg", DisaggConfig, ""),
+    ("prefix_source", PrefixSourceConfig, ""),
+    ("prefix_pull", PullerConfig, ""),
     ("limits", RequestLimits, "limits_"),
     ("engine", EngineConfig, "engine_"),
     ("tls", TlsConfig, "tls_"),

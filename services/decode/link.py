@@ -96,7 +96,13 @@ class LinkSession:
                     yield self._frame()
                 if self._error is not None:
                     raise self._error
-                if (not self._reading or self._drained) and not self._tasks:
+                # Not while a frame is pending: a request may have ended (its last tokens
+                # and end queued) while the previous frame was being sent.
+                if (
+                    (not self._reading or self._drained)
+                    and not self._tasks
+                    and not (self._tokens or self._ends)
+                ):
                     return
         finally:
             reader.cancel()

@@ -10,29 +10,64 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pdmesh.v1 import decode_pb2_grpc
 from services.decode.config import SECTIONS, DecodeSettings, make_parser, parse_settings
 from services.decode.disagg_policy import Candidate, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import PrefillLoadProbe
+from services.decode.prefix_pull import PrefixPuller, PrefixPullMetrics
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.servicer import DecodeServicer
+from services.engine.api import PrefixCacheEngine
+from services.worker.prefix_source import PrefixSource
+from services.worker.runtime import WorkerRuntime
 from services.worker.settings import configs, run_worker, start_runtime
 
 SERVICE_NAME = "pdmesh.v1.DecodeService"
 # What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
 CONFIGS = configs(SECTIONS)
-__all__ = ["CONFIGS", "SERVICE_NAME", "main", "make_parser", "serve"]
+__all__ = ["CONFIGS", "SERVICE_NAME", "DecodeParts", "main", "make_parser", "serve", "wire"]
 
 
-async def serve(settings: DecodeSettings) -> None:
-    rt = await start_runtime("decode", SERVICE_NAME, settings)
+@dataclass
+class DecodeParts:
+    """What `wire` mounted on a decode worker's runtime."""
+
+    servicer: DecodeServicer
+    source: PrefixSource | None  # serves our cached prefixes to peers
+    puller: PrefixPuller | None  # follows the router's prefix-pull hints
+
+
+def wire(rt: WorkerRuntime, settings: DecodeSettings) -> DecodeParts:
+    """Mount the decode worker's servicers on a set-up runtime (tests wire in-process with it)."""
     decode_cfg = settings.decode
     metrics = DecodeMetrics(rt.registry)
     remote = None
     if rt.transport is not None or rt.engine.info.capabilities.moves_kv_itself:
         remote = RemotePrefill(rt.engine, rt.transport, rt.channels, rt.worker_id, decode_cfg.kv_lease_ms)
+    # Issue 17: serve our cached prefixes to peers and pull theirs (over the KV transport).
+    source = puller = None
+    if rt.transport is not None and isinstance(rt.engine, PrefixCacheEngine):
+        source = PrefixSource(
+            rt.server.server,
+            rt.engine,
+            rt.transport,
+            settings.limits,
+            address=rt.address,
+            liveness=rt.directory,
+            config=settings.prefix_source,
+        )
+        if settings.prefix_pull.prefix_pull:
+            puller = PrefixPuller(
+                rt.engine,
+                rt.transport,
+                rt.channels,
+                rt.worker_id,
+                PrefixPullMetrics(rt.registry),
+                settings.prefix_pull,
+            )
     servicer = DecodeServicer(
         engine=rt.engine,
         policy=DisaggregationPolicy(settings.disagg),
@@ -46,9 +81,22 @@ async def serve(settings: DecodeSettings) -> None:
         max_request_s=decode_cfg.max_request_s,
         draining=rt.server.drain_started,
         health=rt.health,
+        puller=puller,
     )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, rt.server.server)
-    await rt.serve(servicer.load)
+    return DecodeParts(servicer, source, puller)
+
+
+async def serve(settings: DecodeSettings) -> None:
+    rt = await start_runtime("decode", SERVICE_NAME, settings)
+    parts = wire(rt, settings)
+    if parts.source is not None:
+        parts.source.start()
+    try:
+        await rt.serve(parts.servicer.load)
+    finally:
+        if parts.source is not None:
+            await parts.source.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

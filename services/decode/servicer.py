@@ -19,7 +19,7 @@ from contextlib import aclosing
 import grpc
 
 from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, worker_pb2
-from services.common.errors import grpc_errors
+from services.common.errors import InvalidArgument, grpc_errors
 from services.common.validation import (
     RequestLimits,
     check_enum,
@@ -33,6 +33,7 @@ from services.decode.disagg_policy import Candidate, DisaggregationPolicy, Mode
 from services.decode.link import LinkSession
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
+from services.decode.prefix_pull import PrefixPuller, PullHint
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.worker import DecodeJob, DecodeWorker, Finished, Tokens
 from services.engine.api import Engine, EngineRequest
@@ -62,6 +63,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         max_request_s: float = DecodeConfig.max_request_s,
         draining: asyncio.Event | None = None,
         health: HealthWatch | None = None,
+        puller: PrefixPuller | None = None,
     ):
         self.engine = engine
         self.health = health  # the forward-progress verdict Stats and heartbeats carry
@@ -77,6 +79,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             prefill_timeout_s=prefill_timeout_s,
             max_request_s=max_request_s,
             probe=probe,
+            puller=puller,
         )
         self._ids = itertools.count()
         self._draining = draining  # set when the server drains: links finish their requests, then end
@@ -123,6 +126,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         check_resume(list(r.resume_token_ids), sampling.max_tokens, info.vocab_size)
         for i, c in enumerate(r.prefill_candidates):
             check_ident(c.address, f"prefill_candidates[{i}].address", 256, required=True)
+        pull = _pull_hint(r) if r.HasField("prefix_pull") else None
         req = EngineRequest(
             request_id=f"{r.request_id}@{next(self._ids)}",
             prompt_token_ids=tuple(r.prompt_token_ids),
@@ -143,6 +147,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             mode=_MODES[r.disagg_mode],
             candidates=candidates or None,
             timeout_s=timeout_s,
+            pull=pull,
         )
 
     # -- KV events and stats -----------------------------------------------------
@@ -160,6 +165,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def stats_response(self) -> worker_pb2.StatsResponse:
         s = self.engine.stats()
+        pulls = self.worker.puller.metrics if self.worker.puller is not None else None
         info = common_pb2.WorkerInfo()
         info.CopyFrom(self.info)
         info.free_blocks = s.free_blocks
@@ -173,6 +179,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             requests_total=self.metrics.count("total"),
             requests_failed=self.metrics.count("failed"),
             requests_cancelled=self.metrics.count("cancelled"),
+            prefix_pulls=pulls.counts if pulls is not None else {},
+            prefix_pull_tokens_saved=pulls.tokens_saved if pulls is not None else 0,
         )
 
 
@@ -189,4 +197,15 @@ def _final(f: Finished) -> decode_pb2.DecodeFinal:
         disagg_reason=f.reason.value,
         prefill_worker_id=f.prefill_worker_id,
         kv_bytes_transferred=f.kv_bytes_transferred,
+        pulled_prefix_tokens=f.pulled_prefix_tokens,
     )
+
+
+def _pull_hint(r: decode_pb2.DecodeServiceGenerateRequest) -> PullHint:
+    h = r.prefix_pull
+    check_ident(h.worker_id, "prefix_pull.worker_id", 256, required=True)
+    check_ident(h.address, "prefix_pull.address", 256, required=True)
+    check_ident(h.kv_agent_name, "prefix_pull.kv_agent_name", 256)
+    if h.blocks < 1:
+        raise InvalidArgument("prefix_pull.blocks: must be >= 1")
+    return PullHint(h.worker_id, h.address, h.kv_agent_name, h.blocks)

@@ -50,6 +50,7 @@ from services.decode.disagg_policy import (
 )
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
+from services.decode.prefix_pull import PrefixPuller, PullHint
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, RemoteResult
 from services.engine.api import Engine, EngineRequest, EngineStats, FinishReason, RequestOutput
 
@@ -68,6 +69,7 @@ class DecodeJob:
     mode: Mode | None = None  # None: the policy's default mode
     candidates: Sequence[Candidate] | None = None  # ranked by the router; None: the static ones
     timeout_s: float | None = None  # the client's remaining deadline; None: max_request_s
+    pull: PullHint | None = None  # the router's prefix-pull hint (issue 17); the local path follows it
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Finished:
     reason: Reason
     prefill_worker_id: str
     kv_bytes_transferred: int
+    pulled_prefix_tokens: int = 0  # prompt tokens pulled from a peer's prefix cache
 
 
 Event = Tokens | Finished
@@ -111,6 +114,8 @@ class _Account:
     finish: FinishReason | None = None
     decided_at: float = 0.0  # time.monotonic() of the decision
     predicted_wait: float = 0.0  # the local wait predicted then
+    pull: PullHint | None = None
+    pulled_tokens: int = 0
 
     def local_output(self, out: RequestOutput) -> None:
         self.completion_tokens += len(out.token_ids)
@@ -137,6 +142,7 @@ class _Account:
             reason=self.decision.reason,
             prefill_worker_id=self.prefill_worker_id,
             kv_bytes_transferred=self.kv_bytes,
+            pulled_prefix_tokens=self.pulled_tokens,
         )
 
 
@@ -152,6 +158,7 @@ class DecodeWorker:
         prefill_timeout_s: float = 30.0,
         max_request_s: float = 3600.0,
         probe: PrefillLoadProbe | None = None,
+        puller: PrefixPuller | None = None,
     ):
         if prefill_timeout_s <= 0 or max_request_s <= 0:
             raise ValueError("prefill_timeout_s and max_request_s must be > 0")
@@ -163,6 +170,7 @@ class DecodeWorker:
         self.prefill_timeout_s = prefill_timeout_s
         self.max_request_s = max_request_s
         self.probe = probe
+        self.puller = puller  # follows prefix-pull hints (None: ignored)
         self.own_dispatches = OwnDispatches()
         # The time rule's inputs, fed at every first token, decode interval,
         # remote prefill and KV pull (not only at decisions).
@@ -200,6 +208,7 @@ class DecodeWorker:
         decision, wait = await self._decide(job, context_len, cached)
         account = _Account(decision, prompt_tokens=len(req.prompt_token_ids), cached_tokens=cached)
         account.decided_at, account.predicted_wait = time.monotonic(), wait
+        account.pull = job.pull
         self._record_decision(job, decision, context_len, cached)
         outcome = "cancelled"
         try:
@@ -289,7 +298,7 @@ class DecodeWorker:
                 return
             outputs = result.outputs if result is not None else None
         if outputs is None:
-            outputs = self.engine.generate(req)
+            outputs = await self._local_outputs(req, account, deadline)
         first, last = True, started
         live = _Live(first_at=started, max_tokens=req.sampling.max_tokens - len(req.resume_token_ids))
         # Closing the stream (finished, cancelled, deadline) aborts the engine request.
@@ -326,6 +335,17 @@ class DecodeWorker:
                         return
         finally:
             self._live.pop(req.request_id, None)
+
+    async def _local_outputs(
+        self, req: EngineRequest, account: _Account, deadline: float
+    ) -> AsyncIterator[RequestOutput]:
+        """The local path's engine stream; with a prefix-pull hint, after pulling the
+        hinted prefix (services/decode/prefix_pull.py; a failed pull falls back to this)."""
+        if account.pull is None or self.puller is None:
+            return self.engine.generate(req)
+        outputs, account.pulled_tokens = await self.puller.generate(req, account.pull, deadline, self.rates)
+        tracing.annotate(pulled_prefix_tokens=account.pulled_tokens)
+        return outputs
 
     async def _try_remote(
         self, req: EngineRequest, account: _Account, deadline: float

@@ -319,3 +319,22 @@ class KvHandoffEngine(Engine, Protocol):
         carries the remotely sampled first token (and possibly more). Closing the
         iterator aborts the request and frees its KV.
         """
+
+
+@runtime_checkable
+class PrefixCacheEngine(Engine, Protocol):
+    """An Engine whose cached prefix blocks other workers can pull, and that can
+    take a prefix pulled from another worker into its own prefix cache (issue 17:
+    prefixes pulled instead of recomputed). The torch and sim engines are.
+    """
+
+    async def hold_prefix(self, request: EngineRequest) -> HeldKv | None:
+        """Hold the leading blocks of the prompt that are cached here (computing
+        nothing) until `release(request.request_id)`; None when none is cached."""
+
+    def generate_with_prefix(
+        self, request: EngineRequest, prefix_request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """`prefix_request_id` was reserved (`reserve_external`, whole blocks) and its
+        blocks now hold the pulled prefix's KV: add them to the prefix cache, free that
+        reservation, and generate `request` as `generate` does (the prefix a cache hit)."""

@@ -31,6 +31,7 @@ from services.engine.api import (
     EngineStats,
     ExternalKvReservation,
     FinishReason,
+    HeldKv,
     InvalidRequestError,
     KvEvent,
     PrefillResult,
@@ -153,6 +154,48 @@ class TorchEngine:
         if request_id in self._reserved:
             self._reserved.discard(request_id)
             self._try_submit(lambda core: core.cancel_external(request_id))
+
+    # ---- cached prefixes served to / pulled from other workers (issue 17) -----
+
+    async def hold_prefix(self, request: EngineRequest) -> HeldKv | None:
+        """Hold the prompt's cached leading blocks (LLMEngine.hold_prefix) until
+        `release(request_id)`; None (nothing held) when none is cached."""
+        self._check_new(request)
+        rid = request.request_id
+        self._held.add(rid)
+        # Off the step thread (LLMEngine.hold_prefix takes the core's mutex): a loaded
+        # holder's long step does not delay the lease.
+        hold = asyncio.ensure_future(asyncio.to_thread(self._started().hold_prefix, request))
+        try:
+            held = await asyncio.shield(hold)
+        except asyncio.CancelledError:
+            self._held.discard(rid)
+            # The thread may still be holding: free whatever it holds once it is done.
+            hold.add_done_callback(lambda _: self._try_submit(lambda core: core.release(rid)))
+            raise
+        except BaseException:  # refused before anything was held
+            self._held.discard(rid)
+            raise
+        if held is None:
+            self._held.discard(rid)
+        return held
+
+    def generate_with_prefix(
+        self, request: EngineRequest, prefix_request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """`generate(request)` after committing the prefix pulled into the blocks reserved
+        under `prefix_request_id` (LLMEngine.commit_prefix), in one command, so no step
+        between the two can evict the pulled blocks before the request matches them."""
+        self._check_new(request)
+        if prefix_request_id not in self._reserved:
+            raise UnknownRequestError(f"no KV reservation for request {prefix_request_id!r}")
+        self._reserved.discard(prefix_request_id)
+
+        def start(core: LLMEngine) -> None:
+            core.commit_prefix(prefix_request_id)
+            core.add_request(request)
+
+        return self._open_stream(request.request_id, start)
 
     def abort(self, request_id: str) -> bool:
         if not self._is_active(request_id):
@@ -345,14 +388,18 @@ class TorchEngine:
             timeout = None if expiry is None else max(expiry - time.monotonic(), 0.0)
             for cmd in self._take_commands(block=idle, timeout=timeout):
                 if cmd is _STOP:
-                    items += [("abort", rid, _aborted(rid)) for rid in core.abort_all()]
+                    with core.mutex:
+                        aborted = core.abort_all()
+                    items += [("abort", rid, _aborted(rid)) for rid in aborted]
                     self._post(self._deliver, items, True)
                     return
-                result = cmd(core)
+                with core.mutex:  # hold_prefix may run on another thread
+                    result = cmd(core)
                 if isinstance(result, list):  # deliveries; other results went through a future
                     items += result
             if expiry is not None:
-                bm.expire_pins()
+                with core.mutex:
+                    bm.expire_pins()
             if core.has_unfinished_requests():
                 items += self._step(core)
             seq = core.block_manager.events.last_seq

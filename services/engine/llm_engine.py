@@ -16,6 +16,7 @@ Request paths (api.py has the lifecycle):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -75,6 +76,10 @@ class LLMEngine:
         # reads it (lookups, events, stats) and borrows scratch blocks in
         # prompt_logits, freed before that call returns.
         self.block_manager = block_manager
+        # Held by the driving thread while it changes block accounting (schedule, the
+        # step's postprocess, commands), not while the forward pass runs, so another
+        # thread may take it for `hold_prefix` without waiting for a step to end.
+        self.mutex = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
         self.prompt_tokens_computed = 0
         self.decode_tokens_computed = 0
@@ -109,17 +114,19 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        with self.mutex:
+            out = self.scheduler.schedule()
         self.last_step_progressed = bool(out.scheduled or out.preempted)
         if not out.scheduled:
             return []
         sampled = self.runner.run(out.scheduled)
         outputs = []
-        for (seq, n), token in zip(out.scheduled, sampled, strict=True):
-            self._account(seq, n)
-            self.scheduler.computed(seq, n)
-            if token is not None:
-                outputs.append(self._append(seq, token))
+        with self.mutex:
+            for (seq, n), token in zip(out.scheduled, sampled, strict=True):
+                self._account(seq, n)
+                self.scheduler.computed(seq, n)
+                if token is not None:
+                    outputs.append(self._append(seq, token))
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -164,6 +171,43 @@ class LLMEngine:
             return False
         self._finish(seq, SequenceStatus.FINISHED, seq.finish_reason)
         return True
+
+    # ---- cached prefixes served to / pulled from other workers (issue 17) -----
+
+    def hold_prefix(self, request: EngineRequest) -> HeldKv | None:
+        """Hold the leading blocks of `request`'s prompt that are cached here, as a
+        HELD request (freed by `release`), computing nothing; None when none is cached.
+        Thread-safe (takes `mutex`): a holder busy with a long step answers without
+        waiting for it, since cached full blocks are never written by the step."""
+        with self.mutex:
+            return self._hold_prefix(request)
+
+    def _hold_prefix(self, request: EngineRequest) -> HeldKv | None:
+        self.validate(request)
+        seq = self._new_sequence(request, prefill_only=True)
+        cached = self.block_manager.match_prefix(seq, seq.num_tokens)
+        if not cached:
+            return None
+        num_tokens = len(cached) * self.block_size
+        # Only cache hits: nothing new is allocated, so this cannot run short.
+        ok = self.block_manager.allocate_slots(seq, num_tokens, cached)
+        assert ok, "holding cached blocks needs no free block"
+        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        self.scheduler.hold_cached(seq)
+        self._seqs[seq.request_id] = seq
+        return HeldKv(tuple(seq.block_table), num_tokens, self.spec.layout)
+
+    def commit_prefix(self, request_id: str) -> int:
+        """The blocks reserved for a prefix (`reserve_external` of whole blocks) hold its
+        KV, pulled from another worker: offer them to the prefix cache and free the
+        reservation (they stay cached). Returns the tokens that were pulled."""
+        seq = self._remote(request_id)
+        pulled = seq.num_tokens - seq.num_cached_tokens
+        self.prompt_tokens_transferred += pulled
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self._finish(seq, SequenceStatus.FINISHED, None)
+        return pulled
 
     # ---- external KV ------------------------------------------------------
 

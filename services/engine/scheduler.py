@@ -157,6 +157,11 @@ class Scheduler:
         seq.status = SequenceStatus.HELD
         self.held[seq.request_id] = seq
 
+    def hold_cached(self, seq: Sequence) -> None:
+        """A sequence made only of cache hits, held for another worker to read (never run)."""
+        seq.status = SequenceStatus.HELD
+        self.held[seq.request_id] = seq
+
     def reserve_remote(self, seq: Sequence) -> bool:
         """Blocks for all of `seq`'s tokens, cached prefix reused; False if not enough free."""
         bm = self.block_manager

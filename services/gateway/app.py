@@ -327,12 +327,18 @@ class Gateway:
 def forwarded_authorization(request: Request) -> tuple[tuple[str, str], ...]:
     """The client's Authorization header as gRPC metadata: the router checks the API key
     (one place holds the keys; its UNAUTHENTICATED comes back as a 401)."""
+    out: tuple[tuple[str, str], ...] = ()
     value = request.headers.get("authorization")
-    if value is None:
-        return ()
-    if not (value.isascii() and value.isprintable()) or len(value) > 1024:
-        raise GatewayError(401, "malformed Authorization header", "authentication_error")
-    return (("authorization", value),)
+    if value is not None:
+        if not (value.isascii() and value.isprintable()) or len(value) > 1024:
+            raise GatewayError(401, "malformed Authorization header", "authentication_error")
+        out = (("authorization", value),)
+    # Issue 18: a client's retry with the same Idempotency-Key joins the running request
+    # (services/router/retries.py checks the value).
+    key = request.headers.get("idempotency-key")
+    if key is not None and key.isascii() and key.isprintable() and len(key) <= 255:
+        out += (("idempotency-key", key),)
+    return out
 
 
 async def _next(upstream: UpstreamStream) -> Any:

@@ -97,4 +97,5 @@ def observation_between(prev: Snapshot, cur: Snapshot, pools: dict[str, int], q:
         ttft_q_s=cur.ttft.minus(prev.ttft).quantile(q),
         itl_q_s=cur.itl.minus(prev.itl).quantile(q),
         ready_prefill_workers=cur.ready.get("prefill", 0),
+        ready_decode_workers=cur.ready.get("decode", 0),
     )

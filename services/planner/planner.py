@@ -13,14 +13,18 @@ Each tick:
    window (its busiest interval > `burst_ratio` x its median) never below the
    busiest interval (a burst shorter than a worker's start-up cannot be caught
    by scaling up when it comes, only by keeping its capacity);
-2. size both pools jointly from that forecast (`sizing.size_pools`), for
-   `headroom` x the SLOs (the model is a model);
+2. size both pools jointly from that forecast (`sizing.size_pools`, prefill
+   as one pooled queue by default: `queue_model`), for `headroom` x the SLOs
+   (the model is a model);
 3. refit the sizing's queueing coefficient from the TTFT measured at the
    utilisation the pool had (not in a bursty window: a burst's backlog is a
-   transient, and learning from it sized 3x the pools the bursts need), then
-   correct with what was measured: a role whose measured latency quantile
-   broke its SLO last interval gets at least one more worker than it has,
-   whatever the model says (the model may be wrong; the SLO is not);
+   transient, and learning from it sized 3x the pools the bursts need; not
+   where the pooled model sees no queueing: the TTFT there is the prompts'
+   own prefill), then correct with what was measured: a role whose measured
+   latency quantile broke its SLO last interval gets at least one more worker
+   than it has, whatever the model says (the model may be wrong; the SLO is
+   not), unless workers of that role are still starting (the capacity is on
+   its way; one more over-shoots and is kept through the scale-down streak);
 4. apply the hysteresis per role, and record the decision with its inputs.
 """
 
@@ -34,7 +38,19 @@ from services.common.config import require, setting
 from services.planner.capacity import WorkerModel
 from services.planner.forecast import FORECASTERS, Forecaster, make_forecaster
 from services.planner.hysteresis import Hysteresis, HysteresisConfig
-from services.planner.sizing import Budget, Load, Sizing, Slo, default_wait_coeff, prefill_shape, size_pools
+from services.planner.sizing import (
+    POOLED_PRIOR,
+    Budget,
+    Load,
+    Sizing,
+    Slo,
+    default_wait_coeff,
+    pooled_wait_q,
+    prefill_shape,
+    size_pools,
+)
+
+QUEUE_MODELS = ("pooled", "single")
 
 
 @dataclass(frozen=True)
@@ -57,11 +73,16 @@ class PlannerConfig:
     burst_ratio: float = setting(
         2.5, "planner: a window whose busiest interval exceeds this x its median is bursty: keep its peak"
     )
+    queue_model: str = setting(
+        "pooled", f"planner: prefill queueing model, one of {QUEUE_MODELS} (services/planner/sizing.py)"
+    )
+
     hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         require(self.interval_s > 0, "interval_s must be > 0")
         require(self.forecaster in FORECASTERS, f"forecaster must be one of {FORECASTERS}")
+        require(self.queue_model in QUEUE_MODELS, f"queue_model must be one of {QUEUE_MODELS}")
         require(self.startup_s >= 0, "startup_s must be >= 0")
         require(0 < self.headroom <= 1, "headroom must be in (0, 1]")
         require(self.max_prefill >= -1 and self.max_decode >= -1, "max_prefill/max_decode must be >= -1")
@@ -83,6 +104,7 @@ class Observation:
     ttft_q_s: float | None = None  # measured TTFT at the SLO quantile (None = no data)
     itl_q_s: float | None = None
     ready_prefill_workers: int | None = None  # serving through the interval (None = prefill_workers)
+    ready_decode_workers: int | None = None  # (None = decode_workers)
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,7 @@ class Planner:
         self.slo = Slo(config.ttft_slo_s, config.itl_slo_s, config.slo_quantile)
         h = config.headroom
         self._target = Slo(config.ttft_slo_s * h, config.itl_slo_s * h, config.slo_quantile)
+        self._pooled = config.queue_model == "pooled"
         self.budget = Budget(config.max_workers, config.min_prefill, config.min_decode)
         self.hysteresis = Hysteresis(config.hysteresis)
         # the arrival rate trends (the configured forecaster); lengths and hit rate only drift (averaged)
@@ -149,15 +172,26 @@ class Planner:
         budget = (
             Budget(2 * self.budget.max_workers, 0, self.budget.min_decode) if decode_only else self.budget
         )
-        sizing = size_pools(forecast, self.model, self._target, budget, self.wait_coeff)
+        sizing = size_pools(forecast, self.model, self._target, budget, self.wait_coeff, pooled=self._pooled)
         want_p, want_d = (0, sizing.decode) if decode_only else (sizing.prefill, sizing.decode)
         reasons = [sizing.reason]
+        # A breach while workers of that role are still starting is the capacity already on its
+        # way not being there yet: adding one more for it over-shoots (and stays, for the
+        # scale-down streak) what the load needs.
+        ready_p = obs.prefill_workers if obs.ready_prefill_workers is None else obs.ready_prefill_workers
+        ready_d = obs.decode_workers if obs.ready_decode_workers is None else obs.ready_decode_workers
         if obs.ttft_q_s is not None and obs.ttft_q_s > self.slo.ttft_s and want_p <= obs.prefill_workers:
-            want_p = obs.prefill_workers + 1
-            reasons.append("ttft_measured_over_slo")
+            if ready_p >= obs.prefill_workers:
+                want_p = obs.prefill_workers + 1
+                reasons.append("ttft_measured_over_slo")
+            else:
+                reasons.append("ttft_over_slo_capacity_starting")
         if obs.itl_q_s is not None and obs.itl_q_s > self.slo.itl_s and want_d <= obs.decode_workers:
-            want_d = obs.decode_workers + 1
-            reasons.append("itl_measured_over_slo")
+            if ready_d >= obs.decode_workers:
+                want_d = obs.decode_workers + 1
+                reasons.append("itl_measured_over_slo")
+            else:
+                reasons.append("itl_over_slo_capacity_starting")
         room = self.budget.max_workers
         if self.config.max_prefill >= 0:
             want_p = min(want_p, self.config.max_prefill)
@@ -185,13 +219,22 @@ class Planner:
         if obs.ttft_q_s is None or not obs.requests or ready < 1:
             return
         isl = obs.mean_isl * (1 - obs.hit_rate)
-        s1, _, tps = prefill_shape(self.model, isl)
+        s1, s_pass, tps = prefill_shape(self.model, isl)
         rho = rate * max(isl, 1.0) / (ready * tps)
         if not 0.05 <= rho <= 0.95:
             return  # too idle to see queueing, or too saturated to be steady
         waited = max(obs.ttft_q_s - s1 - self.model.transfer_s(int(isl)), 0.0)
-        prior = default_wait_coeff(self.model, isl, self.slo.quantile)
+        if self._pooled:
+            prior = POOLED_PRIOR
+            unit = pooled_wait_q(ready, rho, s_pass, self.slo.quantile)  # the wait at A = 1
+            if unit < 0.1 * self._target.ttft_s:
+                # The model sees little queueing here: the TTFT quantile is then the prompts' own
+                # prefill (long prompts; only the mean ISL is known), not A's business.
+                return
+        else:
+            prior = default_wait_coeff(self.model, isl, self.slo.quantile)
+            unit = rho / (1 - rho)
         old = self.wait_coeff if self.wait_coeff is not None else prior
         # one interval moves the fit at most 3x either way (a transient is not the steady state)
-        a_obs = min(max(waited * (1 - rho) / rho, 0.05 * prior, old / 3), 20 * prior, 3 * old)
+        a_obs = min(max(waited / unit, 0.05 * prior, old / 3), 20 * prior, 3 * old)
         self.wait_coeff = math.exp(0.7 * math.log(old) + 0.3 * math.log(a_obs))

@@ -22,6 +22,24 @@ Little's law: a worker can decode B sequences with steps <= the ITL target
 (`capacity.decode_batch`), the load keeps rate * OSL * step(B) sequences
 decoding, so decode = ceil(rate * OSL * step(B) / B).
 
+`pooled=True` (what the planner uses; `PlannerConfig.queue_model`) sizes the
+prefill pool as one queue of c workers instead of c separate ones: the
+prompts go to the least-loaded worker, so a pool of c shares its slack
+(Erlang C). A prompt waits behind whole passes, and a pass carries what queued
+during the one before, so at utilisation rho a pass is about rho x a full one
+(s_pass). With rho x s_pass as the service time, at quantile q (the M/M/c
+waiting-time tail, scaled by `A`)
+
+    wait_q(c, rho) = A * rho * s_pass / (c * (1 - rho)) * ln(C(c, c*rho) / (1 - q))   (0 when C <= 1 - q)
+
+and prefill = the fewest c with s_1 + transfer_s + wait_q <= TTFT_slo. The
+single-queue rule above asks the same utilisation of 2 workers as of 12; the
+pooled one lets a big pool run hotter, which is where a diurnal peak's
+worker-seconds are (bench/planner.py). Its A starts at 1 and is refit from
+measured TTFT the same way; the rho x s_pass service time is what lets an A
+fitted on a quiet pool (small passes) hold on a busy one (full passes): with
+s_pass alone the fit from the morning under-sized the afternoon's ramp.
+
 When prefix caching serves a share h of the prompt, only ISL * (1 - h) tokens
 are prefilled. When the two pools do not fit the budget, both are cut in
 proportion (each keeps at least its minimum) and the reason says "budget".
@@ -103,6 +121,53 @@ def default_wait_coeff(model: WorkerModel, isl: float, quantile: float) -> float
     return -math.log(1 - quantile) * prefill_shape(model, isl)[1] / 2
 
 
+def erlang_c(c: int, offered: float) -> float:
+    """P(an arrival waits) in M/M/c with `offered` = arrival rate x service time (Erlangs)."""
+    if c < 1 or offered >= c:
+        return 1.0
+    b = 1.0  # Erlang B by its recurrence, then C from B
+    for k in range(1, c + 1):
+        b = offered * b / (k + offered * b)
+    rho = offered / c
+    return b / (1 - rho + rho * b)
+
+
+def pooled_wait_q(c: int, rho: float, s_pass: float, quantile: float, coeff: float = 1.0) -> float:
+    """The `quantile` wait of a prompt in a pool of c prefill workers at utilisation rho (see above)."""
+    if rho >= 1:
+        return math.inf
+    waits = erlang_c(c, c * rho)
+    if waits <= 1 - quantile:
+        return 0.0
+    return coeff * s_pass * rho / (c * (1 - rho)) * math.log(waits / (1 - quantile))
+
+
+POOLED_PRIOR = 1.0  # the pooled model's A before any TTFT is measured
+
+
+def pooled_prefill_workers(
+    load: Load, model: WorkerModel, slo: Slo, cap: int, wait_coeff: float | None = None
+) -> tuple[int, str, dict[str, float]]:
+    isl = load.uncached_isl
+    if load.rate <= 0:
+        return 0, "idle", {"rho_max": 1.0}
+    s1, s_pass, tps = prefill_shape(model, isl)
+    a = wait_coeff if wait_coeff is not None else POOLED_PRIOR
+    slack = slo.ttft_s - s1 - model.transfer_s(int(isl))
+    info = {"prefill_s": s1, "tokens_per_s": tps, "wait_coeff": a}
+    if slack <= 0:
+        info["rho_max"] = 0.0
+        return cap, "ttft_infeasible", info
+    work = load.rate * max(isl, 1.0) / tps  # busy workers' worth
+    c = max(1, math.ceil(work - 1e-9))
+    while c < cap and pooled_wait_q(c, work / c, s_pass, slo.quantile, a) > slack:
+        c += 1
+    info["rho_max"] = work / c
+    if pooled_wait_q(c, work / c, s_pass, slo.quantile, a) > slack:
+        return cap, "ttft_infeasible", info
+    return c, "ttft", info
+
+
 def prefill_workers(
     load: Load, model: WorkerModel, slo: Slo, cap: int, wait_coeff: float | None = None
 ) -> tuple[int, str, dict[str, float]]:
@@ -135,10 +200,17 @@ def decode_workers(load: Load, model: WorkerModel, slo: Slo, cap: int) -> tuple[
 
 
 def size_pools(
-    load: Load, model: WorkerModel, slo: Slo, budget: Budget, wait_coeff: float | None = None
+    load: Load,
+    model: WorkerModel,
+    slo: Slo,
+    budget: Budget,
+    wait_coeff: float | None = None,
+    *,
+    pooled: bool = False,
 ) -> Sizing:
     cap = budget.max_workers
-    p, p_why, p_info = prefill_workers(load, model, slo, cap, wait_coeff)
+    prefill_rule = pooled_prefill_workers if pooled else prefill_workers
+    p, p_why, p_info = prefill_rule(load, model, slo, cap, wait_coeff)
     d, d_why, d_info = decode_workers(load, model, slo, cap)
     p, d = max(p, budget.min_prefill), max(d, budget.min_decode)
     inputs = {"rate": load.rate, "isl": load.isl, "osl": load.osl, "hit_rate": load.hit_rate}

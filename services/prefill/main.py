@@ -9,8 +9,11 @@ byte stream) on one port.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Sequence
+
+import structlog
 
 from kvtransfer.grpc_transport import KvSourceServicer, add_kv_source
 from kvtransfer.leases import LeaseKeeper, LeaseManager
@@ -23,7 +26,11 @@ from services.prefill.metrics import PrefillMetrics
 from services.prefill.servicer import PrefillServicer
 from services.worker.settings import configs, run_worker, start_runtime
 
+log = structlog.get_logger()
+
 SERVICE_NAME = "pdmesh.v1.PrefillService"
+# Calls a draining prefill worker still serves: they end the leases its drain waits for.
+DRAIN_SERVED = ("/pdmesh.v1.KvSourceService/", f"/{SERVICE_NAME}/Release")
 # What docs/CONFIG.md and `--help` are made from (the same sections parse_settings builds).
 CONFIGS = configs(SECTIONS)
 __all__ = ["CONFIGS", "SERVICE_NAME", "main", "make_parser", "serve"]
@@ -55,12 +62,29 @@ async def serve(settings: PrefillSettings) -> None:
         health=rt.health,
     )
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, rt.server.server)
+    rt.server.serve_during_drain(DRAIN_SERVED, lambda: leases_settled(leases, prefill_cfg.max_lease_ms))
     keeper.start()
     try:
         await rt.serve(servicer.load)
     finally:
         await keeper.stop()
         leases.close()
+
+
+async def leases_settled(leases: LeaseManager, max_lease_ms: int, poll_s: float = 0.05) -> bool:
+    """Wait until every handle this worker gave out has ended: pulled and released (NIXL's done
+    notification, a gRPC read with release_after, Release), or expired, or its requester died.
+    A drain waits for this before the server and the KV transport stop, so a decode worker that
+    holds a handle from before the drain still pulls it (Dynamo's planner fails those decodes on
+    scale-down). The lease keeper keeps expiring leases meanwhile, so no lease outlives
+    `max_lease_ms`; the bound here is that plus a margin, for a clock that did not move."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max_lease_ms / 1000.0 + 5.0
+    if leases.held_blocks:
+        log.info("drain_waits_for_leases", leases=leases.held, blocks=leases.held_blocks)
+    while leases.held_blocks and loop.time() < deadline:
+        await asyncio.sleep(poll_s)  # a periodic check of the lease table (no event to wait on)
+    return leases.held_blocks == 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ that are the client's fault (INVALID_ARGUMENT, ...) are neither.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,6 +60,9 @@ class AttemptError:
     # The router's own verdict on the client (e.g. it stopped reading): the error
     # class the client gets, with `details` as its message, instead of the mapping below.
     client_error: type[MeshError] | None = None
+    # The router moved the request itself (its worker went unhealthy before the first
+    # token, issue 18): nothing was delivered, so the retry needs no retry budget.
+    reroute: bool = False
 
     @classmethod
     def from_status(cls, code: grpc.StatusCode, details: str) -> AttemptError:
@@ -105,7 +108,10 @@ class DecodeAttempt:
         first_timeout_s: float = 0.0,
         stall_timeout_s: float = 0.0,
         max_buffered_tokens: int = 0,
+        on_first: Callable[[DecodeAttempt], None] | None = None,
     ):
+        """`on_first(attempt)`: called once, when the first message (tokens or final) arrives
+        (the outlier detector's TTFT sample; nothing runs per token)."""
         self.worker_id = worker_id
         self.call = call
         self.final: decode_pb2.DecodeFinal | None = None
@@ -121,6 +127,13 @@ class DecodeAttempt:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._last = loop.time()
+        self.started = self._last
+        self.first_at: float | None = None  # when the first message arrived
+        # The ITL sample: tokens received, and how many came with the first message.
+        self.tokens_received = 0
+        self._first_tokens = 0
+        self.prefill_blocks = 0  # blocks the worker must prefill (set by the flow: TTFT samples)
+        self._on_first = on_first
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         attach = getattr(call, "attach", None)
@@ -166,7 +179,10 @@ class DecodeAttempt:
             return
         self._last = self._loop.time()
         self.messages += 1
+        self.tokens_received += len(token_ids)
         if self.messages == 1:  # from the first-message limit to the stall limit
+            self._first_tokens = self.tokens_received
+            self._first()
             self._rearm()
         self._tokens.extend(token_ids)  # `take` swaps the list
         if self._max_buffered and len(self._tokens) > self._max_buffered:
@@ -178,12 +194,45 @@ class DecodeAttempt:
         if not self.done:
             self.messages += 1
             self.final = final
+            if self.messages == 1:
+                self._last = self._loop.time()
+                self._first()
             self._settle()
 
     def push_error(self, error: AttemptError) -> None:
         if not self.done:
             self.error = error
             self._settle()
+
+    def _first(self) -> None:
+        self.first_at = self._last
+        if self._on_first is not None:
+            self._on_first(self)
+
+    @property
+    def mean_gap_s(self) -> float | None:
+        """Mean time per token after the first message (None: no tokens after it). Per token,
+        not per message: a link frame may carry several of one request's tokens."""
+        later = self.tokens_received - self._first_tokens
+        if self.first_at is None or later < 1:
+            return None
+        return (self._last - self.first_at) / later
+
+    @property
+    def stalled(self) -> bool:
+        """The watchdog failed it: no first message, or no token, in time."""
+        return self._stalled
+
+    def fail_unstarted(self, why: str) -> bool:
+        """Fail the attempt now if nothing came back yet (its worker went unhealthy): a
+        retryable error that spends no retry budget (`AttemptError.reroute`). True if it did."""
+        if self.done or self.messages:
+            return False
+        self.push_error(
+            AttemptError(grpc.StatusCode.UNAVAILABLE, why, retryable=True, worker_fault=False, reroute=True)
+        )
+        self.cancel()
+        return True
 
     def _settle(self) -> None:
         self.done = True

@@ -47,6 +47,7 @@ class BreakerState(enum.Enum):
 
 @dataclass(frozen=True)
 class BreakerConfig:
+    enabled: bool = setting(True, "circuit breakers (false: a failing worker is never taken out)")
     consecutive_failures: int = setting(5, "consecutive failures that open a worker's breaker")
     failure_rate: float = setting(0.5, "failure fraction over the window that opens the breaker")
     min_requests: int = setting(20, "outcomes in the window before the failure rate counts")
@@ -142,6 +143,8 @@ class CircuitBreaker:
         # OPEN: a late result of a request sent before the breaker opened; ignore.
 
     def record_failure(self) -> None:
+        if not self.config.enabled:  # the "naive" router of bench/faults.py: never opens
+            return
         now = self._clock()
         self._advance(now)
         if self._state is BreakerState.CLOSED:

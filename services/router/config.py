@@ -3,6 +3,7 @@
 `RouterConfig` holds the router's own settings (workers, model, policy,
 timeouts, probe intervals); the cores keep their own configs
 (`AdmissionConfig`, `BreakerConfig`, `RetryBudgetConfig`, `JourneyConfig`,
+`OutlierConfig`, `HedgeConfig`, `RetryAttachConfig`,
 `PrefixIndexConfig`, `RequestLimits`), the public listener is a `ServerConfig`
 and the internal one (workers' membership, services/router/listeners.py) an
 `InternalListenerConfig`, the OpenAI-compatible HTTP door an `HttpDoorConfig`, their
@@ -34,10 +35,14 @@ from services.model.tokenizer import ByteTokenizer, HfTokenizer
 from services.router.admission import AdmissionConfig
 from services.router.auth import AuthConfig
 from services.router.circuit_breaker import BreakerConfig
+from services.router.hedge import HedgeConfig
 from services.router.migration import JourneyConfig
+from services.router.outlier import OutlierConfig
 from services.router.policy import POLICY_NAMES, PolicyConfig
 from services.router.prefix_index import PrefixIndexConfig
+from services.router.prefix_pull import PrefixPullConfig
 from services.router.registry import RegistryConfig, parse_target
+from services.router.retries import RetryAttachConfig
 from services.router.retry_budget import RetryBudgetConfig
 
 
@@ -69,7 +74,23 @@ class RouterConfig:
     )
     max_prefill_candidates: int = setting(4, "ranked prefill workers passed with each decode request")
     first_token_timeout_s: float = setting(
-        120.0, "an attempt with no first message after this long is failed over (0 = only the deadline)"
+        120.0,
+        "an attempt with no first message after this long is failed over (0 = only the deadline); "
+        "the cap of the predicted-TTFT timeout below",
+    )
+    # Issue 18: a fixed 120 s let a request sit on a hung worker for most of its client's deadline.
+    first_token_timeout_multiple: float = setting(
+        10.0,
+        "first-token timeout = this many times the worker's predicted TTFT (recent median), within "
+        "[first_token_timeout_floor_s, first_token_timeout_s] (0 = always first_token_timeout_s)",
+    )
+    first_token_timeout_floor_s: float = setting(
+        10.0, "shortest first-token timeout the predicted TTFT may give"
+    )
+    reroute_unstarted: bool = setting(
+        True,
+        "a request with no first token on a worker that goes unhealthy (not serving, breaker open, "
+        "ejected) is moved to another worker at once",
     )
     stall_timeout_s: float = setting(
         10.0, "an attempt with no token for this long after its first is migrated (0 = off)"
@@ -114,6 +135,8 @@ class RouterConfig:
         require(self.max_prefill_candidates >= 0, "max_prefill_candidates must be >= 0")
         require(self.optimistic_prefix_ttl_s >= 0, "optimistic_prefix_ttl_s must be >= 0")
         require(self.max_buffered_tokens >= 0, "max_buffered_tokens must be >= 0")
+        require(self.first_token_timeout_multiple >= 0, "first_token_timeout_multiple must be >= 0")
+        require(self.first_token_timeout_floor_s >= 0, "first_token_timeout_floor_s must be >= 0")
         for name in ("first_token_timeout_s", "stall_timeout_s", "dns_refresh_s", "saturated_retry_after_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
         for name in (
@@ -215,7 +238,11 @@ class RouterSettings:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
     journey: JourneyConfig = field(default_factory=JourneyConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    hedge: HedgeConfig = field(default_factory=HedgeConfig)
+    retry_attach: RetryAttachConfig = field(default_factory=RetryAttachConfig)  # retried arrivals
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    prefix_pull: PrefixPullConfig = field(default_factory=PrefixPullConfig)  # issue 17 item 3
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -232,7 +259,11 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("breaker", BreakerConfig, "breaker_"),
     ("retry_budget", RetryBudgetConfig, "retry_budget_"),
     ("journey", JourneyConfig, ""),
+    ("outlier", OutlierConfig, "outlier_"),
+    ("hedge", HedgeConfig, "hedge_"),
+    ("retry_attach", RetryAttachConfig, "retry_attach_"),
     ("index", PrefixIndexConfig, "index_"),
+    ("prefix_pull", PrefixPullConfig, "prefix_pull_"),
     ("tls", TlsConfig, "tls_"),
     ("auth", AuthConfig, ""),
     ("tracing", TracingConfig, ""),

@@ -7,9 +7,14 @@ so it runs in unit tests against fake calls:
 
     admission (AdmissionGate: slot now, queue, or shed)
     -> attempt: rank decode workers (policy over the registry's eligible
-       workers, prefix overlaps from the index), take the first whose breaker
-       lets it through, rank prefill candidates, call the worker with the
-       remaining deadline, relay its tokens (DecodeAttempt)
+       workers, prefix overlaps from the index; a latency outlier's cost
+       inflated, services/router/outlier.py), take the first whose breaker and
+       outlier state let it through, rank prefill candidates, call the worker
+       with the remaining deadline and a first-token timeout from its predicted
+       TTFT, relay its tokens (DecodeAttempt); with hedging on, a late first
+       token sends a copy to the next worker (hedge_race.py); a worker that goes
+       unhealthy before the first token has the attempt failed at once
+       (`reroute_unstarted`), which retries it without spending retry budget
     -> on failure: the journey decides (migration.decide_recovery: retry before
        the first token, if the retry budget grants one; migrate with resume
        tokens after it; give up), and the flow applies the decision
@@ -22,9 +27,10 @@ running downstream call at once; cleanup is in `finally`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -45,10 +51,14 @@ from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
+from services.router.hedge import HedgeConfig
+from services.router.hedge_race import HedgeRace
 from services.router.load_view import LoadView
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
-from services.router.policy import Candidate, Policy
+from services.router.outlier import OutlierDetector
+from services.router.policy import Candidate, Choice, Policy
 from services.router.prefix_index import PrefixIndex
+from services.router.prefix_pull import PrefixPullPlanner, PullPlan, plan_for_ranking
 from services.router.registry import WorkerRegistry, WorkerRole
 from services.router.retry_budget import RetryBudget
 
@@ -111,6 +121,20 @@ class RoutingContext:
     metrics: Any = None  # RouterMetrics or None
     notify: Callable[[], None] = lambda: None  # state changed (a request queued), for waiters
     load_view: LoadView | None = None  # the router's own load account; None: heartbeats only
+    outliers: OutlierDetector | None = None  # latency outlier detection (issue 18); None: off
+    hedge: HedgeConfig = field(default_factory=HedgeConfig)  # hedging before the first token (off by default)
+    # A worker looks hung (a stream on it stalled mid-way): move its unstarted requests
+    # (Router.reroute_unstarted, with a cause).
+    reroute: Callable[[str, str], int] = lambda worker_id, cause: 0
+    pull_planner: PrefixPullPlanner | None = None  # prefixes pulled instead of recomputed; None: off
+
+
+def _worker_of(ch: Choice) -> str:
+    return ch.worker_id
+
+
+def _cost_of(ch: Choice) -> float:
+    return ch.cost
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -151,6 +175,13 @@ class RequestFlow:
         self.worker_id = ""
         self._routed: int | None = None  # this attempt's LoadView key
         self._last_error: tuple[str, AttemptError] | None = None
+        # Hedging before the first token (hedge_race.py), when on.
+        self._race = (
+            HedgeRace(ctx, self.journey, self._pick, self._new_attempt, self._report_latency, saturated)
+            if ctx.hedge.enabled and ctx.outliers is not None
+            else None
+        )
+        self._sent: tuple[decode_pb2.DecodeServiceGenerateRequest, int, int] | None = None
 
     def cancel(self, why: str = "cancelled by Router.Cancel") -> None:
         """Stop the request now: cancel the downstream call, end the stream with CANCELLED."""
@@ -160,7 +191,19 @@ class RequestFlow:
             self.ctx.gate.abort(self._waiter, self._cancel_error)
         if self._attempt is not None:
             self._attempt.cancel()
+        if self._race is not None:
+            self._race.cancel()
         self._wake.set()
+
+    def reroute_unstarted(self, worker_id: str, why: str) -> bool:
+        """`worker_id` went unhealthy: if this request's attempt (or hedge) there has had
+        nothing back yet, fail it now so the request moves to another worker (nothing is
+        lost before the first token). True if one was moved."""
+        moved = False
+        for attempt in (self._attempt, self._race.hedge if self._race is not None else None):
+            if attempt is not None and attempt.worker_id == worker_id:
+                moved |= attempt.fail_unstarted(f"worker {worker_id} {why} before the first token")
+        return moved
 
     async def run(self) -> AsyncIterator[list[int] | FlowFinal]:
         """Token-id lists (one per client message), then a FlowFinal; raises a
@@ -178,8 +221,24 @@ class RequestFlow:
             if self._attempt is not None:
                 self._attempt.cancel()
             if self._cost is not None:
+                if self._race is not None and self._race.waste:  # losing copies: not in the journey
+                    self._cost = dataclasses.replace(
+                        self._cost,
+                        computed_tokens=self._cost.computed_tokens + self._race.waste,
+                        wasted_tokens=self._cost.wasted_tokens + self._race.waste,
+                    )
                 self.ctx.ledger.record(self._cost)
+                self._count_waste()
             self.ctx.gate.release(ticket)
+
+    def _count_waste(self) -> None:
+        """`pdmesh_router_wasted_tokens_by_cause_total{cause}`, once per request (the copies
+        of hedged requests that lost are not in the journey: counted when they are dropped)."""
+        metrics = self.ctx.metrics
+        if metrics is None or not self.journey.done:
+            return
+        for cause, tokens in self.journey.waste_by_cause().items():
+            metrics.wasted(cause, tokens)
 
     async def _admit(self) -> Ticket:
         ctx, req = self.ctx, self.req
@@ -222,10 +281,17 @@ class RequestFlow:
             attempt = self._launch()
             worker = attempt.worker_id
             settled = False
+            race = self._race
             try:
+                if race is not None and not journey.delivered_token_ids and self._sent is not None:
+                    race.arm(attempt, *self._sent, self._deadline)
                 while True:
                     if self._cancel_error is not None:
                         raise self._cancel_error
+                    if race is not None and race.hedge is not None:  # racing: settle it?
+                        attempt, self._routed = race.settle(attempt, self._routed)
+                        self._attempt, worker = attempt, attempt.worker_id
+                        self.worker_id = worker
                     ids = attempt.take()
                     if ids:
                         if len(ids) > remaining:  # a worker that overruns max_tokens: cut it off
@@ -250,6 +316,9 @@ class RequestFlow:
                     await self._wake.wait()
                     self._wake.clear()
             finally:
+                if race is not None:
+                    race.end()
+                self._report_latency(attempt)
                 ctx.registry.end_request(worker)
                 if self._routed is not None:
                     ctx.load_view.end(self._routed)  # type: ignore[union-attr]
@@ -264,6 +333,8 @@ class RequestFlow:
             assert err is not None
             if err.worker_fault:
                 ctx.breakers.record_failure(worker)
+                if attempt.stalled and attempt.messages:  # hung mid-stream: the others there too
+                    ctx.reroute(worker, "stalled")
             else:
                 ctx.breakers.record_ignored(worker)
             final = self._recover(worker, err)
@@ -294,7 +365,9 @@ class RequestFlow:
         the client gets."""
         ctx = self.ctx
         decision = self.journey.fail_attempt(
-            err.retryable, another_worker=self._another_worker(), retry_budget=ctx.budget.can_retry()
+            err.retryable,
+            another_worker=self._another_worker(),
+            retry_budget=err.reroute or ctx.budget.can_retry(),
         )
         log.info(
             "attempt_failed",
@@ -305,7 +378,7 @@ class RequestFlow:
             decision=decision.action.value,
             delivered=len(self.journey.delivered_token_ids),
         )
-        if decision.action is Recovery.RETRY:
+        if decision.action is Recovery.RETRY and not err.reroute:
             ctx.budget.record_retry()
         elif decision.cause is Cause.RETRY_BUDGET:
             ctx.budget.record_denied()
@@ -349,11 +422,10 @@ class RequestFlow:
         ]
         if ctx.load_view is not None:
             cands = ctx.load_view.blend(cands)
-        choice = None
-        for ch in ctx.decode_policy.rank(cands, len(hashes), overlaps):
-            if ctx.breakers.allow_request(ch.worker_id):
-                choice = ch
-                break
+        ranked, pull = ctx.decode_policy.rank(cands, len(hashes), overlaps), None
+        if ctx.pull_planner is not None:  # issue 17: the plan's target first, maybe with a pull
+            ranked, pull = plan_for_ranking(ctx.pull_planner, ranked, cands, overlaps, len(hashes))
+        choice = self._pick(ranked)
         if choice is None:
             self._cost = self.journey.give_up()
             last = self._last_error
@@ -376,6 +448,7 @@ class RequestFlow:
             priority=self.req.priority,
             workflow=self.req.workflow,
             prefill_candidates=self._prefill_candidates(len(hashes), overlaps),
+            prefix_pull=self._pull_hint(pull, choice.worker_id),
         )
         self.journey.start_attempt(choice.worker_id, cached_tokens=choice.overlap_blocks * cfg.block_size)
         total_blocks = -(-(len(input_ids) + plan.max_tokens_remaining) // cfg.block_size)
@@ -386,18 +459,97 @@ class RequestFlow:
             ctx.index.apply_provisional(choice.worker_id, hashes, now + cfg.optimistic_prefix_ttl_s)
         self.worker_id = choice.worker_id
         call = ctx.call_decode(choice.worker_id, request, timeout)
+        pulled = pull.pull_blocks if pull is not None and pull.target == choice.worker_id else 0
+        to_prefill = len(input_ids) - max(choice.overlap_blocks, pulled) * cfg.block_size
         if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
-            to_prefill = len(input_ids) - choice.overlap_blocks * cfg.block_size
             self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
-        self._attempt = DecodeAttempt(
-            choice.worker_id,
+        self._sent = (request, to_prefill, new_blocks)  # what a hedge of this attempt sends
+        self._attempt = self._new_attempt(choice.worker_id, call, to_prefill)
+        return self._attempt
+
+    def _new_attempt(self, worker_id: str, call: DecodeCall, to_prefill: int) -> DecodeAttempt:
+        cfg = self.ctx.config
+        on_first = self._on_first if self.ctx.outliers is not None else None
+        blocks = -(-max(to_prefill, 0) // cfg.block_size)
+        attempt = DecodeAttempt(
+            worker_id,
             call,
             self._wake,
-            cfg.first_token_timeout_s,
+            self._first_token_timeout(worker_id, blocks),
             cfg.stall_timeout_s,
             cfg.max_buffered_tokens,
+            on_first,
         )
-        return self._attempt
+        attempt.prefill_blocks = blocks
+        return attempt
+
+    def _pick(self, ranked: list[Choice]) -> Choice | None:
+        """The first ranked worker that the outlier detector and its breaker let through."""
+        ctx, outliers = self.ctx, self.ctx.outliers
+        if outliers is not None:
+            ranked = outliers.rerank(ranked, _worker_of, _cost_of)
+        for ch in ranked:
+            wid = ch.worker_id
+            if outliers is not None and not outliers.is_available(wid):
+                continue
+            if ctx.breakers.allow_request(wid):
+                if outliers is not None:
+                    outliers.allow_request(wid)  # takes a probe slot while it is PROBING
+                return ch
+        return None
+
+    def _first_token_timeout(self, worker_id: str, prefill_blocks: int) -> float:
+        """A multiple of the worker's predicted TTFT, within [floor, first_token_timeout_s];
+        the fixed cap without a prediction (or with the multiple 0)."""
+        cfg, outliers = self.ctx.config, self.ctx.outliers
+        cap = cfg.first_token_timeout_s
+        if cap <= 0 or cfg.first_token_timeout_multiple <= 0 or outliers is None:
+            return cap
+        predicted = outliers.predicted_ttft(worker_id, prefill_blocks)
+        if predicted is None:
+            return cap
+        return min(max(cfg.first_token_timeout_multiple * predicted, cfg.first_token_timeout_floor_s), cap)
+
+    # ---- latency samples (outlier detection), once per attempt ---------------
+
+    def _on_first(self, attempt: DecodeAttempt) -> None:
+        assert self.ctx.outliers is not None and attempt.first_at is not None
+        self.ctx.outliers.record_ttft(
+            attempt.worker_id, attempt.first_at - attempt.started, attempt.prefill_blocks
+        )
+
+    def _report_latency(self, attempt: DecodeAttempt) -> None:
+        outliers = self.ctx.outliers
+        if outliers is None:
+            return
+        if attempt.first_at is None:
+            err = attempt.error
+            if err is not None and err.worker_fault:  # it stalled or broke before a first message
+                outliers.record_ttft(
+                    attempt.worker_id, self._loop.time() - attempt.started, attempt.prefill_blocks
+                )
+            else:
+                outliers.release(attempt.worker_id)  # no verdict: a probe slot back
+            return
+        gap = attempt.mean_gap_s
+        if gap is not None:
+            outliers.record_itl(attempt.worker_id, gap)
+
+    def _pull_hint(self, pull: PullPlan | None, target: str) -> decode_pb2.PrefixPullHint | None:
+        """The hint for the chosen worker when the plan pulls to it (None: no pull)."""
+        if pull is None or pull.target != target:
+            return None
+        rec = self.ctx.registry.get(pull.source)
+        if rec is None:
+            return None
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.prefix_pull_hinted()
+        return decode_pb2.PrefixPullHint(
+            worker_id=pull.source,
+            address=rec.info.address,
+            kv_agent_name=rec.info.kv_agent_name,
+            blocks=pull.pull_blocks,
+        )
 
     def _prefill_candidates(self, prompt_blocks: int, overlaps: dict[str, int]) -> list[Any]:
         ctx = self.ctx

@@ -113,7 +113,7 @@ class FlowStream:
         gen = self._gen
         if gen is None:
             return True
-        gen.flow.cancel(CLIENT_GONE)
+        gen.cancel(CLIENT_GONE)  # a keyed (shared) request runs on for its retry
         if self._it is not None and not self._it.ag_running:
             self._closing = asyncio.ensure_future(self._close(gen))
         else:

@@ -154,6 +154,50 @@ class RouterMetrics:
         self._indexed = Gauge(
             "pdmesh_router_indexed_blocks", "Distinct blocks in the prefix index", registry=r
         )
+        # Issue 18: slow, hung and flapping workers.
+        self._wasted = Counter(
+            "pdmesh_router_wasted_tokens_by_cause",
+            "Tokens computed and thrown away, by cause: retried, migrated (the attempts a retry or a "
+            "migration replaced), hedged (the losing copy of a hedged request, estimated as its "
+            "prefill), failed, cancelled (every attempt of such a request)",
+            ["cause"],
+            registry=r,
+        )
+        self._hedges = Counter(
+            "pdmesh_router_hedges",
+            "Hedges before the first token: sent, won (the copy started first), lost, denied "
+            "(retry budget spent), no_worker",
+            ["outcome"],
+            registry=r,
+        )
+        self._reroutes = Counter(
+            "pdmesh_router_reroutes",
+            "Requests moved before their first token because their worker went unhealthy, by cause",
+            ["cause"],
+            registry=r,
+        )
+        self._outlier = Counter(
+            "pdmesh_router_outlier_transitions",
+            "Latency outlier detector transitions, by new state (ejected, probing, healthy)",
+            ["state"],
+            registry=r,
+        )
+        self._retried = Counter(
+            "pdmesh_router_retried_arrivals",
+            "Arrivals recognised as retries of a request the router knows (idempotency key): "
+            "attached (to the running request, no new prefill), replayed (finished: its result "
+            "again), conflict (the key names a different request)",
+            ["outcome"],
+            registry=r,
+        )
+        self._pull_hints = Counter(
+            "pdmesh_router_prefix_pull_hints",
+            "Requests routed with a hint to pull a cached prefix from another worker (issue 17)",
+            registry=r,
+        )
+
+    def prefix_pull_hinted(self) -> None:
+        self._pull_hints.inc()
 
     def ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)
@@ -177,6 +221,21 @@ class RouterMetrics:
                     total = float(sample.value)
             out[name] = (tuple(bounds), tuple(counts), total)
         return out
+
+    def wasted(self, cause: str, tokens: int) -> None:
+        self._wasted.labels(cause).inc(tokens)
+
+    def hedge(self, outcome: str) -> None:
+        self._hedges.labels(outcome).inc()
+
+    def reroute(self, cause: str, n: int = 1) -> None:
+        self._reroutes.labels(cause).inc(n)
+
+    def outlier_transition(self, state: str) -> None:
+        self._outlier.labels(state).inc()
+
+    def retried_arrival(self, outcome: str) -> None:
+        self._retried.labels(outcome).inc()
 
     def shed(self, reason: str) -> None:
         self._shed.labels(reason).inc()

@@ -34,6 +34,7 @@ prefill ran, so it is an upper bound there.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class AttemptKind(enum.Enum):
     FIRST = "first"
     RETRY = "retry"  # after a failure before the first delivered token
     MIGRATION = "migration"  # after a failure mid-stream: resumes from delivered tokens
+    HEDGE = "hedge"  # a copy that started first and replaced the running attempt (hedge.py)
 
 
 class AttemptOutcome(enum.Enum):
@@ -273,6 +275,45 @@ class RequestJourney:
             kind=plan.kind,
             worker_id=worker_id,
             resume_tokens=len(self._delivered),
+            input_tokens=input_tokens,
+            cached_tokens=min(max(cached_tokens, 0), input_tokens),
+        )
+        self._attempts.append(attempt)
+        return attempt
+
+    def waste_by_cause(self) -> dict[str, int]:
+        """The finished request's wasted tokens by why they were thrown away (they add up to
+        its RequestCost.wasted_tokens): an attempt replaced by a retry ("retried"), a
+        migration ("migrated") or a hedge that started first ("hedged"); every attempt of
+        a request that failed ("failed") or was cancelled ("cancelled")."""
+        if self._outcome is None:
+            raise JourneyError(f"request {self.request_id} has not finished")
+        out: dict[str, int] = {}
+        attempts = self._attempts
+        if self._outcome is not RequestOutcome.SUCCEEDED:
+            cause = "failed" if self._outcome is RequestOutcome.FAILED else "cancelled"
+            total = sum(a.computed_tokens for a in attempts)
+            return {cause: total} if total else {}
+        for a, nxt in itertools.pairwise(attempts):
+            if a.computed_tokens:
+                cause = {AttemptKind.MIGRATION: "migrated", AttemptKind.HEDGE: "hedged"}.get(
+                    nxt.kind, "retried"
+                )
+                out[cause] = out.get(cause, 0) + a.computed_tokens
+        return out
+
+    def hedge_won(self, worker_id: str, cached_tokens: int = 0) -> Attempt:
+        """A hedge on `worker_id` started before the running attempt, which is cancelled
+        (its work is wasted) and replaced: the hedge is the running attempt now. It counts
+        against neither the retry nor the migration limit (the retry budget paid for it)."""
+        old = self._require_running()
+        self._end_attempt(AttemptOutcome.CANCELLED, None)
+        input_tokens = old.input_tokens
+        attempt = Attempt(
+            index=len(self._attempts),
+            kind=AttemptKind.HEDGE,
+            worker_id=worker_id,
+            resume_tokens=old.resume_tokens,
             input_tokens=input_tokens,
             cached_tokens=min(max(cached_tokens, 0), input_tokens),
         )

@@ -26,7 +26,7 @@ import structlog
 
 from pdmesh.v1 import decode_pb2
 from services.common import tracing
-from services.common.errors import ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.router.admission import AdmissionController
 from services.router.admission_gate import AdmissionGate
 from services.router.auth import ApiKeyStore
@@ -44,8 +44,10 @@ from services.router.generate import (
 from services.router.load_view import LoadView
 from services.router.membership import Caller, MembershipGuard
 from services.router.metrics import RouterMetrics, WorkerGauges
+from services.router.outlier import OutlierDetector, OutlierState
 from services.router.policy import WorkerLoad, make_policy
 from services.router.prefix_index import EventSequencer, PrefixIndex
+from services.router.prefix_pull import PrefixPullPlanner
 from services.router.registry import (
     JoinResult,
     Resolver,
@@ -56,6 +58,7 @@ from services.router.registry import (
     WorkerSource,
     system_resolver,
 )
+from services.router.retries import RetriedArrivals, SharedFlow
 from services.router.retry_budget import RetryBudget
 from services.router.worker_pool import WorkerPool
 
@@ -129,7 +132,9 @@ class Router:
         rng = rng or random.Random(cfg.seed)
         self.metrics = RouterMetrics(self.stats)
         self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
-        self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self.breakers.is_available)
+        # Always there: with --outlier-enabled false it only predicts TTFTs (nobody is ejected).
+        self.outliers = OutlierDetector(settings.outlier, clock, self._on_outlier)
+        self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = PrefixIndex(settings.index)
         self.sequencer = EventSequencer()
@@ -158,6 +163,8 @@ class Router:
             interceptors=interceptors,  # tracing: the trace context goes to the workers
         )
         self.pool.drain_grace_s = settings.server.drain_grace_s
+        self.pool.on_unhealthy = lambda worker_id: self.reroute_unstarted(worker_id, "not_serving")
+        self.pool.on_forget = self._forget_latency
         self.ctx = RoutingContext(
             config=cfg,
             registry=self.registry,
@@ -174,8 +181,16 @@ class Router:
             metrics=self.metrics,
             notify=self.changed,
             load_view=self.load_view,
+            outliers=self.outliers,
+            hedge=settings.hedge,
+            reroute=self.reroute_unstarted,
+            pull_planner=PrefixPullPlanner(settings.prefix_pull, cfg.block_size)
+            if settings.prefix_pull.enabled
+            else None,
         )
         self.flows: dict[str, RequestFlow] = {}
+        # Keyed requests, so that a client's retry joins the running one (retries.py).
+        self.retried = RetriedArrivals(settings.retry_attach) if settings.retry_attach.enabled else None
         self.requests_total = 0
         self._changed = asyncio.Event()
         self._housekeeping: asyncio.Task[None] | None = None
@@ -258,6 +273,38 @@ class Router:
         flow = RequestFlow(self.ctx, req)
         self.flows[req.request_id] = flow
         return flow
+
+    def follow_retry(self, tenant: str, key: str, print_: bytes) -> SharedFlow | None:
+        """A keyed arrival: the shared flow it is a retry of (attached to a running one, or
+        a replay of a success), or None (a new request: `open_shared` it). Counted
+        (`pdmesh_router_retried_arrivals_total{outcome}`); FailedPrecondition for a reused key."""
+        if self.retried is None:
+            return None
+        try:
+            shared, outcome = self.retried.find(tenant, key, print_)
+        except FailedPrecondition:
+            self.metrics.retried_arrival("conflict")
+            raise
+        if shared is not None:
+            self.requests_total += 1
+            self.metrics.retried_arrival(outcome)
+            log.info("retried_arrival", request_id=shared.flow.req.request_id, outcome=outcome)
+        return shared
+
+    def open_shared(self, req: FlowRequest, client_id: str, key: str, print_: bytes) -> SharedFlow:
+        """`open_flow` for a keyed request (retried arrivals on): run it as a SharedFlow
+        that its retries can follow."""
+        assert self.retried is not None
+        flow = self.open_flow(req, client_id)
+        table, tenant = self.retried, req.tenant
+
+        def done(shared: SharedFlow) -> None:
+            table.ended(tenant, key, shared)
+            self.close_flow(shared.flow)
+
+        shared = SharedFlow(flow, print_, self.settings.retry_attach.detach_grace_s, done)
+        table.add(tenant, key, shared)
+        return shared
 
     def close_flow(self, flow: RequestFlow) -> None:
         if self.flows.get(flow.req.request_id) is flow:
@@ -357,6 +404,43 @@ class Router:
     def _on_breaker(self, worker_id: str, old: BreakerState, new: BreakerState) -> None:
         log.info("breaker", worker=worker_id, old=old.value, new=new.value)
         self.metrics.breaker_transition(new.value)
+        if new is BreakerState.OPEN:
+            self.reroute_unstarted(worker_id, "breaker_open")
+
+    def _on_outlier(self, worker_id: str, old: OutlierState, new: OutlierState) -> None:
+        log.info("latency_outlier", worker=worker_id, old=old.value, new=new.value)
+        self.metrics.outlier_transition(new.value)
+        if new is OutlierState.EJECTED:
+            self.reroute_unstarted(worker_id, "ejected")
+
+    def _available(self, worker_id: str) -> bool:
+        """May the registry offer this worker? Its breaker and the outlier detector agree."""
+        if not self.breakers.is_available(worker_id):
+            return False
+        return self.outliers is None or self.outliers.is_available(worker_id)
+
+    def _forget_latency(self, worker_id: str) -> None:
+        if self.outliers is not None:
+            self.outliers.remove(worker_id)
+
+    def reroute_unstarted(self, worker_id: str, cause: str) -> int:
+        """`worker_id` went unhealthy (cause: not_serving, breaker_open, ejected, stalled): move every
+        request there that has had nothing back yet to another worker, now (issue 18: they
+        used to wait for the first-token timeout). How many were moved."""
+        if not self.config.reroute_unstarted:
+            return 0
+        if not any(c.worker_id != worker_id for c in self.registry.eligible(WorkerRole.DECODE)):
+            return 0  # nowhere to go: they wait there (it may recover, or drain them)
+        why = {
+            "not_serving": "is not serving",
+            "breaker_open": "has its breaker open",
+            "stalled": "stalled a stream",
+        }.get(cause, "was ejected as a latency outlier")
+        moved = sum(flow.reroute_unstarted(worker_id, why) for flow in list(self.flows.values()))
+        if moved:
+            log.info("rerouted_unstarted", worker=worker_id, cause=cause, requests=moved)
+            self.metrics.reroute(cause, moved)
+        return moved
 
     # ---- stats --------------------------------------------------------------
 

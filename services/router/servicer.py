@@ -54,6 +54,7 @@ from services.router.detokenizer import make_detokenizer
 from services.router.generate import FlowFinal, FlowRequest
 from services.router.membership import Caller
 from services.router.registry import JoinRefused
+from services.router.retries import SharedFlow, fingerprint, idempotency_key
 from services.router.router import Router, WorkerView
 from services.router.stop_text import StopTextFilter
 
@@ -193,6 +194,16 @@ class Generation:
         self.router = router
         self.prompt_tokens = len(req.prompt_token_ids)
         self._stop = req.sampling.stop
+        # A keyed request (services/router/retries.py) runs shared, and its retries follow it.
+        self.shared: SharedFlow | None = None
+        key = idempotency_key(metadata)
+        if key is not None and router.retried is not None:
+            print_ = fingerprint(request)
+            self.shared = router.follow_retry(req.tenant, key, print_) or router.open_shared(
+                req, self.client_id, key, print_
+            )
+            self.flow = self.shared.flow
+            return
         self.flow = router.open_flow(req, self.client_id)  # AlreadyExists, shed, Unavailable
 
     def initial_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -202,7 +213,7 @@ class Generation:
     async def responses(self) -> AsyncIterator[router_pb2.GenerateResponse]:
         push = make_detokenizer(self.router.model.tokenizer).push_many
         stops = StopTextFilter(self._stop)
-        run = self.flow.run()
+        run = self.flow.run() if self.shared is None else self.shared.follow()
         try:
             async for item in run:
                 if type(item) is list:
@@ -216,8 +227,14 @@ class Generation:
             # the flow's too, now, so its cleanup (admission slot, ledger) is not left to GC.
             await run.aclose()
 
+    def cancel(self, why: str) -> None:
+        """The client went away: cancel the flow, unless it is shared (its retry may follow)."""
+        if self.shared is None:
+            self.flow.cancel(why)
+
     def close(self) -> None:
-        self.router.close_flow(self.flow)
+        if self.shared is None:  # a shared flow is closed when it ends (Router.open_shared)
+            self.router.close_flow(self.flow)
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):

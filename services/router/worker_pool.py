@@ -175,6 +175,8 @@ class WorkerConnection:
                 self.pool.registry.set_health(self.worker_id, ok)
                 log.info("worker_health", worker=self.worker_id, healthy=ok)
                 self.pool.changed()
+                if not ok:
+                    self.pool.on_unhealthy(self.worker_id)
 
     async def _fetch_stats(self) -> worker_pb2.StatsResponse:
         return await self._worker_stub.Stats(
@@ -302,6 +304,10 @@ class WorkerPool:
         self._by_address: dict[str, WorkerConnection] = {}
         self._dns_task: asyncio.Task[None] | None = None
         self.drain_grace_s = 30.0
+        # Set by the Router: a worker's probe said not serving (its unstarted requests move,
+        # issue 18); a removed worker's state is cleared (the outlier detector's too).
+        self.on_unhealthy: Callable[[str], None] = lambda worker_id: None
+        self.on_forget: Callable[[str], None] = lambda worker_id: None
 
     # ---- membership ---------------------------------------------------------
 
@@ -373,6 +379,7 @@ class WorkerPool:
         self.index.clear(worker_id)
         self.sequencer.forget(worker_id)
         self.breakers.remove(worker_id)
+        self.on_forget(worker_id)
 
     async def close(self) -> None:
         if self._dns_task is not None:

@@ -221,5 +221,25 @@ async def test_planner_scales_decode_1_to_3_and_back_losing_nothing(planner_up):
         assert tokens == reference[k], f"prompt {k}: {tokens} != {reference[k]}"
     state = json.loads(planner_up["state"].read_text())
     assert state["decode"] == 1 and state["reason"]
+    # `pdmesh workers` shows the pool and the planner's last decision with its reason and inputs
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdmesh",
+            "workers",
+            "--address",
+            internal,
+            "--planner-state",
+            str(planner_up["state"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "decode" in shown.stdout and "planner: prefill" in shown.stdout, shown.stdout
+    # (the reason itself may have moved on by now: the planner keeps deciding every interval)
+    assert re.search(r"why: \S+", shown.stdout) and "planner inputs: " in shown.stdout, shown.stdout
     text = "".join(planner_up["lines"])
     assert "crashed" not in text  # no worker the planner stopped was taken for a crash

@@ -69,6 +69,31 @@ class SimEngine(TorchEngine):
         self._transfer_tokens.pop(request_id, None)
         return super().abort(request_id)
 
+    def generate_with_prefix(
+        self, request: EngineRequest, prefix_request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """As the torch engine's, after waiting out the modeled pull of the prefix."""
+        self._check_new(request)
+        if prefix_request_id not in self._reserved:
+            raise UnknownRequestError(f"no KV reservation for request {prefix_request_id!r}")
+        tokens = self._transfer_tokens.pop(prefix_request_id, 0)
+        delay_s = self.profile.transfer_s(tokens) / self.config.sim_speedup
+        return self._after_prefix_pull(request, prefix_request_id, delay_s)
+
+    async def _after_prefix_pull(
+        self, request: EngineRequest, prefix_request_id: str, delay_s: float
+    ) -> AsyncIterator[RequestOutput]:
+        outputs = None
+        try:
+            await self._model_transfer(delay_s)
+            outputs = TorchEngine.generate_with_prefix(self, request, prefix_request_id)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    yield out
+        finally:
+            if outputs is None:  # closed or cancelled during the transfer: free the reservation
+                self.cancel_external(prefix_request_id)
+
     async def _model_transfer(self, delay_s: float) -> None:
         """Wait out the modeled KV transfer (wall time, not synchronisation; tests replace it)."""
         await asyncio.sleep(delay_s)

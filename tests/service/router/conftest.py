@@ -18,9 +18,12 @@ from services.common.server import MeshServer, ServerConfig
 from services.router.admission import AdmissionConfig
 from services.router.circuit_breaker import BreakerConfig
 from services.router.config import ModelSpec, RouterConfig, RouterSettings
+from services.router.hedge import HedgeConfig
 from services.router.listeners import RouterListeners
 from services.router.migration import JourneyConfig
+from services.router.outlier import OutlierConfig
 from services.router.registry import WorkerRole
+from services.router.retries import RetryAttachConfig
 from services.router.retry_budget import RetryBudgetConfig
 from services.router.router import Router
 from tests.service.router.fakes import FakeDecode, FakePrefill
@@ -131,6 +134,9 @@ class Mesh:
         breaker: BreakerConfig | None = None,
         retry_budget: RetryBudgetConfig | None = None,
         journey: JourneyConfig | None = None,
+        outlier: OutlierConfig | None = None,
+        hedge: HedgeConfig | None = None,
+        retry_attach: RetryAttachConfig | None = None,
         wait: bool = True,
         resolver=None,
         static=None,
@@ -148,6 +154,9 @@ class Mesh:
             breaker=breaker or BreakerConfig(),
             retry_budget=retry_budget or RetryBudgetConfig(),
             journey=journey or JourneyConfig(),
+            outlier=outlier or OutlierConfig(),
+            hedge=hedge or HedgeConfig(),
+            retry_attach=retry_attach or RetryAttachConfig(),
         )
         kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
         if resolver is not None:

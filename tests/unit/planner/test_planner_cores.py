@@ -226,8 +226,9 @@ def test_a_bursty_window_keeps_capacity_for_the_burst():
 
 def test_a_bursts_queue_does_not_refit_the_queueing_coefficient():
     """The backlog a burst leaves is a transient: learning A from it sized 20 prefill workers
-    where 7 serve the bursts (bench/planner.py, bursty); steady load still refits A."""
-    cfg = PlannerConfig(interval_s=30, peak_window_s=300)
+    where 7 serve the bursts (bench/planner.py, bursty); steady load still refits A.
+    (The single-queue model, which refits at any utilisation; the pooled one below.)"""
+    cfg = PlannerConfig(interval_s=30, peak_window_s=300, queue_model="single")
     bursty = Planner(cfg, H100)
     for i in range(6):
         rps, ttft = (25, 30.0) if i == 2 else (5, 0.5)
@@ -239,3 +240,44 @@ def test_a_bursts_queue_does_not_refit_the_queueing_coefficient():
     assert fitted is not None  # the intervals before the burst refit it
     bursty.tick(_obs(5 * 30, 4, 4, ttft_q_s=40.0), now=200.0)  # the backlog still draining
     assert bursty.wait_coeff == fitted
+
+
+def test_the_pooled_model_refits_only_where_it_sees_queueing_and_not_from_a_burst():
+    """Pooled (the default): at low utilisation the model sees no queueing, so the TTFT there is
+    the prompts' own prefill and says nothing about A; a steadily busy pool refits it; a burst's
+    backlog does not."""
+    cfg = PlannerConfig(interval_s=30, peak_window_s=300)
+    idle = Planner(cfg, H100)
+    idle.tick(_obs(5 * 30, 4, 4, ttft_q_s=0.9), now=0.0)  # rho ~0.3 on 4 workers
+    assert idle.wait_coeff is None
+    busy = Planner(cfg, H100)
+    busy.tick(_obs(14 * 30, 4, 4, ttft_q_s=2.5), now=0.0)  # rho ~0.84: queueing is the TTFT
+    assert busy.wait_coeff is not None and busy.wait_coeff != 1.0
+    fitted = busy.wait_coeff
+    for i in range(1, 5):
+        rps, ttft = (70, 30.0) if i == 2 else (14, 2.5)
+        busy.tick(_obs(rps * 30, 4, 4, ttft_q_s=ttft), now=30.0 * i)
+    during = busy.wait_coeff
+    busy.tick(_obs(14 * 30, 4, 4, ttft_q_s=40.0), now=200.0)  # a burst's backlog still draining
+    assert busy.wait_coeff == during and fitted is not None
+
+
+def test_pooled_prefill_sizing_lets_a_big_pool_run_hotter():
+    """Erlang C: at 8x the load the pooled rule asks for fewer than 8x the workers, the single-queue
+    rule for about 8x; both meet the TTFT model they size for."""
+    small, big = Load(rate=2, isl=2000, osl=200), Load(rate=16, isl=2000, osl=200)
+    p_small = size_pools(small, H100, SLO, BUDGET, pooled=True).prefill
+    p_big = size_pools(big, H100, SLO, BUDGET, pooled=True).prefill
+    assert p_big < 8 * p_small
+    s = size_pools(big, H100, SLO, BUDGET, pooled=True)
+    assert s.inputs["p_rho_max"] > size_pools(small, H100, SLO, BUDGET, pooled=True).inputs["p_rho_max"]
+    assert s.prefill <= size_pools(big, H100, SLO, BUDGET).prefill
+
+
+def test_a_breach_while_workers_start_adds_nothing_more():
+    cfg = PlannerConfig(interval_s=10, hysteresis=HysteresisConfig(up_cooldown_s=0))
+    planner = Planner(cfg, H100)
+    starting = planner.tick(_obs(5, 2, 3, itl_q_s=0.2, ready_decode_workers=2), now=0)
+    assert starting.decode == 3 and "itl_over_slo_capacity_starting" in starting.reason
+    ready = planner.tick(_obs(5, 2, 3, itl_q_s=0.2, ready_decode_workers=3), now=10)
+    assert ready.decode == 4 and "itl_measured_over_slo" in ready.reason

@@ -42,6 +42,8 @@ def test_every_rpc_of_the_contract_has_a_row():
         ("/pdmesh.v1.PrefillService/Release", {"decode"}),
         ("/pdmesh.v1.PrefillService/SubscribeKvEvents", {"router"}),
         ("/pdmesh.v1.KvSourceService/ReadBlocks", {"decode"}),
+        ("/pdmesh.v1.PrefixSourceService/LeasePrefix", {"decode"}),
+        ("/pdmesh.v1.PrefixSourceService/ReleasePrefix", {"decode"}),
         ("/pdmesh.v1.KvTransferService/RegisterAgent", {"decode", "prefill"}),
         ("/pdmesh.v1.KvTransferService/DeregisterAgent", {"decode", "prefill"}),
         ("/pdmesh.v1.RouterService/RegisterWorker", {"decode", "prefill"}),

@@ -1,0 +1,73 @@
+"""Hedging before the first token: a second copy of a request whose first token is late.
+
+Pure decision core of the request flow's hedge (services/router/generate.py),
+off by default (`--hedge-enabled`). When a request has waited `multiple` times
+the predicted TTFT of its worker (OutlierDetector.predicted_ttft, at least
+`min_delay_s`) without a first message, the flow sends a copy to the next-best
+worker, if the retry budget grants one (a hedge is paid like a retry, so
+hedges cannot amplify an outage either). Whichever attempt sends its first
+message (or ends) first is kept; the other is cancelled at once and its
+computed tokens are counted as wasted (`pdmesh_router_wasted_tokens_by_cause_total
+{cause="hedged"}`). At most `max_hedges` copies per request, and never after
+the first token: after it, the request migrates instead.
+
+    delay = hedge_delay(config, predicted_ttft)     # None: do not hedge
+    winner = race_winner(primary, hedge)            # which to keep, once either moved
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.common.config import require, setting
+
+
+@dataclass(frozen=True)
+class HedgeConfig:
+    enabled: bool = setting(False, "hedge before the first token: copy a late request to the next worker")
+    multiple: float = setting(3.0, "hedge after this many times the worker's predicted TTFT")
+    min_delay_s: float = setting(0.05, "never hedge sooner than this after the attempt started")
+    max_hedges: int = setting(1, "copies of one request at most")
+
+    def __post_init__(self) -> None:
+        require(self.multiple > 0, "multiple must be > 0")
+        require(self.min_delay_s >= 0, "min_delay_s must be >= 0")
+        require(self.max_hedges >= 0, "max_hedges must be >= 0")
+
+
+def hedge_delay(config: HedgeConfig, predicted_ttft_s: float | None, hedges_so_far: int = 0) -> float | None:
+    """Seconds after an attempt's start at which to hedge it; None: not this one (hedging
+    off, the request's hedges spent, or no prediction to measure lateness against)."""
+    if not config.enabled or hedges_so_far >= config.max_hedges or predicted_ttft_s is None:
+        return None
+    return max(config.multiple * predicted_ttft_s, config.min_delay_s)
+
+
+class Leg(enum.Enum):
+    """How far one attempt of a race has got."""
+
+    WAITING = "waiting"  # nothing back yet
+    STARTED = "started"  # its first message (tokens or final) arrived
+    FAILED = "failed"  # ended with an error before any message
+
+
+class Winner(enum.Enum):
+    NONE = "none"  # both still waiting: keep racing
+    PRIMARY = "primary"  # keep the primary, cancel the hedge
+    HEDGE = "hedge"  # keep the hedge, cancel the primary
+
+
+def race_winner(primary: Leg, hedge: Leg) -> Winner:
+    """Which attempt to keep. The first to start wins (the primary on a tie: its worker
+    was ranked better); a failed leg loses to one still waiting, which goes on alone;
+    when both failed the primary's error is the request's (it goes to recovery)."""
+    if primary is Leg.STARTED:
+        return Winner.PRIMARY
+    if hedge is Leg.STARTED:
+        return Winner.HEDGE
+    if primary is Leg.FAILED and hedge is Leg.WAITING:
+        return Winner.HEDGE
+    if hedge is Leg.FAILED:
+        return Winner.PRIMARY
+    return Winner.NONE

@@ -1,0 +1,189 @@
+"""One request's hedge: the timer, the copy racing the running attempt, and its accounts.
+
+The request flow (services/router/generate.py) owns one `HedgeRace` when hedging is
+on (hedge.py has the pure decisions: when, and which leg wins). `arm` starts the
+timer for the flow's attempt; when it fires and the attempt has had nothing back,
+a copy goes to the next-best worker (the retry budget pays for it). The flow calls
+`settle` whenever it wakes while a copy races: the leg that started first is kept
+(the journey learns of a hedge that won, `RequestJourney.hedge_won`), the other is
+cancelled at once and its registry, load-view, breaker and latency accounts are
+closed here. What a losing copy computed (estimated as its prefill) is in `waste`,
+which the flow adds to the request's cost (the journey does not know the copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from pdmesh.v1 import decode_pb2
+from services.model.hashing import BlockHashChain
+from services.router.attempt import DecodeAttempt, DecodeCall
+from services.router.hedge import Leg, Winner, hedge_delay, race_winner
+from services.router.migration import RequestJourney
+from services.router.policy import Choice
+from services.router.registry import WorkerRole
+
+log = structlog.get_logger()
+
+
+def leg_of(attempt: DecodeAttempt) -> Leg:
+    if attempt.messages:
+        return Leg.STARTED
+    return Leg.FAILED if attempt.done else Leg.WAITING
+
+
+class HedgeRace:
+    def __init__(
+        self,
+        ctx,  # RoutingContext
+        journey: RequestJourney,
+        pick: Callable[[list[Choice]], Choice | None],
+        new_attempt: Callable[[str, DecodeCall, int], DecodeAttempt],
+        report_latency: Callable[[DecodeAttempt], None],
+        saturated: Callable[..., bool],
+    ):
+        self.ctx = ctx
+        self.journey = journey
+        self._pick = pick
+        self._new_attempt = new_attempt
+        self._report_latency = report_latency
+        self._saturated = saturated
+        self._loop = asyncio.get_running_loop()
+        self.hedge: DecodeAttempt | None = None
+        self.waste = 0  # tokens of copies that lost (not in the journey)
+        self._hedges = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._primary: DecodeAttempt | None = None
+        self._sent: tuple[decode_pb2.DecodeServiceGenerateRequest, int, int, float | None] | None = None
+        self._routed: int | None = None  # the copy's LoadView key
+        self._cached = 0  # input tokens the copy's worker was expected to have cached
+
+    def arm(
+        self,
+        primary: DecodeAttempt,
+        request: decode_pb2.DecodeServiceGenerateRequest,
+        to_prefill: int,
+        new_blocks: int,
+        deadline: float | None,
+    ) -> None:
+        """Hedge `primary` (just started, nothing delivered yet) if it is late."""
+        outliers = self.ctx.outliers
+        predicted = outliers.predicted_ttft(primary.worker_id, primary.prefill_blocks)
+        delay = hedge_delay(self.ctx.hedge, predicted, self._hedges)
+        if delay is None:
+            return
+        self._primary = primary
+        self._sent = (request, to_prefill, new_blocks, deadline)
+        self._timer = self._loop.call_at(primary.started + delay, self._fire)
+
+    def _fire(self) -> None:
+        """The primary is late: send a copy to the next-best worker, if the budget allows."""
+        self._timer = None
+        ctx, cfg, primary = self.ctx, self.ctx.config, self._primary
+        if primary is None or primary.done or primary.messages or self.hedge is not None:
+            return
+        assert self._sent is not None
+        if not ctx.budget.can_retry():
+            self._count("denied")
+            return
+        request, to_prefill, new_blocks, deadline = self._sent
+        exclude = {a.worker_id for a in self.journey.attempts} | {primary.worker_id}
+        cands = [
+            c
+            for c in ctx.registry.eligible(WorkerRole.DECODE)
+            if c.worker_id not in exclude and not self._saturated(c, cfg)
+        ]
+        inputs = tuple(request.prompt_token_ids) + tuple(request.resume_token_ids)
+        hashes = BlockHashChain(inputs, cfg.block_size)
+        overlaps = ctx.index.match(hashes) if hashes and cands else {}
+        choice = self._pick(ctx.decode_policy.rank(cands, len(hashes), overlaps)) if cands else None
+        if choice is None:
+            self._count("no_worker")
+            return
+        timeout = None if deadline is None else deadline - self._loop.time()
+        if timeout is not None and timeout <= 0:
+            ctx.breakers.record_ignored(choice.worker_id)
+            return
+        ctx.budget.record_retry()
+        self._hedges += 1
+        wid = choice.worker_id
+        ctx.registry.begin_request(wid, 0 if ctx.load_view is not None else new_blocks)
+        call = ctx.call_decode(wid, request, timeout)
+        if ctx.load_view is not None:
+            self._routed = ctx.load_view.begin(wid, to_prefill, new_blocks)
+        self._cached = choice.overlap_blocks * cfg.block_size
+        self.hedge = self._new_attempt(wid, call, len(inputs) - self._cached)
+        self._count("sent")
+        log.info("hedged", request_id=request.request_id, worker=primary.worker_id, hedge=wid)
+
+    def settle(self, primary: DecodeAttempt, routed: int | None) -> tuple[DecodeAttempt, int | None]:
+        """(the attempt to go on with, its LoadView key): the primary while both wait."""
+        hedge = self.hedge
+        assert hedge is not None
+        winner = race_winner(leg_of(primary), leg_of(hedge))
+        if winner is Winner.NONE:
+            return primary, routed
+        self.hedge = None
+        if winner is Winner.PRIMARY:
+            self._drop(hedge, self._routed, in_journey=False)
+            self._routed = None
+            self._count("lost")
+            return primary, routed
+        self._drop(primary, routed, in_journey=True)
+        self.journey.hedge_won(hedge.worker_id, cached_tokens=self._cached)
+        kept_routed, self._routed = self._routed, None
+        self._count("won")
+        return hedge, kept_routed
+
+    def cancel(self) -> None:
+        """The request is cancelled: the copy too, at once (`end` settles its accounts)."""
+        if self.hedge is not None:
+            self.hedge.cancel()
+
+    def end(self) -> None:
+        """The attempt is over (or the flow ends): no copy may start or keep running."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._primary = None
+        hedge, self.hedge = self.hedge, None
+        if hedge is not None:
+            self._drop(hedge, self._routed, in_journey=False)
+            self._routed = None
+            self._count("lost")
+
+    def _drop(self, leg: DecodeAttempt, routed: int | None, in_journey: bool) -> None:
+        """Cancel a leg and settle its accounts (registry, load view, breaker, latency, waste).
+        `in_journey`: the leg is the journey's running attempt (the primary)."""
+        ctx = self.ctx
+        leg.cancel()
+        if in_journey and leg.first_at is None and ctx.outliers is not None:
+            # Beaten by its copy: "no first message after this long" is a (censored) sample.
+            ctx.outliers.record_ttft(leg.worker_id, self._loop.time() - leg.started, leg.prefill_blocks)
+        else:
+            self._report_latency(leg)
+        ctx.registry.end_request(leg.worker_id)
+        if routed is not None:
+            ctx.load_view.end(routed)
+        err = leg.error
+        if err is not None and err.worker_fault:
+            ctx.breakers.record_failure(leg.worker_id)
+        else:
+            ctx.breakers.record_ignored(leg.worker_id)
+        # What the leg computed is lost, estimated as its prefill (it delivered nothing). The
+        # primary's is in the journey (hedge_won cancels it, and the flow counts it by cause
+        # when the request ends); a copy's is added to the cost and counted here.
+        current = self.journey.current
+        if current is None or in_journey:
+            return
+        wasted = max(current.input_tokens - self._cached, 0)
+        self.waste += wasted
+        if ctx.metrics is not None and wasted:
+            ctx.metrics.wasted("hedged", wasted)
+
+    def _count(self, outcome: str) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.hedge(outcome)

@@ -1,0 +1,370 @@
+"""Latency outlier detection: a worker far slower than its peers loses traffic, then is ejected.
+
+Switches of the router's defences against slow, hung and flapping workers
+(issue 18), for a "naive" router that has none of them (bench/faults.py):
+
+    --breaker-enabled false            circuit breakers never open (services/router/circuit_breaker.py)
+    --retry-budget-enabled false       every retry is granted (services/router/retry_budget.py)
+    --max-migrations 0                 no mid-stream migration (services/router/migration.py)
+    --outlier-enabled false            this module: no deprioritising, no ejection
+    --hedge-enabled true|false         hedging before the first token, off by default (hedge.py)
+    --reroute-unstarted false          a worker going unhealthy keeps its unstarted requests
+    --first-token-timeout-multiple 0   the first-token timeout is the fixed --first-token-timeout-s
+                                       instead of a multiple of the worker's predicted TTFT
+    --retry-attach-enabled false       a retry with the idempotency key of a running request
+                                       is a new request (retries.py)
+
+(all also as PDMESH_* environment variables, e.g. PDMESH_OUTLIER_ENABLED=false). With
+outlier detection off the detector still keeps its samples: the TTFT prediction (the
+first-token timeout, hedging) works on, nobody is deprioritised or ejected.
+
+`OutlierDetector` owns, per worker, a sliding window of latency samples the
+request flow reports once per attempt (time to first message per unit of prefill
+work, and the attempt's mean inter-token gap when it ends), with an injected clock. At most every
+`eval_interval_s` it compares each worker's `quantile` of each metric with the
+median of the same quantile over the *other* workers of its role that have
+`min_samples` samples; the worst of the two ratios is the worker's score
+(a ratio counts only when the worker is also `min_excess_s` slower in absolute
+terms, so microsecond noise on an idle mesh is no outlier).
+
+    score >= deprioritise_ratio: the worker's routing cost is multiplied by
+        min(score, max_factor) (`rerank`, one call after the policy ranks);
+    score >= eject_ratio: EJECTED for min(base_ejection_s * multiplier ** k,
+        max_ejection_s), k = ejections since it last stayed healthy for
+        backoff_reset_s; never more than max(1, floor(share * workers)) of a
+        role at once, and never the last one;
+    ejection over: PROBING, like the breaker's half-open: `probe_requests`
+        requests at a time go through; each probe's samples are judged on their
+        own against the peers: `probe_successes` good ones -> HEALTHY (its old
+        samples dropped), one bad one -> EJECTED again, for longer.
+
+Pure, synchronous and clock-injected; the router calls `is_available` (the
+registry's eligibility, with the breaker's), `allow_request` / `release` around
+an attempt, `record_ttft` / `record_itl`, and `predicted_ttft` (the first-token
+timeout and the hedger read it).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from services.common.config import require, setting
+
+
+class OutlierState(enum.Enum):
+    HEALTHY = "healthy"
+    EJECTED = "ejected"
+    PROBING = "probing"
+
+
+@dataclass(frozen=True)
+class OutlierConfig:
+    enabled: bool = setting(True, "latency outlier detection: deprioritise, then eject, a slow worker")
+    window_s: float = setting(30.0, "sliding window of the latency samples per worker")
+    max_samples: int = setting(256, "samples kept per worker and metric (the newest)")
+    min_samples: int = setting(8, "samples a worker needs in the window to be judged or to be a peer")
+    quantile: float = setting(0.9, "quantile of TTFT and ITL compared with the peers")
+    deprioritise_ratio: float = setting(1.5, "worker quantile / peers' median above which its cost grows")
+    eject_ratio: float = setting(3.0, "worker quantile / peers' median above which it is ejected")
+    min_excess_s: float = setting(0.01, "a worker must also be this much slower (seconds) to count")
+    max_factor: float = setting(10.0, "largest multiplier of a deprioritised worker's routing cost")
+    max_ejected_share: float = setting(0.5, "share of a role's workers ejected at once (at least 1)")
+    base_ejection_s: float = setting(5.0, "first ejection period")
+    ejection_multiplier: float = setting(2.0, "ejection period growth per re-ejection")
+    max_ejection_s: float = setting(120.0, "longest ejection period")
+    backoff_reset_s: float = setting(120.0, "healthy this long: the next ejection starts from base again")
+    probe_requests: int = setting(1, "requests let through at once while PROBING")
+    probe_successes: int = setting(3, "good probe samples that bring an ejected worker back")
+    probe_timeout_s: float = setting(60.0, "a probe that never reports frees its slot after this")
+    eval_interval_s: float = setting(0.5, "quantiles are recomputed at most this often")
+
+    def __post_init__(self) -> None:
+        require(self.window_s > 0 and self.max_samples >= 1, "need window_s > 0 and max_samples >= 1")
+        require(1 <= self.min_samples <= self.max_samples, "need 1 <= min_samples <= max_samples")
+        require(0 < self.quantile <= 1, "quantile must be in (0, 1]")
+        require(
+            1 <= self.deprioritise_ratio <= self.eject_ratio, "need 1 <= deprioritise_ratio <= eject_ratio"
+        )
+        require(self.min_excess_s >= 0 and self.max_factor >= 1, "need min_excess_s >= 0, max_factor >= 1")
+        require(0 <= self.max_ejected_share <= 1, "max_ejected_share must be in [0, 1]")
+        require(0 < self.base_ejection_s <= self.max_ejection_s, "need 0 < base_ejection_s <= max_ejection_s")
+        require(self.ejection_multiplier >= 1 and self.backoff_reset_s >= 0, "bad ejection backoff")
+        require(self.probe_requests >= 1 and self.probe_successes >= 1, "probe counts must be >= 1")
+        require(self.probe_timeout_s > 0 and self.eval_interval_s >= 0, "bad probe or eval interval")
+
+
+TTFT, ITL = 0, 1
+_METRICS = (TTFT, ITL)
+
+C = TypeVar("C")
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of `values` (nearest rank; `values` non-empty)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class _Worker:
+    def __init__(self, role: str, max_samples: int):
+        self.role = role
+        self.samples: tuple[deque[tuple[float, float]], ...] = tuple(
+            deque(maxlen=max_samples) for _ in _METRICS
+        )
+        self.state = OutlierState.HEALTHY
+        self.factor = 1.0
+        self.score = 1.0
+        self.until = 0.0  # EJECTED: when probing starts
+        self.ejections = 0  # k in the backoff formula
+        self.healthy_since = 0.0
+        self.probes = 0  # PROBING: requests let through and not yet reported
+        self.probe_at = 0.0
+        self.good = 0  # PROBING: good probe samples so far
+        self.quantiles: list[float | None] = [None, None]
+        self.median_ttft: float | None = None
+
+
+class OutlierDetector:
+    """Per-worker latency windows and outlier states (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: OutlierConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_transition: Callable[[str, OutlierState, OutlierState], None] | None = None,
+    ):
+        self.config = config or OutlierConfig()
+        self._clock = clock
+        self._on_transition = on_transition
+        self._workers: dict[str, _Worker] = {}
+        self._last_eval = -math.inf
+        self._role_median: dict[str, float] = {}  # TTFT median over a role's samples
+        self.inflated = False  # some worker's factor is above 1 (`rerank` has work to do)
+        self.ejections = 0  # lifetime count, for metrics
+
+    # ---- samples ------------------------------------------------------------
+
+    def record_ttft(
+        self, worker_id: str, seconds: float, prefill_blocks: int = 0, role: str = "decode"
+    ) -> None:
+        """Time from an attempt's start to its first message on `worker_id` (or to its failure
+        before one: a lower bound, which still says the worker is slow). Kept per unit of
+        work, seconds / (1 + blocks it had to prefill), so that a worker that gets the long
+        or uncached prompts (kv-aware routing sends the cached ones elsewhere) is not taken
+        for a slow one."""
+        self._record(worker_id, role, TTFT, seconds / (1 + max(prefill_blocks, 0)))
+
+    def record_itl(self, worker_id: str, seconds: float, role: str = "decode") -> None:
+        """Mean gap between an attempt's messages after its first, once per attempt."""
+        self._record(worker_id, role, ITL, seconds)
+
+    def _record(self, worker_id: str, role: str, metric: int, value: float) -> None:
+        if not math.isfinite(value) or value < 0:
+            return
+        w = self._worker(worker_id, role)
+        now = self._clock()
+        if w.state is OutlierState.PROBING and w.probes > 0:
+            self._judge_probe(worker_id, w, metric, value, now)
+            return
+        w.samples[metric].append((now, value))
+        self._maybe_evaluate(now)
+
+    def remove(self, worker_id: str) -> None:
+        """The worker left the registry."""
+        self._workers.pop(worker_id, None)
+        self.inflated = any(w.factor > 1 for w in self._workers.values())
+
+    # ---- what routing reads ---------------------------------------------------
+
+    def state(self, worker_id: str) -> OutlierState:
+        w = self._workers.get(worker_id)
+        if w is None:
+            return OutlierState.HEALTHY
+        self._advance(worker_id, w, self._clock())
+        return w.state
+
+    def factor(self, worker_id: str) -> float:
+        """The multiplier of this worker's routing cost (1 = none)."""
+        w = self._workers.get(worker_id)
+        return 1.0 if w is None else w.factor
+
+    def is_available(self, worker_id: str) -> bool:
+        """May the worker take a request now? (Changes nothing but EJECTED -> PROBING.)"""
+        w = self._workers.get(worker_id)
+        if w is None or w.state is OutlierState.HEALTHY:  # (the common case: no clock read)
+            return True
+        now = self._clock()
+        self._advance(worker_id, w, now)
+        if w.state is OutlierState.EJECTED:
+            return False
+        if w.state is OutlierState.PROBING:
+            return w.probes < self.config.probe_requests or now - w.probe_at >= self.config.probe_timeout_s
+        return True
+
+    def allow_request(self, worker_id: str) -> bool:
+        """As `is_available`; while PROBING a yes takes a probe slot (`release` gives it back)."""
+        if not self.is_available(worker_id):
+            return False
+        w = self._workers.get(worker_id)
+        if w is not None and w.state is OutlierState.PROBING:
+            now = self._clock()
+            if now - w.probe_at >= self.config.probe_timeout_s:
+                w.probes = 0
+            w.probes += 1
+            w.probe_at = now
+        return True
+
+    def release(self, worker_id: str) -> None:
+        """A request let through by `allow_request` ended without a sample (cancelled)."""
+        w = self._workers.get(worker_id)
+        if w is not None and w.state is OutlierState.PROBING and w.probes > 0:
+            w.probes -= 1
+
+    def rerank(
+        self, ranked: list[C], worker_of: Callable[[C], str], cost_of: Callable[[C], float]
+    ) -> list[C]:
+        """`ranked` (a policy's choices, best first) re-sorted by (cost + 1) * factor: a
+        deprioritised worker's cost grows in proportion (+1 so that a zero cost grows too).
+        The order among undeprioritised workers is kept."""
+        if not self.inflated:
+            return ranked
+        factor = self.factor
+        return sorted(ranked, key=lambda ch: (cost_of(ch) + 1.0) * factor(worker_of(ch)))
+
+    def predicted_ttft(self, worker_id: str, prefill_blocks: int = 0) -> float | None:
+        """The time to first message a request with `prefill_blocks` to prefill should take on
+        this worker: the median per unit of work over the window (over its role's workers when
+        it has too few samples) times (1 + prefill_blocks); None with no samples to go on.
+        (The medians are computed with the quantiles, at most every eval_interval_s.)"""
+        self._maybe_evaluate(self._clock())
+        w = self._workers.get(worker_id)
+        if w is not None and w.median_ttft is not None:
+            per_unit: float | None = w.median_ttft
+        else:
+            per_unit = self._role_median.get(w.role if w is not None else "decode")
+        return None if per_unit is None else per_unit * (1 + max(prefill_blocks, 0))
+
+    # ---- evaluation -----------------------------------------------------------
+
+    def _worker(self, worker_id: str, role: str) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker(role, self.config.max_samples)
+            w.healthy_since = self._clock()
+        return w
+
+    def _window(self, w: _Worker, metric: int, now: float) -> list[float]:
+        dq = w.samples[metric]
+        horizon = now - self.config.window_s
+        while dq and dq[0][0] < horizon:
+            dq.popleft()
+        return [v for _, v in dq]
+
+    def evaluate(self) -> None:
+        """Recompute every worker's quantiles, scores and states now."""
+        self._last_eval = -math.inf
+        self._maybe_evaluate(self._clock())
+
+    def _maybe_evaluate(self, now: float) -> None:
+        cfg = self.config
+        if now - self._last_eval < cfg.eval_interval_s:
+            return
+        self._last_eval = now
+        pooled: dict[str, list[float]] = {}
+        for w in self._workers.values():
+            for m in _METRICS:
+                vals = self._window(w, m, now)
+                enough = len(vals) >= cfg.min_samples
+                w.quantiles[m] = quantile(vals, cfg.quantile) if enough else None
+                if m == TTFT:
+                    w.median_ttft = quantile(vals, 0.5) if enough else None
+                    pooled.setdefault(w.role, []).extend(vals)
+        self._role_median = {
+            role: quantile(vals, 0.5) for role, vals in pooled.items() if len(vals) >= cfg.min_samples
+        }
+        if not cfg.enabled:  # off: the samples serve the TTFT prediction only
+            return
+        for wid, w in self._workers.items():
+            self._advance(wid, w, now)
+            if w.state is not OutlierState.HEALTHY:
+                continue
+            w.score = self._score(wid, w)
+            w.factor = min(w.score, cfg.max_factor) if w.score >= cfg.deprioritise_ratio else 1.0
+            if w.score >= cfg.eject_ratio and self._may_eject(w.role):
+                self._eject(wid, w, now)
+        self.inflated = any(w.factor > 1 for w in self._workers.values())
+
+    def _peer_median(self, worker_id: str, role: str, metric: int) -> float | None:
+        peers = [
+            q
+            for wid, o in self._workers.items()
+            if wid != worker_id and o.role == role and o.state is OutlierState.HEALTHY
+            if (q := o.quantiles[metric]) is not None
+        ]
+        return quantile(peers, 0.5) if peers else None
+
+    def _ratio(self, worker_id: str, role: str, metric: int, value: float) -> float:
+        peer = self._peer_median(worker_id, role, metric)
+        if peer is None or value - peer < self.config.min_excess_s:
+            return 1.0
+        return value / peer if peer > 0 else math.inf
+
+    def _score(self, worker_id: str, w: _Worker) -> float:
+        score = 1.0
+        for m in _METRICS:
+            q = w.quantiles[m]
+            if q is not None:
+                score = max(score, self._ratio(worker_id, w.role, m, q))
+        return score
+
+    def _may_eject(self, role: str) -> bool:
+        members = [w for w in self._workers.values() if w.role == role]
+        out = sum(w.state is not OutlierState.HEALTHY for w in members)
+        allowed = min(max(1, math.floor(self.config.max_ejected_share * len(members))), len(members) - 1)
+        return self.config.max_ejected_share > 0 and out < allowed
+
+    # ---- transitions ----------------------------------------------------------
+
+    def _eject(self, worker_id: str, w: _Worker, now: float) -> None:
+        cfg = self.config
+        if now - w.healthy_since >= cfg.backoff_reset_s:
+            w.ejections = 0
+        period = min(cfg.base_ejection_s * cfg.ejection_multiplier**w.ejections, cfg.max_ejection_s)
+        w.ejections += 1
+        w.until = now + period
+        w.factor = 1.0  # it gets no traffic while ejected; probes are judged on their own
+        w.probes = w.good = 0
+        self.ejections += 1
+        self._set(worker_id, w, OutlierState.EJECTED)
+
+    def _advance(self, worker_id: str, w: _Worker, now: float) -> None:
+        if w.state is OutlierState.EJECTED and now >= w.until:
+            w.probes = w.good = 0
+            self._set(worker_id, w, OutlierState.PROBING)
+
+    def _judge_probe(self, worker_id: str, w: _Worker, metric: int, value: float, now: float) -> None:
+        """One sample of a probe request: good (within eject_ratio of the peers) or not."""
+        if self._ratio(worker_id, w.role, metric, value) >= self.config.eject_ratio:
+            self._eject(worker_id, w, now)
+            return
+        if metric == TTFT:  # one verdict per probe request: its first sample
+            w.probes -= 1
+            w.good += 1
+        if w.good >= self.config.probe_successes:
+            for dq in w.samples:  # its slow past would eject it again at once
+                dq.clear()
+            w.quantiles = [None, None]
+            w.median_ttft = None
+            w.score, w.factor, w.healthy_since = 1.0, 1.0, now
+            self._set(worker_id, w, OutlierState.HEALTHY)
+
+    def _set(self, worker_id: str, w: _Worker, state: OutlierState) -> None:
+        old, w.state = w.state, state
+        if old is not state and self._on_transition is not None:
+            self._on_transition(worker_id, old, state)

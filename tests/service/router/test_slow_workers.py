@@ -1,0 +1,265 @@
+"""Slow and hung decode workers (issue 18, the router's side), with real decode workers.
+
+Each worker is a real DecodeServicer over the sim engine on loopback (port 0), as in
+test_link.py. "Held" means its engine thread is blocked inside a step (a deadlocked
+engine: the process is up, nothing comes out); "slowed" means a lower sim speedup.
+Whether the worker's health says so is the test's choice (`set_ready(False)` is
+what the worker's forward-progress check does, helper "health"'s side of issue 18).
+
+Nothing here is timed: a request that the old code would have left on its hung worker
+until the first-token timeout (120 s) or its deadline (30 s) fails the test by not
+completing; a completed one proves the re-route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from services.common.errors import MeshError
+from services.router.generate import FlowRequest, RequestFlow
+from services.router.hedge import HedgeConfig
+from services.router.outlier import OutlierConfig, OutlierState
+from services.router.retry_budget import RetryBudgetConfig
+from tests.service.router.test_link import SimDecode, greedy, prompt, run_flow
+from tests.support.poll import eventually
+
+
+class Hold:
+    """Blocks a sim worker's engine thread inside its next step until released."""
+
+    def __init__(self, worker: SimDecode):
+        self.engine = worker.rt.engine
+        self._real = self.engine._step
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __enter__(self) -> Hold:
+        def held(core):
+            self.entered.set()
+            self.gate.wait(60)
+            return self._real(core)
+
+        self.engine._step = held
+        return self
+
+    def release(self) -> None:
+        if self.engine._step is not self._real:
+            del self.engine._step  # the class's method again
+        self.gate.set()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@pytest.fixture
+async def sims():
+    made: list[SimDecode] = []
+
+    async def make(worker_id: str, **kw) -> SimDecode:
+        w = await SimDecode(worker_id, **kw).start()
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        await w.close()
+
+
+def counter(router, name: str, **labels) -> float:
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def warm(h, n: int, max_tokens: int = 8) -> None:
+    """Sequential requests: samples for the outlier detector on every worker."""
+    for i in range(n):
+        await run_flow(h.router, f"warm{i}", prompt(i), max_tokens)
+
+
+async def start_on(h, worker_id: str, rid: str, p, n: int):
+    task = asyncio.create_task(run_flow(h.router, rid, p, n))
+    await eventually(
+        lambda: rid in h.router.flows and h.router.flows[rid].worker_id == worker_id,
+        what=f"{rid} routed to {worker_id}",
+        timeout=30,
+    )
+    return task
+
+
+async def test_a_request_on_a_worker_that_goes_not_serving_is_rerouted_before_its_first_token(mesh, sims):
+    a, b = await sims("a"), await sims("b")
+    # The fixed 120 s first-token timeout: without the re-route this request would wait it out
+    # (its deadline is 60 s, so it would fail).
+    h = await mesh.router(decode=[a, b], policy="round_robin", first_token_timeout_multiple=0)
+    free_a, free_b = a.free(), b.free()
+    want, _ = await run_flow(h.router, "ref", prompt(7), 30)  # round robin: on a
+    await run_flow(h.router, "to-b", prompt(3), 4)  # b's turn
+    with Hold(a) as hold:
+        task = await start_on(h, "a", "r", prompt(7), 30)
+        await asyncio.to_thread(hold.entered.wait, 30)
+        await a.rt.server.set_ready(False)  # what its forward-progress check would say
+        toks, final = await task
+    assert toks == want and final.worker_id == "b" and final.migrations == 0
+    assert counter(h.router, "pdmesh_router_reroutes_total", cause="not_serving") >= 1
+    assert h.router.budget.retries_granted == 0  # a re-route spends no retry budget
+    await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)
+
+
+async def test_the_first_token_timeout_follows_the_predicted_ttft(mesh, sims):
+    a, b = await sims("a"), await sims("b")
+    h = await mesh.router(
+        decode=[a, b],
+        policy="round_robin",
+        first_token_timeout_s=120.0,
+        first_token_timeout_multiple=10.0,
+        first_token_timeout_floor_s=0.5,
+        outlier=OutlierConfig(min_samples=2, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
+    )
+    free_a = a.free()
+    await warm(h, 4)  # TTFT samples on both: predicted a few ms, so the timeout is the floor
+    want, _ = await run_flow(h.router, "ref", prompt(9), 20)  # on a
+    with Hold(a):  # hung, and its health still says SERVING (a deadlocked engine)
+        await run_flow(h.router, "to-b", prompt(3), 4)  # b's turn
+        toks, final = await run_flow(h.router, "r", prompt(9), 20)  # on a, times out, retried on b
+    assert toks == want and final.worker_id == "b"
+    assert h.router.budget.retries_granted == 1
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
+
+
+async def test_a_much_slower_worker_is_ejected_and_gets_no_new_requests(mesh, sims):
+    fast, slow = await sims("fast", speedup=50.0), await sims("slow", speedup=0.5)
+    cfg = OutlierConfig(min_samples=3, eval_interval_s=0.0, base_ejection_s=100.0)
+    h = await mesh.router(decode=[fast, slow], policy="round_robin", outlier=cfg)
+    free_fast, free_slow = fast.free(), slow.free()
+    await warm(h, 8, max_tokens=6)  # round robin: 4 each
+    assert h.router.outliers.state("slow") is OutlierState.EJECTED
+    assert h.router.outliers.state("fast") is OutlierState.HEALTHY
+    assert counter(h.router, "pdmesh_router_outlier_transitions_total", state="ejected") == 1
+    finals = [(await run_flow(h.router, f"after{i}", prompt(i), 4))[1] for i in range(4)]
+    assert {f.worker_id for f in finals} == {"fast"}  # round robin would have alternated
+    await eventually(
+        lambda: fast.free() == free_fast and slow.free() == free_slow, what="both pools free", timeout=30
+    )
+
+
+async def test_a_hedge_to_the_next_worker_wins_when_the_first_is_hung(mesh, sims):
+    a, b = await sims("a"), await sims("b")
+    h = await mesh.router(
+        decode=[a, b],
+        policy="round_robin",
+        first_token_timeout_multiple=0,  # the fixed 120 s: only the hedge can save this request
+        hedge=HedgeConfig(enabled=True, multiple=3.0, min_delay_s=0.05),
+        outlier=OutlierConfig(min_samples=2, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
+        retry_budget=RetryBudgetConfig(min_retries_per_second=1.0),
+    )
+    free_a, free_b = a.free(), b.free()
+    await warm(h, 4)
+    want, _ = await run_flow(h.router, "ref", prompt(11), 16)  # on a
+    with Hold(a) as hold:
+        await run_flow(h.router, "to-b", prompt(3), 4)
+        toks, final = await run_flow(h.router, "r", prompt(11), 16)  # on a, hedged to b
+        assert hold.entered.is_set()
+    assert toks == want and final.worker_id == "b" and final.migrations == 0
+    assert counter(h.router, "pdmesh_router_hedges_total", outcome="sent") == 1
+    assert counter(h.router, "pdmesh_router_hedges_total", outcome="won") == 1
+    assert counter(h.router, "pdmesh_router_wasted_tokens_by_cause_total", cause="hedged") > 0
+    assert h.router.stats().wasted_tokens > 0  # the primary's prefill, thrown away
+    await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)
+
+
+async def test_a_hedge_that_loses_is_cancelled_and_counted_as_waste(mesh, sims):
+    a, b = await sims("a", speedup=0.5), await sims("b", speedup=0.5)
+    h = await mesh.router(
+        decode=[a, b],
+        policy="round_robin",
+        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0),  # hedge every request at once
+        outlier=OutlierConfig(min_samples=1, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
+        retry_budget=RetryBudgetConfig(min_retries_per_second=10.0),
+    )
+    free_a, free_b = a.free(), b.free()
+    await run_flow(h.router, "seed", prompt(1), 2)  # one TTFT sample: a prediction exists
+    results = [await run_flow(h.router, f"r{i}", prompt(i), 6) for i in range(4)]
+    assert all(len(t) == 6 for t, _ in results)
+    sent = counter(h.router, "pdmesh_router_hedges_total", outcome="sent")
+    won = counter(h.router, "pdmesh_router_hedges_total", outcome="won")
+    lost = counter(h.router, "pdmesh_router_hedges_total", outcome="lost")
+    assert sent >= 1 and won + lost == sent
+    assert h.router.stats().wasted_tokens > 0
+    await eventually(
+        lambda: a.free() == free_a and b.free() == free_b and a.running() == b.running() == 0,
+        what="both pools free, the losing copies cancelled",
+        timeout=30,
+    )
+
+
+async def test_a_request_on_a_worker_whose_breaker_opens_is_rerouted_before_its_first_token(mesh, sims):
+    a, b = await sims("a"), await sims("b")
+    h = await mesh.router(decode=[a, b], policy="round_robin", first_token_timeout_multiple=0)
+    free_a = a.free()
+    want, _ = await run_flow(h.router, "ref", prompt(5), 12)  # on a
+    await run_flow(h.router, "to-b", prompt(3), 4)
+    with Hold(a) as hold:
+        task = await start_on(h, "a", "r", prompt(5), 12)
+        await asyncio.to_thread(hold.entered.wait, 30)
+        for _ in range(h.router.breakers.config.consecutive_failures):  # other requests failed there
+            h.router.breakers.record_failure("a")
+        toks, final = await task
+    assert toks == want and final.worker_id == "b"
+    assert counter(h.router, "pdmesh_router_reroutes_total", cause="breaker_open") == 1
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
+
+
+async def test_with_nowhere_to_go_a_request_waits_for_its_worker_to_recover(mesh, sims):
+    a = await sims("a")
+    h = await mesh.router(decode=[a], first_token_timeout_multiple=0)
+    free_a = a.free()
+    want, _ = await run_flow(h.router, "ref", prompt(4), 10)
+    with Hold(a) as hold:
+        task = await start_on(h, "a", "r", prompt(4), 10)
+        await asyncio.to_thread(hold.entered.wait, 30)
+        await a.rt.server.set_ready(False)
+        await eventually(lambda: h.healthy_decode() == 0, what="a not serving", timeout=30)
+        assert not task.done()  # not failed for want of another worker
+        await a.rt.server.set_ready(True)
+    toks, final = await task
+    assert toks == want and final.worker_id == "a"
+    assert counter(h.router, "pdmesh_router_reroutes_total", cause="not_serving") == 0
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
+
+
+async def test_a_request_on_a_hung_worker_ends_by_its_deadline(mesh, sims):
+    a = await sims("a")
+    h = await mesh.router(decode=[a], first_token_timeout_multiple=0)
+    free_a = a.free()
+    with Hold(a):
+        flow = RequestFlow(h.router.ctx, FlowRequest("late", prompt(2), greedy(8), timeout_s=0.5))
+        with pytest.raises(MeshError) as err:
+            async for _ in flow.run():
+                pass
+    assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: a.free() == free_a and a.running() == 0, what="a's pool free", timeout=30)
+
+
+async def test_a_stream_that_stalls_moves_the_unstarted_requests_of_its_worker_too(mesh, sims):
+    a, b = await sims("a", speedup=2.0), await sims("b")
+    h = await mesh.router(
+        decode=[a, b], policy="round_robin", first_token_timeout_multiple=0, stall_timeout_s=1.0
+    )
+    free_a = a.free()
+    want1, _ = await run_flow(h.router, "ref1", prompt(6), 400)  # a
+    want2, _ = await run_flow(h.router, "ref2", prompt(8), 8)  # b
+    got: list[int] = []
+    first = asyncio.create_task(run_flow(h.router, "r1", prompt(6), 400, got))  # a
+    await eventually(lambda: len(got) >= 3, what="r1 streaming on a", timeout=30)
+    await run_flow(h.router, "to-b", prompt(3), 4)  # b
+    with Hold(a) as hold:
+        await asyncio.to_thread(hold.entered.wait, 30)
+        second = await start_on(h, "a", "r2", prompt(8), 8)  # queued behind the hung step
+        (toks1, final1), (toks2, final2) = await asyncio.gather(first, second)
+    assert toks1 == want1 and final1.migrations == 1 and final1.worker_id == "b"
+    assert toks2 == want2 and final2.worker_id == "b" and final2.migrations == 0
+    assert counter(h.router, "pdmesh_router_reroutes_total", cause="stalled") == 1
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)

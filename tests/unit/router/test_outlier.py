@@ -1,0 +1,220 @@
+"""OutlierDetector on a fake clock: deprioritise, eject with backoff, probe back, share cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import ConfigError, build
+from services.router.outlier import OutlierConfig, OutlierDetector, OutlierState, quantile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+CFG = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=5.0, probe_successes=2)
+
+
+def feed(det: OutlierDetector, worker: str, ttft: float, n: int = 8, itl: float | None = None) -> None:
+    for _ in range(n):
+        det.record_ttft(worker, ttft)
+        if itl is not None:
+            det.record_itl(worker, itl)
+
+
+def mesh(cfg: OutlierConfig = CFG, workers: int = 4):
+    clock = Clock()
+    transitions: list[tuple[str, OutlierState, OutlierState]] = []
+    det = OutlierDetector(cfg, clock, lambda w, old, new: transitions.append((w, old, new)))
+    for i in range(workers):
+        feed(det, f"w{i}", 0.05)
+    return det, clock, transitions
+
+
+def test_quantile_is_nearest_rank():
+    assert quantile([5, 1, 3, 2, 4], 0.5) == 3
+    assert quantile([1, 2, 3, 4], 0.9) == 4
+    assert quantile([7], 0.1) == 7
+
+
+def test_peers_alike_are_neither_deprioritised_nor_ejected():
+    det, _, transitions = mesh()
+    assert all(det.factor(f"w{i}") == 1.0 for i in range(4))
+    assert not det.inflated and transitions == []
+
+
+def test_a_moderately_slow_worker_is_deprioritised_in_proportion():
+    det, _, _ = mesh()
+    feed(det, "w0", 0.1)  # p90 of w0 now 0.1 vs the peers' 0.05: ratio 2
+    assert det.factor("w0") == pytest.approx(2.0)
+    assert det.state("w0") is OutlierState.HEALTHY and det.inflated
+    choices = [("w0", 1.0), ("w1", 1.5), ("w2", 3.0)]
+    ranked = det.rerank(choices, lambda c: c[0], lambda c: c[1])
+    # (1 + 1) * 2 = 4 > (1.5 + 1) and > (3 + 1)? 4 == 4: the stable sort keeps w0 before w2
+    assert [c[0] for c in ranked] == ["w1", "w0", "w2"]
+
+
+def test_rerank_leaves_a_ranking_alone_when_nobody_is_inflated():
+    det, _, _ = mesh()
+    choices = [("w3", 9.0), ("w1", 0.0)]
+    assert det.rerank(choices, lambda c: c[0], lambda c: c[1]) is choices
+
+
+def test_small_absolute_differences_are_no_outlier():
+    det, _, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, min_excess_s=0.01))
+    feed(det, "w0", 0.055)  # 10% slower but only 5 ms
+    feed(det, "w1", 0.001, itl=0.004)
+    feed(det, "w2", 0.001, itl=0.0001)  # ITL 40x a peer's, but 4 ms
+    assert det.factor("w0") == det.factor("w1") == 1.0
+
+
+def test_a_very_slow_worker_is_ejected_then_probed_back_in():
+    det, clock, transitions = mesh()
+    feed(det, "w0", 0.5)  # 10x its peers
+    assert det.state("w0") is OutlierState.EJECTED
+    assert not det.is_available("w0") and not det.allow_request("w0")
+    assert det.predicted_ttft("w1") == pytest.approx(0.05)
+    clock.t += 5.0  # the first ejection lasts base_ejection_s
+    assert det.state("w0") is OutlierState.PROBING
+    assert det.allow_request("w0")  # one probe at a time
+    assert not det.is_available("w0") and not det.allow_request("w0")
+    det.record_ttft("w0", 0.05)  # a good probe: frees the slot
+    assert det.allow_request("w0")
+    det.record_ttft("w0", 0.06)
+    assert det.state("w0") is OutlierState.HEALTHY and det.factor("w0") == 1.0
+    assert [t[2] for t in transitions] == [OutlierState.EJECTED, OutlierState.PROBING, OutlierState.HEALTHY]
+    # Its slow past was dropped: a fresh healthy sample does not eject it again.
+    det.record_ttft("w0", 0.05)
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
+
+
+def test_a_bad_probe_ejects_again_for_twice_as_long():
+    det, clock, _ = mesh()
+    feed(det, "w0", 0.5)
+    clock.t += 5.0
+    assert det.allow_request("w0")
+    det.record_ttft("w0", 0.5)
+    assert det.state("w0") is OutlierState.EJECTED
+    clock.t += 9.9
+    assert det.state("w0") is OutlierState.EJECTED
+    clock.t += 0.1
+    assert det.state("w0") is OutlierState.PROBING
+
+
+def test_a_cancelled_probe_frees_its_slot():
+    det, clock, _ = mesh()
+    feed(det, "w0", 0.5)
+    clock.t += 5.0
+    assert det.allow_request("w0")
+    det.release("w0")
+    assert det.allow_request("w0")
+
+
+def test_a_lost_probe_frees_its_slot_after_the_probe_timeout():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, probe_timeout_s=3.0))
+    feed(det, "w0", 0.5)
+    clock.t += 5.0
+    assert det.allow_request("w0") and not det.allow_request("w0")
+    clock.t += 3.0
+    assert det.allow_request("w0")
+
+
+def test_never_more_than_the_share_of_workers_is_ejected():
+    det, _, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, max_ejected_share=0.25))
+    feed(det, "w0", 0.5)
+    feed(det, "w1", 0.5)
+    states = [det.state(f"w{i}") for i in range(4)]
+    assert states.count(OutlierState.EJECTED) == 1  # floor(0.25 * 4) = 1
+    # the one left in is still deprioritised
+    slow = "w1" if states[0] is OutlierState.EJECTED else "w0"
+    assert det.factor(slow) > 1
+
+
+def test_of_two_workers_one_may_be_ejected_never_both():
+    det, _, _ = mesh(workers=2)
+    feed(det, "w0", 0.5)
+    assert det.state("w0") is OutlierState.EJECTED
+    feed(det, "w1", 5.0)  # its only peer is ejected: no one to compare with, and it is the last
+    assert det.state("w1") is OutlierState.HEALTHY
+
+
+def test_samples_leave_the_window():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, window_s=10.0))
+    feed(det, "w0", 0.1)
+    assert det.factor("w0") > 1
+    clock.t += 11.0
+    feed(det, "w0", 0.05)
+    for i in range(1, 4):
+        feed(det, f"w{i}", 0.05)
+    assert det.factor("w0") == 1.0
+
+
+def test_itl_counts_as_much_as_ttft():
+    det, _, _ = mesh()
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.02)
+    feed(det, "w2", 0.05, itl=0.2)
+    assert det.state("w2") is OutlierState.EJECTED
+
+
+def test_backoff_resets_after_a_long_healthy_stretch():
+    det, clock, _ = mesh(
+        OutlierConfig(min_samples=4, eval_interval_s=0.0, probe_successes=1, backoff_reset_s=60)
+    )
+    for _ in range(2):  # eject, probe back in, twice: the second ejection is 10 s
+        feed(det, "w0", 0.5)
+        assert det.state("w0") is OutlierState.EJECTED
+        clock.t += 10.0
+        assert det.allow_request("w0")
+        det.record_ttft("w0", 0.05)
+        assert det.state("w0") is OutlierState.HEALTHY
+    clock.t += 61.0
+    for i in range(1, 4):
+        feed(det, f"w{i}", 0.05)
+    feed(det, "w0", 0.5)
+    assert det.state("w0") is OutlierState.EJECTED
+    clock.t += 5.0
+    assert det.state("w0") is OutlierState.PROBING
+
+
+def test_predicted_ttft_falls_back_to_the_role_and_then_to_none():
+    det, _, _ = mesh()
+    det.record_ttft("new", 9.0)  # one sample of its own: too few; the role's median
+    assert det.predicted_ttft("new") == pytest.approx(0.05)
+    assert OutlierDetector(CFG, Clock()).predicted_ttft("w0") is None
+
+
+def test_a_disabled_detector_ejects_nobody_but_still_predicts():
+    det, _, transitions = mesh(OutlierConfig(enabled=False, min_samples=4, eval_interval_s=0.0))
+    feed(det, "w0", 5.0)
+    assert det.is_available("w0") and det.factor("w0") == 1.0 and not det.inflated
+    assert det.state("w0") is OutlierState.HEALTHY and transitions == []
+    assert det.predicted_ttft("w1") == pytest.approx(0.05)
+
+
+def test_a_removed_worker_is_forgotten():
+    det, _, _ = mesh()
+    feed(det, "w0", 0.1)
+    det.remove("w0")
+    assert det.factor("w0") == 1.0 and not det.inflated
+
+
+def test_the_config_is_checked():
+    with pytest.raises(ValueError):
+        OutlierConfig(deprioritise_ratio=4.0, eject_ratio=3.0)
+    with pytest.raises(ConfigError):
+        build(OutlierConfig, None, {"PDMESH_OUTLIER_ENABLED": "maybe"}, "outlier_")
+    assert build(OutlierConfig, None, {"PDMESH_OUTLIER_ENABLED": "false"}, "outlier_").enabled is False
+
+
+def test_ttft_counts_per_unit_of_prefill_work():
+    det, _, _ = mesh()
+    for _ in range(8):  # w0 gets the long prompts: 9x the time for 9x the work
+        det.record_ttft("w0", 0.45, prefill_blocks=8)
+    assert det.factor("w0") == 1.0 and det.state("w0") is OutlierState.HEALTHY
+    assert det.predicted_ttft("w1", prefill_blocks=3) == pytest.approx(0.2)

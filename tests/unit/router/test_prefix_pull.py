@@ -1,0 +1,91 @@
+"""The prefix-pull decision (services/router/prefix_pull.py): route + optional pull source."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.prefix_pull import PrefixPullConfig, PrefixPullPlanner, WorkerView, rate_of
+
+BS = 16
+
+
+def planner(**kw) -> PrefixPullPlanner:
+    # 1 MB per block over 1 GB/s = 1 ms a block; recompute of a block at 1,600 tok/s = 10 ms.
+    cfg = PrefixPullConfig(
+        enabled=True, link_bytes_per_s=1e9, kv_bytes_per_token=1e6 / BS, latency_s=0.0, **kw
+    )
+    return PrefixPullPlanner(cfg, BS)
+
+
+def w(wid: str, overlap: int, wait_s: float = 0.0, rate: float = 1600.0) -> WorkerView:
+    return WorkerView(wid, overlap, wait_s, rate)
+
+
+def test_preferred_worker_pulls_the_loaded_holders_prefix():
+    # The policy chose b (idle); a holds 50 of the 60 blocks but is busy.
+    p = planner().plan([w("a", 50, wait_s=2.0), w("b", 0)], prompt_blocks=60, preferred="b")
+    assert (p.target, p.source, p.pull_blocks) == ("b", "a", 50)
+    # pull 50 ms + remainder 10 blocks x 10 ms, against 600 ms of recompute.
+    assert p.predicted_s == pytest.approx(0.05 + 0.1)
+    assert p.recompute_s == pytest.approx(0.6)
+
+
+def test_no_pull_when_the_link_is_slower_than_recompute():
+    # 1 MB blocks over 50 MB/s = 20 ms a block > 10 ms to recompute it.
+    cfg = PrefixPullConfig(enabled=True, link_bytes_per_s=5e7, kv_bytes_per_token=1e6 / BS, latency_s=0.0)
+    p = PrefixPullPlanner(cfg, BS).plan([w("a", 50, wait_s=2.0), w("b", 0)], 60, "b")
+    assert (p.target, p.source) == ("b", "")
+
+
+def test_no_pull_when_the_preferred_worker_has_the_prefix_too():
+    p = planner().plan([w("a", 50, wait_s=2.0), w("b", 50)], 60, "b")
+    assert (p.target, p.source) == ("b", "")
+
+
+def test_short_prefix_is_not_worth_a_pull():
+    p = planner(min_pull_blocks=4).plan([w("a", 3, wait_s=2.0), w("b", 0)], 60, "b")
+    assert p.source == ""
+
+
+def test_moves_off_a_loaded_holder_chosen_by_the_policy():
+    # The policy picked the holder a (its overlap outweighed its queue); a 1 s queue
+    # against an idle b that can pull the 50 blocks in 50 ms.
+    p = planner().plan([w("a", 50, wait_s=1.0), w("b", 0), w("c", 0, wait_s=0.5)], 60, "a")
+    assert (p.target, p.source, p.pull_blocks) == ("b", "a", 50)
+    assert p.predicted_s < 1.0 * 0.8
+
+
+def test_stays_on_the_holder_without_a_clear_gain():
+    # a waits 120 ms: local(a) = 0.12 + 0.1 = 0.22 s; b pulling = 0.05 + 0.1 = 0.15 s,
+    # a 32% gain; with min_gain 0.5 that is not enough.
+    views = [w("a", 50, wait_s=0.12), w("b", 0)]
+    assert planner(min_gain=0.5).plan(views, 60, "a").source == ""
+    assert planner(min_gain=0.2).plan(views, 60, "a").target == "b"
+
+
+def test_an_idle_holder_keeps_its_request():
+    p = planner().plan([w("a", 50), w("b", 0)], 60, "a")
+    assert (p.target, p.source) == ("a", "")
+
+
+def test_pull_counts_only_the_blocks_the_target_lacks():
+    p = planner().plan([w("a", 50, wait_s=2.0), w("b", 20)], 60, "b")
+    assert (p.source, p.pull_blocks) == ("a", 50)
+    assert p.predicted_s == pytest.approx(0.03 + 0.1)  # 30 blocks moved
+
+
+def test_overlap_beyond_the_prompt_is_clamped():
+    p = planner().plan([w("a", 90, wait_s=2.0), w("b", 0)], 60, "b")
+    assert p.pull_blocks == 60
+
+
+def test_rate_of_reads_backlog_over_wait_or_the_prior():
+    assert rate_of(2000, 1000.0, 50.0) == pytest.approx(2000.0)
+    assert rate_of(0, 0.0, 50.0) == 50.0
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        PrefixPullConfig(link_bytes_per_s=0)
+    with pytest.raises(ValueError):
+        PrefixPullConfig(min_gain=1.0)
