@@ -69,9 +69,13 @@ ROUTER_FLAGS = flags(
 )
 LEASE_FLAGS = flags(router_lease_ms=1500)
 # Clients reconnect fast after a router restart (gRPC's default backoff grows to 120 s).
+# min_reconnect_backoff_ms is not a backoff: gRPC core uses it as the minimum *connect timeout*
+# (TCP + HTTP/2 handshake). At 100 ms a connection to a process starved of CPU (a CPU hog beside
+# the suite) failed with "tcp handshaker shutdown", and the call with it; 5 s is a handshake's
+# worst case here, not a delay: a refused connect still fails at once.
 CLIENT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 5000),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 

@@ -1,0 +1,213 @@
+"""Figures of one faults-study run (bench/faults.py) and the share plot.
+
+Pure functions of what a run recorded: the clients' `Logical` records, the
+workers' Stats samples, the fault windows and two router Stats reads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.faults_client import Logical
+
+BIN_S = 2.0
+
+
+@dataclass
+class RunResult:
+    name: str
+    records: list[Logical]
+    samples: list  # bench.faults.Sample
+    windows: object  # bench.faults.Windows
+    stats0: object  # router Stats before the load
+    stats1: object  # and after
+    span_s: float
+    leaked_blocks: int = 0
+    slow_at: float = 0.0
+    slow_end: float = 0.0
+    metrics: dict = field(default_factory=dict)  # router counters' deltas over the run (nonzero)
+
+    def delta(self, name: str) -> int:
+        return int(getattr(self.stats1, name) - getattr(self.stats0, name))
+
+
+def meets_slo(r: Logical, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+    if not r.ok or r.ttft_s is None or r.e2e_s is None or r.e2e_s > r.deadline_s:
+        return False
+    return r.ttft_s <= slo_ttft_s and (r.tpot_s is None or r.tpot_s <= slo_tpot_s)
+
+
+def hung(records: list[Logical], slack_s: float) -> int:
+    return sum(r.end_s is None or r.e2e_s > r.deadline_s + slack_s for r in records)
+
+
+def waste(res: RunResult) -> dict[str, float]:
+    """Computed, useful and wasted tokens, with the causes (see bench/faults.py's docstring)."""
+    ok = [r for r in res.records if r.ok]
+    computed = res.delta("computed_tokens")
+    # One attempt computes every prompt position and every output token but the last (sampled,
+    # never fed back): the router's computed_tokens of an undisturbed request.
+    useful = sum(r.prompt_len + r.tokens - 1 for r in ok)
+    migrated = sum(max(r.computed - r.prompt_len - r.tokens + 1, 0) for r in ok if r.migrations)
+    router_retried = sum(max(r.computed - r.prompt_len - r.tokens + 1, 0) for r in ok if not r.migrations)
+    client_retried = failed = 0
+    for r in res.records:
+        lost = [r.prompt_len + got for got in r.failed_attempt_tokens]
+        if r.ok:
+            client_retried += sum(lost)
+        elif lost:
+            client_retried += sum(lost[:-1])
+            failed += lost[-1]
+    wasted = computed - useful
+    return {
+        "computed": computed,
+        "useful": useful,
+        "wasted": wasted,
+        "migrated": migrated,
+        "router_retried": router_retried,
+        "client_retried": client_retried,
+        "failed": failed,
+        "other": wasted - migrated - router_retried - client_retried - failed,
+        "router_wasted": res.delta("wasted_tokens"),
+        "per_success": wasted / max(len(ok), 1),
+        "computed_per_success": computed / max(len(ok), 1),
+    }
+
+
+def healthy_peak(res: RunResult) -> tuple[int, int]:
+    """(peak waiting + running, peak waiting) over workers not under a fault at the time."""
+    both = waiting = 0
+    for s in res.samples:
+        if not res.windows.faulted(s.worker, s.t):
+            both = max(both, s.waiting + s.running)
+            waiting = max(waiting, s.waiting)
+    return both, waiting
+
+
+def new_requests(res: RunResult) -> dict[int, np.ndarray]:
+    """New requests accepted per worker per BIN_S bin (from requests_total deltas)."""
+    nbins = int(res.span_s // BIN_S) + 2
+    out = {w: np.zeros(nbins) for w in {s.worker for s in res.samples}}
+    last: dict[str, int] = {}
+    for s in sorted(res.samples, key=lambda s: s.t):
+        prev = last.get(s.incarnation, 0)
+        last[s.incarnation] = s.requests_total
+        b = min(int(s.t // BIN_S), nbins - 1)
+        out[s.worker][b] += max(s.requests_total - prev, 0)
+    return out
+
+
+def slow_share(res: RunResult, start: float, end: float, worker: int = 0) -> float:
+    per = new_requests(res)
+    lo, hi = int(start // BIN_S), int(end // BIN_S)
+    slow = per.get(worker, np.zeros(1))[lo:hi].sum()
+    total = sum(v[lo:hi].sum() for v in per.values())
+    return float(slow / total) if total else float("nan")
+
+
+def share_series(res: RunResult, worker: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    per = new_requests(res)
+    total = sum(per.values())
+    slow = per.get(worker, np.zeros_like(total))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(total > 0, slow / total, np.nan)
+    return np.arange(len(share)) * BIN_S + BIN_S / 2, share
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s: float) -> list[str]:
+    recs = res.records
+    ok = [r for r in recs if r.ok]
+    good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in recs)
+    w = waste(res)
+    peak, peak_wait = healthy_peak(res)
+    codes = Counter(r.code for r in recs if not r.ok)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    attempts = sum(r.attempts for r in recs)
+    lines = [
+        f"  {res.name}: {len(recs)} requests, {len(ok)} ok, failed {dict(codes) or 'none'}; "
+        f"{attempts} client attempts ({attempts - len(recs)} client retries)",
+        f"    goodput {good / res.span_s:.2f} req/s ({good} within SLO over {res.span_s:.0f} s); "
+        f"TTFT p50 {1000 * pct(ttft, 50):.0f} ms p99 {1000 * pct(ttft, 99):.0f} ms; "
+        f"hung {hung(recs, slack_s)}",
+        f"    router: retries {res.delta('retries')} denied {res.delta('retries_denied')} "
+        f"migrations {res.delta('migrations')} shed {res.delta('requests_shed')} "
+        f"failed {res.delta('requests_failed')} cancelled {res.delta('requests_cancelled')}",
+        f"    tokens computed {w['computed']:,} ({w['computed_per_success']:.1f} per success), useful "
+        f"{w['useful']:,}; wasted {w['wasted']:,} ({w['per_success']:.1f} per success; router's own "
+        f"count {w['router_wasted']:,})",
+        f"    wasted by cause: failed {w['failed']:,}, client retries {w['client_retried']:,}, "
+        f"router retries {w['router_retried']:,}, migrated {w['migrated']:,}, other {w['other']:,}",
+        *_metric_lines(res),
+        *_error_lines(res),
+        f"    healthy workers' peak queue (waiting+running) {peak}, waiting alone {peak_wait}; "
+        f"leaked blocks at the end {res.leaked_blocks}",
+    ]
+    if res.slow_end > res.slow_at:
+        lines.append(
+            f"    slow worker's share of new requests: first 10 s "
+            f"{slow_share(res, res.slow_at, res.slow_at + 10):.3f}, after 10 s "
+            f"{slow_share(res, res.slow_at + 10, res.slow_end):.3f}"
+        )
+    return lines
+
+
+def _error_lines(res: RunResult, top: int = 4) -> list[str]:
+    """The most frequent failed-attempt errors (code and the start of its details)."""
+    c = Counter(d for r in res.records for d in r.details)
+    if not c:
+        return []
+    return ["    failed attempts, most frequent: " + "; ".join(f"{n}x {d}" for d, n in c.most_common(top))]
+
+
+def _label(key: str) -> str:
+    """'name{cause="hedged"}' -> 'hedged'."""
+    return key.split("=", 1)[1].strip('"}') if "=" in key else key
+
+
+def _metric_lines(res: RunResult) -> list[str]:
+    if not res.metrics:
+        return []
+    by_cause = {k: v for k, v in res.metrics.items() if k.startswith("pdmesh_router_wasted_tokens_by_cause")}
+    rest = {k: v for k, v in res.metrics.items() if k not in by_cause}
+    lines = []
+    if by_cause:
+        text = ", ".join(f"{_label(k)} {v:,.0f}" for k, v in sorted(by_cause.items()))
+        lines.append(f"    router's wasted tokens by cause: {text}")
+    if rest:
+        text = ", ".join(f"{k.removeprefix('pdmesh_router_')} {v:g}" for k, v in sorted(rest.items()))
+        lines.append(f"    router counters: {text}")
+    return lines
+
+
+def plot_share(results: list[RunResult], n_workers: int, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for res in results:
+        x, y = share_series(res)
+        ax.plot(x, y, label=res.name, marker=".", linewidth=1)
+    slowed = [r for r in results if r.slow_end > r.slow_at]
+    if slowed:
+        ax.axvspan(
+            slowed[0].slow_at, slowed[0].slow_end, color="grey", alpha=0.15, label="decode-0 5x slower"
+        )
+    ax.axhline(1 / n_workers, color="k", linestyle=":", linewidth=1, label="1/N (even)")
+    ax.axhline(1 / (2 * n_workers), color="r", linestyle="--", linewidth=1, label="1/(2N) target")
+    ax.set_xlabel("run time (s)")
+    ax.set_ylabel(f"decode-0's share of new requests ({BIN_S:g} s bins)")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title("Slow worker's share of new requests (bench/faults.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,78 @@
+"""bench/faults.py's pure parts: the SDK's retry wait, the router flags of each side, the figures."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+from bench import faults
+from bench.faults_client import Logical, sdk_wait_s
+from bench.faults_report import RunResult, healthy_peak, hung, slow_share, waste
+
+
+def test_sdk_wait_honours_a_hint_up_to_60_s_else_backs_off_with_jitter():
+    rng = random.Random(0)
+    assert sdk_wait_s(0, 1.5, rng) == 1.5
+    for n, top in ((0, 0.5), (1, 1.0), (4, 8.0), (9, 8.0)):  # min(0.5 * 2**n, 8) x (0.75..1]
+        w = sdk_wait_s(n, 120.0, rng)  # a hint over 60 s is ignored
+        assert 0.75 * top <= w <= top
+
+
+def test_naive_turns_every_switch_off_and_pdmesh_turns_hedging_on():
+    known = {n for sw in faults.SWITCHES.values() for n in sw}
+    naive, pdmesh = faults.router_flags("naive", known), faults.router_flags("pdmesh", known)
+    assert naive["breaker_enabled"] == naive["retry_budget_enabled"] == naive["hedge_enabled"] == "false"
+    assert naive["max_migrations"] == 0 and naive["stall_timeout_s"] == 0
+    assert "breaker_consecutive_failures" not in naive  # the switch, not the legacy stand-in
+    assert pdmesh["hedge_enabled"] == "true" and pdmesh["outlier_enabled"] == "true"
+    old = faults.router_flags("naive", set())  # a router without the switches
+    assert old["breaker_consecutive_failures"] == 1_000_000 and "breaker_enabled" not in old
+
+
+def _rec(i, ok, tokens=10, computed=0, migrations=0, failed=(), end=2.0):
+    r = Logical(i, 0.0, 100, tokens, deadline_s=10.0)
+    r.ok, r.tokens, r.computed, r.migrations, r.end_s = ok, tokens if ok else 0, computed, migrations, end
+    r.first_token_s = 0.5 if ok else None
+    r.failed_attempt_tokens = list(failed)
+    return r
+
+
+def _result(records, samples=(), faulted=None, computed=0):
+    win = SimpleNamespace(faulted=faulted or (lambda w, t: False))
+    stats0 = SimpleNamespace(computed_tokens=0, wasted_tokens=0)
+    stats1 = SimpleNamespace(computed_tokens=computed, wasted_tokens=0)
+    return RunResult("x", list(records), list(samples), win, stats0, stats1, span_s=20.0)
+
+
+def test_waste_is_computed_minus_useful_split_by_cause():
+    recs = [
+        _rec(0, True, computed=109),  # one clean attempt: 100 + 10 - 1
+        _rec(1, True, computed=159, migrations=1),  # 50 recomputed after a migration
+        _rec(2, True, computed=109, failed=[3]),  # a client retry lost 100 + 3
+        _rec(3, False, failed=[0, 5]),  # failed: one retried attempt, then the last one
+    ]
+    w = waste(_result(recs, computed=109 + 159 + 109 + 205))
+    assert w["useful"] == 3 * 109 and w["wasted"] == 50 + 205
+    assert w["migrated"] == 50 and w["client_retried"] == 103 + 100 and w["failed"] == 105
+    assert w["per_success"] == w["wasted"] / 3
+
+
+def test_healthy_peak_skips_faulted_workers_and_hung_counts_late_or_unfinished():
+    s = SimpleNamespace
+    samples = [s(t=1.0, worker=0, waiting=9, running=4), s(t=1.0, worker=1, waiting=2, running=3)]
+    res = _result([], samples, faulted=lambda w, t: w == 0)
+    assert healthy_peak(res) == (5, 2)
+    late = _rec(1, True, end=11.5)
+    unfinished = _rec(2, False, end=None)
+    assert hung([_rec(0, True), late, unfinished], slack_s=1.0) == 2
+
+
+def test_slow_share_from_requests_total_deltas():
+    s = SimpleNamespace
+    samples = [
+        s(t=0.5, worker=0, incarnation="a", waiting=0, running=0, requests_total=0),
+        s(t=0.5, worker=1, incarnation="b", waiting=0, running=0, requests_total=0),
+        s(t=4.5, worker=0, incarnation="a", waiting=0, running=0, requests_total=1),
+        s(t=4.5, worker=1, incarnation="b", waiting=0, running=0, requests_total=9),
+    ]
+    assert slow_share(_result([], samples), 2.0, 6.0) == 0.1
