@@ -269,7 +269,7 @@ class DisaggregationPolicy:
             # decode counts as lost (a fresh worker learns the step from its first decodes).
             cost = used = float(len(running))
         elif stall > 0:
-            step = max(rates.tpot_s, rates.unloaded_tpot_s)
+            step = max(rates.decode_step_s or rates.tpot_s, rates.unloaded_tpot_s)
             for r in running:
                 budget = tpot_slo * (r.decoded + r.remaining)
                 # The local prefills queued ahead will stall it too, whatever this decision.
