@@ -31,6 +31,7 @@ class Rates:
     tpot_s: float = 0.0  # recent mean inter-token latency here, stalls included
     decode_step_s: float = 0.0  # recent median inter-token latency: the step when no prefill stalls it
     unloaded_tpot_s: float = 0.0  # decode step here unloaded (a low quantile of it)
+    remote_measured: bool = True  # a remote prefill has been measured (False: its rates are priors)
 
 
 class WaitEstimator:
@@ -248,4 +249,5 @@ class PathRates:
             tpot_s=self.tpot.value,
             decode_step_s=self.decode_step.value,
             unloaded_tpot_s=self.unloaded_tpot.value or 0.0,
+            remote_measured=bool(self.remote.samples),
         )

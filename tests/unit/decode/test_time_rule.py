@@ -304,3 +304,18 @@ def test_decodes_slowed_by_stalls_are_projected_at_the_decode_step_and_still_pri
     # Before the median has a sample, the mean stands in (as before it existed).
     no_step = Rates(**{**rates.__dict__, "decode_step_s": 0.0})
     assert decide(1000, rates=no_step, running=running).prediction.stall_cost == 0.0
+
+
+def test_a_tie_before_any_remote_prefill_is_measured_goes_remote_once():
+    # A fresh decode worker: both paths priced at the same prior, the link free: a tie that
+    # would keep every idle request local and the remote path unmeasured for good.
+    rates = PathRates(clock=Clock())
+    d = decide(2000, rates=rates.snapshot())
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_UNMEASURED) and d.candidate == IDLE
+    # Once one remote prefill is measured, the tie-break is the budgets' again: local skips the pull.
+    rates.remote_done(1000, 1.0, 0.0)
+    rates.pulled(nbytes=1000 * 100_000, seconds=0.1, tokens=1000)
+    d = decide(2000, rates=rates.snapshot())
+    assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_CHEAPER)
+    # Not a tie (a local queue past the TTFT SLO): the scores decide, measured or not.
+    assert decide(2000, wait=10.0, rates=PathRates(clock=Clock()).snapshot()).reason is Reason.REMOTE_SLO
