@@ -43,6 +43,7 @@ if __package__ in (None, ""):
 from bench.disagg_sim import UNIT, Spec, goodput, unloaded_ttft_s
 from bench.traces import default_trace_path, load_azure, load_mooncake
 from services.model.timing import TimingProfile, load_profile
+from services.planner.split_table import TABLE_PATH, SplitTable
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GPUS = 8
@@ -200,6 +201,17 @@ def robustness(rows: list[tuple[str, str, str, str]], n: int, seed: int, repeats
     return out
 
 
+def write_planner_table(splits: dict) -> None:
+    """The planner's copy of the best splits: the winners only (services/planner/split_table.py)."""
+    keep = ("best_disagg_split", "best_cond_split", "goodput_per_instance")
+    compact = {
+        p: {ln: {w: {k: row[k] for k in keep} for w, row in ws.items()} for ln, ws in links.items()}
+        for p, links in splits.items()
+    }
+    doc = {"_doc": f"written by `bench/disagg.py --engine sim`; {METHOD}", "instances": GPUS, "best": compact}
+    TABLE_PATH.write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="sim")
@@ -276,13 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         table += robustness(lost, n, args.seed, args.repeats)
     if args.cpu_check:
         table += ["", *cpu_check(n, args.seed)]
+    if splits:
+        split_text = SplitTable.from_doc({"instances": GPUS, "best": splits}).render()
+        table += ["", "best P:D split per workload (the planner's table, services/planner/split_table.py):"]
+        table += split_text.splitlines()
+        print("\n" + "\n".join(table[-1 - len(split_text.splitlines()) :]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     if not args.quick:
         (RESULTS / "disagg_gpu.txt").write_text("\n".join(lines + table) + "\n")
         (RESULTS / "disagg_gpu_splits.json").write_text(
             json.dumps({"_doc": METHOD, "instances": GPUS, "best": splits}, indent=2) + "\n"
         )
-        print(f"wrote {RESULTS / 'disagg_gpu.txt'} and {RESULTS / 'disagg_gpu_splits.json'}")
+        write_planner_table(splits)
+        print(f"wrote {RESULTS / 'disagg_gpu.txt'}, {RESULTS / 'disagg_gpu_splits.json'} and {TABLE_PATH}")
     if quick is not None:
         res, cb, ca = quick
         print(
