@@ -223,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-check", action="store_true", help="also the CPU profile at 2 workers")
     ap.add_argument(
+        "--tag",
+        default="",
+        help="write disagg_gpu<TAG>.txt / _splits<TAG>.json and no planner table (a part of the sweep run apart)",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=3, help="seeds pooled when re-checking rows where cond lost (0: skip)"
     )
     args = ap.parse_args(argv)
@@ -295,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + "\n".join(table[-1 - len(split_text.splitlines()) :]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     if not args.quick:
-        (RESULTS / "disagg_gpu.txt").write_text("\n".join(lines + table) + "\n")
-        (RESULTS / "disagg_gpu_splits.json").write_text(
-            json.dumps({"_doc": METHOD, "instances": GPUS, "best": splits}, indent=2) + "\n"
-        )
-        write_planner_table(splits)
-        print(f"wrote {RESULTS / 'disagg_gpu.txt'}, {RESULTS / 'disagg_gpu_splits.json'} and {TABLE_PATH}")
+        txt, js = RESULTS / f"disagg_gpu{args.tag}.txt", RESULTS / f"disagg_gpu_splits{args.tag}.json"
+        txt.write_text("\n".join(lines + table) + "\n")
+        js.write_text(json.dumps({"_doc": METHOD, "instances": GPUS, "best": splits}, indent=2) + "\n")
+        if not args.tag:
+            write_planner_table(splits)
+        print(f"wrote {txt}, {js}" + ("" if args.tag else f" and {TABLE_PATH}"))
     if quick is not None:
         res, cb, ca = quick
         print(
