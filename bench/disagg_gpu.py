@@ -212,6 +212,42 @@ def write_planner_table(splits: dict) -> None:
     TABLE_PATH.write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def merge(tags: list[str], extra: list[str]) -> None:
+    """The parts of a sweep run apart (`--tag`) as one: disagg_gpu.txt, disagg_gpu_splits.json
+    and the planner's table, rows in the order of `tags`; `extra`: lines to append (cpu_check)."""
+    head, rows, rest, best = None, [], [], {}
+    for tag in tags:
+        lines = (RESULTS / f"disagg_gpu{tag}.txt").read_text().splitlines()
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("profile "))
+        head = head or lines[: at + 1]
+        body = lines[at + 1 :]
+        cut = next((i for i, ln in enumerate(body) if not ln.strip()), len(body))
+        rows += body[:cut]
+        tail = body[cut:]
+        # The part's own split table is rebuilt below from the merged JSON.
+        stop = next((i for i, ln in enumerate(tail) if ln.startswith("best P:D split")), len(tail))
+        rest += [ln for ln in tail[:stop] if ln.strip()]
+        doc = json.loads((RESULTS / f"disagg_gpu_splits{tag}.json").read_text())
+        for prof, links in doc["best"].items():
+            for link, ws in links.items():
+                best.setdefault(prof, {}).setdefault(link, {}).update(ws)
+    assert head is not None
+    split_text = SplitTable.from_doc({"instances": GPUS, "best": best}).render()
+    out = [*head, *rows]
+    if rest:
+        out += ["", *rest]
+    if extra:
+        out += ["", *extra]
+    out += ["", "best P:D split per workload (the planner's table, services/planner/split_table.py):"]
+    out += split_text.splitlines()
+    (RESULTS / "disagg_gpu.txt").write_text("\n".join(out) + "\n")
+    (RESULTS / "disagg_gpu_splits.json").write_text(
+        json.dumps({"_doc": METHOD, "instances": GPUS, "best": best}, indent=2) + "\n"
+    )
+    write_planner_table(best)
+    print("\n".join(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="sim")
@@ -230,8 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=3, help="seeds pooled when re-checking rows where cond lost (0: skip)"
     )
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="comma-separated tags of parts run apart: write the whole sweep's files from them and exit",
+    )
     args = ap.parse_args(argv)
     n = args.requests or (300 if args.quick else 600)
+    if args.merge:
+        merge(args.merge.split(","), cpu_check(n, args.seed) if args.cpu_check else [])
+        return 0
     profiles = ["splitwise-h100-llama70b"] if args.quick else args.profiles.split(",")
     links = ["rdma"] if args.quick else args.links.split(",")
     workloads = ["mix"] if args.quick else args.workloads.split(",")
