@@ -255,6 +255,18 @@ def repetition(args, rates: list[float], workloads: list[str], loads: dict[str, 
     caps: dict[str, float] = {}
     for mode, topo in MODES.items():
         topo = topology.Topology(**{**topo.__dict__, "preset": args.preset})
+        if args.patient:
+            # A contended machine runs a 2,048-token prefill for 20 s: the router's stall timeout
+            # (10 s) would migrate every decode it stalls and the remote prefill timeout (30 s)
+            # fail queued prompts over to local, failures of the deployment's absolute timeouts
+            # rather than of the modes being compared.
+            topo = topology.Topology(
+                **{
+                    **topo.__dict__,
+                    "router_flags": (*topo.router_flags, "--stall-timeout-s", "0"),
+                    "decode_flags": (*topo.decode_flags, "--prefill-timeout-s", "600"),
+                }
+            )
         if mode == "cond" and args.cond_max_local is not None:
             flags = (*topo.decode_flags, "--max-local-prefill-tokens", str(args.cond_max_local))
             topo = topology.Topology(**{**topo.__dict__, "decode_flags": flags})
@@ -411,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         "--relative-rates",
         action="store_true",
         help="--rates are multiples of the unbatched capacity measured by each repetition's baseline",
+    )
+    ap.add_argument(
+        "--patient",
+        action="store_true",
+        help="router stall timeout off, remote prefill timeout 600 s (a machine too contended for the defaults)",
     )
     ap.add_argument(
         "--stop-at",
