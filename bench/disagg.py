@@ -23,6 +23,11 @@ both (failures are misses).
                                                  bench/results/; last line
                                                  `goodput agg=.. disagg=.. cond=.. cond_vs_agg=..`
                                                  (highest rate with >= 90% attainment, long-prompt mix)
+    python bench/disagg.py --workloads mix --relative-rates --rates 0.5 --repeats 3 --patient
+                                                 issue 19 item 4: repetitions (the three modes back
+                                                 to back in each), means with 95% t-intervals, per-point
+                                                 Wilson intervals; rates in units of each repetition's
+                                                 measured capacity (a shared machine's speed drifts)
     python bench/disagg.py --engine sim [--quick]  the GPU-regime study (issue 19), bench/disagg_gpu.py:
                                                  8 simulated GPUs, an event model on the sim timing
                                                  profiles with the product's rule; last line
