@@ -430,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--rates are multiples of the unbatched capacity measured by each repetition's baseline",
     )
     ap.add_argument(
+        "--first-repetition",
+        type=int,
+        default=0,
+        help="index of the first repetition (its arrival seed is seed + 1000 x index): continue a series",
+    )
+    ap.add_argument(
         "--patient",
         action="store_true",
         help="router stall timeout off, remote prefill timeout 600 s (a machine too contended for the defaults)",
@@ -465,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; {load_average()}", flush=True)
     reps: list[tuple[dict[str, dict[str, list[tuple[float, float]]]], dict]] = []
     rep_s = 0.0
-    for rep in range(args.repeats):
-        if args.stop_at is not None and rep and time.time() + rep_s > args.stop_at:
+    for rep in range(args.first_repetition, args.first_repetition + args.repeats):
+        if args.stop_at is not None and reps and time.time() + rep_s > args.stop_at:
             print(f"stopping before repetition {rep + 1}: it would end after --stop-at", flush=True)
             break
         t0 = time.time()
@@ -476,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         rep_s = time.time() - t0
         reps.append((curves, stats))
         if args.repeats > 1:
-            summarize(reps, workloads, rates, rep + 1)
+            summarize(reps, workloads, rates, len(reps))
     stats = reps[-1][1]
     # Curves pooled over repetitions (every point has the same request count).
     curves = {
