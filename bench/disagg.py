@@ -23,6 +23,11 @@ both (failures are misses).
                                                  bench/results/; last line
                                                  `goodput agg=.. disagg=.. cond=.. cond_vs_agg=..`
                                                  (highest rate with >= 90% attainment, long-prompt mix)
+    python bench/disagg.py --workloads mix --relative-rates --rates 0.5 --repeats 3 --patient
+                                                 issue 19 item 4: repetitions (the three modes back
+                                                 to back in each), means with 95% t-intervals, per-point
+                                                 Wilson intervals; rates in units of each repetition's
+                                                 measured capacity (a shared machine's speed drifts)
     python bench/disagg.py --engine sim [--quick]  the GPU-regime study (issue 19), bench/disagg_gpu.py:
                                                  8 simulated GPUs, an event model on the sim timing
                                                  profiles with the product's rule; last line
@@ -33,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import platform
 import random
 import sys
 import time
@@ -227,6 +234,167 @@ def plot(workload: str, curves: dict[str, list[tuple[float, float]]], scaling: s
     return path
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def load_average() -> str:
+    try:
+        return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except OSError:
+        return "load average unknown"
+
+
+def repetition(args, rates: list[float], workloads: list[str], loads: dict[str, Workload], seed: int):
+    """The three modes back to back (agg first: it measures the unloaded baseline this
+    repetition's SLOs are relative to). Returns (curves, stats)."""
+    curves: dict[str, dict[str, list[tuple[float, float]]]] = {w: {} for w in workloads}
+    stats: dict[tuple[str, str, float], dict[str, float]] = {}
+    base: Baseline | None = None
+    caps: dict[str, float] = {}
+    for mode, topo in MODES.items():
+        topo = topology.Topology(**{**topo.__dict__, "preset": args.preset})
+        if args.patient:
+            # A contended machine runs a 2,048-token prefill for 20 s: the router's stall timeout
+            # (10 s) would migrate every decode it stalls and the remote prefill timeout (30 s)
+            # fail queued prompts over to local, failures of the deployment's absolute timeouts
+            # rather than of the modes being compared.
+            topo = topology.Topology(
+                **{
+                    **topo.__dict__,
+                    "router_flags": (*topo.router_flags, "--stall-timeout-s", "0"),
+                    "decode_flags": (*topo.decode_flags, "--prefill-timeout-s", "600"),
+                }
+            )
+        if mode == "cond" and args.cond_max_local is not None:
+            flags = (*topo.decode_flags, "--max-local-prefill-tokens", str(args.cond_max_local))
+            topo = topology.Topology(**{**topo.__dict__, "decode_flags": flags})
+        print(f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC] {mode}: {load_average()}", flush=True)
+        dep = topology.start(topo)
+        try:
+            wait_workers(dep.internal_address, topo.prefill + topo.decode)
+            if base is None:  # the first mode is agg: measure unloaded latency there
+                # Each length twice: the TPOT SLO is 1.5x this median, so a noisy baseline moves every
+                # attainment figure (4 samples gave 20.1-24.9 ms across runs on this machine).
+                lengths = [64, 128, 256, 512, 1024, 2048] * 2
+                base = measure_baseline(dep.address, lengths, args.output_tokens, seed + 7)
+                print(
+                    f"unloaded: TTFT = {base.ttft_a * 1000:.0f} ms + {base.ttft_b * 1e6:.0f} us/token; "
+                    f"TPOT p50 {base.tpot * 1000:.1f} ms -> SLO TPOT <= {base.tpot_slo * 1000:.1f} ms",
+                    flush=True,
+                )
+                if args.relative_rates:
+                    caps = {w: capacity(base, loads[w]) for w in workloads}
+                    print(
+                        "relative rates: unbatched capacity "
+                        + " ".join(f"{w}={c:.3f} req/s" for w, c in caps.items())
+                        + "; absolute rates "
+                        + " ".join(f"{w}={[round(x * c, 3) for x in rates]}" for w, c in caps.items()),
+                        flush=True,
+                    )
+            for w in workloads:
+                for rate in rates:
+                    r_abs = rate * caps[w] if args.relative_rates else rate
+                    recs = run(dep.address, items(loads[w], r_abs, seed + int(rate * 100)), timeout_s=300)
+                    att, ttft_miss, tpot_miss = misses(recs, base)
+                    curves[w].setdefault(mode, []).append((rate, att))
+                    d = describe(recs)
+                    stats[(mode, w, rate)] = d
+                    print(
+                        f"{w:>5} {mode:>6} rate={rate:<5}{f' ({r_abs:.3f} req/s)' if args.relative_rates else ''} ok={d['ok']}/{d['n']} remote={d['remote']} "
+                        f"ttft p50/p99={d['ttft_p50']:.0f}/{d['ttft_p99']:.0f} ms "
+                        f"tpot p50/p99={d['tpot_p50']:.1f}/{d['tpot_p99']:.1f} ms attain={att:.0%} "
+                        f"(missed ttft {ttft_miss}, tpot {tpot_miss})",
+                        flush=True,
+                    )
+        finally:
+            dep.close()
+    return curves, stats
+
+
+def capacity(base: Baseline, w: Workload, workers: int = 2) -> float:
+    """Requests/s the 2 workers serve one request at a time each at the measured unloaded
+    latency: the unit of `--relative-rates`, so that a sweep keeps its load level when this
+    shared machine runs 6x slower than it did (issue 19: its baseline TPOT read 144 ms with
+    8 helpers on 2 cores, against 23 ms quiet; absolute rates then overload every mode)."""
+    per = [base.ttft_a + base.ttft_b * p + max(o - 1, 0) * base.tpot for p, o in w.lengths]
+    return workers / (sum(per) / len(per))
+
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def mean_ci(xs: list[float]) -> str:
+    """mean [95% t-interval] over repetitions."""
+    m = float(np.mean(xs))
+    if len(xs) < 2:
+        return f"{m:.3g}"
+    h = T975.get(len(xs) - 1, 1.96) * float(np.std(xs, ddof=1)) / len(xs) ** 0.5
+    return f"{m:.3g} [{m - h:.3g}, {m + h:.3g}]"
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return c - h, c + h
+
+
+def summarize(reps, workloads: list[str], rates: list[float], done: int) -> None:
+    """Per workload: each repetition's goodput per mode and cond / max(agg, disagg); the
+    mean with a 95% t-interval over repetitions; attainment per point pooled over
+    repetitions with a Wilson 95% interval."""
+    print(f"--- summary after {done} repetition(s) ---", flush=True)
+    for w in workloads:
+        g = {m: [best_rate(c[w][m]) for c, _ in reps] for m in MODES}
+        ratio = [
+            (c / max(a, d)) if max(a, d) else float("inf")
+            for a, d, c in zip(g["agg"], g["disagg"], g["cond"], strict=True)
+        ]
+        wins = sum(c >= max(a, d) for a, d, c in zip(g["agg"], g["disagg"], g["cond"], strict=True))
+        print(
+            f"{w}: goodput per repetition "
+            + " ".join(f"{m}={','.join(f'{x:g}' for x in g[m])}" for m in MODES)
+            + f"; cond/max(agg,disagg) per repetition {','.join(f'{x:.2f}' for x in ratio)}; "
+            f"cond >= max(agg, disagg) in {wins} of {len(ratio)}",
+            flush=True,
+        )
+        print(
+            f"{w}: goodput mean [95% CI] " + " ".join(f"{m}={mean_ci(g[m])}" for m in MODES),
+            flush=True,
+        )
+        # Goodput on a coarse grid ties at 0 when every mode misses the lowest rate: the
+        # attainment at each rate, per repetition, is the comparison that still says something.
+        for i, rate in enumerate(rates):
+            a = {m: [c[w][m][i][1] for c, _ in reps] for m in MODES}
+            att_wins = sum(c >= max(x, y) for x, y, c in zip(a["agg"], a["disagg"], a["cond"], strict=True))
+            print(
+                f"{w}: attainment at rate {rate:g} per repetition "
+                + " ".join(f"{m}={','.join(f'{x:.0%}' for x in a[m])}" for m in MODES)
+                + "; mean [95% CI] "
+                + " ".join(f"{m}={mean_ci(a[m])}" for m in MODES)
+                + f"; cond >= max(agg, disagg) in {att_wins} of {len(reps)}",
+                flush=True,
+            )
+        for m in MODES:
+            cells = []
+            for i, rate in enumerate(rates):
+                atts = [c[w][m][i][1] for c, _ in reps]
+                n = sum(s[(m, w, rate)]["n"] for _, s in reps)
+                k = round(sum(a * s[(m, w, rate)]["n"] for a, (_, s) in zip(atts, reps, strict=True)))
+                lo, hi = wilson(k, n)
+                cells.append(f"{rate:g}:{k / n:.0%}[{lo:.0%},{hi:.0%}]" if n else f"{rate:g}:-")
+            print(f"{w}: {m:>6} attainment pooled (Wilson 95%) " + " ".join(cells), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if ("--engine" in argv and argv[argv.index("--engine") + 1 :][:1] == ["sim"]) or "--engine=sim" in argv:
@@ -250,6 +418,34 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="cond mode's --max-local-prefill-tokens (default: the decode service's default)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="repetitions (each: the three modes back to back); CIs when > 1",
+    )
+    ap.add_argument(
+        "--relative-rates",
+        action="store_true",
+        help="--rates are multiples of the unbatched capacity measured by each repetition's baseline",
+    )
+    ap.add_argument(
+        "--first-repetition",
+        type=int,
+        default=0,
+        help="index of the first repetition (its arrival seed is seed + 1000 x index): continue a series",
+    )
+    ap.add_argument(
+        "--patient",
+        action="store_true",
+        help="router stall timeout off, remote prefill timeout 600 s (a machine too contended for the defaults)",
+    )
+    ap.add_argument(
+        "--stop-at",
+        type=float,
+        default=None,
+        help="Unix time: start no repetition that (timed as the last one) would end after it",
+    )
     args = ap.parse_args(argv)
     n = args.requests or (16 if args.quick else 60)
     rates = (
@@ -272,44 +468,30 @@ def main(argv: list[str] | None = None) -> int:
         "mix": mix_workload(n, args.seed, args.output_tokens),
         "azure": azure_workload(n, args.seed, args.azure_length_factor),
     }
-    curves: dict[str, dict[str, list[tuple[float, float]]]] = {w: {} for w in workloads}
-    stats: dict[tuple[str, str, float], dict[str, float]] = {}
-    base: Baseline | None = None
-    for mode, topo in MODES.items():
-        topo = topology.Topology(**{**topo.__dict__, "preset": args.preset})
-        if mode == "cond" and args.cond_max_local is not None:
-            flags = (*topo.decode_flags, "--max-local-prefill-tokens", str(args.cond_max_local))
-            topo = topology.Topology(**{**topo.__dict__, "decode_flags": flags})
-        dep = topology.start(topo)
-        try:
-            wait_workers(dep.internal_address, topo.prefill + topo.decode)
-            if base is None:  # the first mode is agg: measure unloaded latency there
-                # Each length twice: the TPOT SLO is 1.5x this median, so a noisy baseline moves every
-                # attainment figure (4 samples gave 20.1-24.9 ms across runs on this machine).
-                lengths = [64, 128, 256, 512, 1024, 2048] * 2
-                base = measure_baseline(dep.address, lengths, args.output_tokens, args.seed + 7)
-                print(
-                    f"unloaded: TTFT = {base.ttft_a * 1000:.0f} ms + {base.ttft_b * 1e6:.0f} us/token; "
-                    f"TPOT p50 {base.tpot * 1000:.1f} ms -> SLO TPOT <= {base.tpot_slo * 1000:.1f} ms",
-                    flush=True,
-                )
-            for w in workloads:
-                for rate in rates:
-                    recs = run(dep.address, items(loads[w], rate, args.seed + int(rate * 100)), timeout_s=300)
-                    att, ttft_miss, tpot_miss = misses(recs, base)
-                    curves[w].setdefault(mode, []).append((rate, att))
-                    d = describe(recs)
-                    stats[(mode, w, rate)] = d
-                    print(
-                        f"{w:>5} {mode:>6} rate={rate:<5} ok={d['ok']}/{d['n']} remote={d['remote']} "
-                        f"ttft p50/p99={d['ttft_p50']:.0f}/{d['ttft_p99']:.0f} ms "
-                        f"tpot p50/p99={d['tpot_p50']:.1f}/{d['tpot_p99']:.1f} ms attain={att:.0%} "
-                        f"(missed ttft {ttft_miss}, tpot {tpot_miss})",
-                        flush=True,
-                    )
-        finally:
-            dep.close()
-
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; {load_average()}", flush=True)
+    reps: list[tuple[dict[str, dict[str, list[tuple[float, float]]]], dict]] = []
+    rep_s = 0.0
+    for rep in range(args.first_repetition, args.first_repetition + args.repeats):
+        if args.stop_at is not None and reps and time.time() + rep_s > args.stop_at:
+            print(f"stopping before repetition {rep + 1}: it would end after --stop-at", flush=True)
+            break
+        t0 = time.time()
+        # One repetition = the three modes back to back on one arrival seed, so that the ratios
+        # within a repetition share the machine's load of those minutes.
+        curves, stats = repetition(args, rates, workloads, loads, args.seed + 1000 * rep)
+        rep_s = time.time() - t0
+        reps.append((curves, stats))
+        if args.repeats > 1:
+            summarize(reps, workloads, rates, len(reps))
+    stats = reps[-1][1]
+    # Curves pooled over repetitions (every point has the same request count).
+    curves = {
+        w: {
+            m: [(r, float(np.mean([c[w][m][i][1] for c, _ in reps]))) for i, r in enumerate(rates)]
+            for m in MODES
+        }
+        for w in workloads
+    }
     if args.fixed_rate is not None:
         r = args.fixed_rate
         a, c = stats[("agg", "mix", r)], stats[("cond", "mix", r)]
@@ -328,9 +510,13 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"{m}={g:g}" for m, g in goods.items())
             + (f" (plot {path})" if path else "")
         )
-    g = {m: best_rate(curves["mix"][m]) for m in MODES}
+    # The mean over repetitions of each one's goodput (not the goodput of the pooled curve).
+    g = {m: float(np.mean([best_rate(c["mix"][m]) for c, _ in reps])) for m in MODES}
     ratio = g["cond"] / g["agg"] if g["agg"] else float("inf")
-    print(f"goodput agg={g['agg']:g} disagg={g['disagg']:g} cond={g['cond']:g} cond_vs_agg={ratio:.2f}")
+    print(
+        f"goodput agg={g['agg']:.3g} disagg={g['disagg']:.3g} cond={g['cond']:.3g} cond_vs_agg={ratio:.2f}"
+        + (f" repetitions={len(reps)}" if len(reps) > 1 else "")
+    )
     return 0
 
 

@@ -43,6 +43,7 @@ if __package__ in (None, ""):
 from bench.disagg_sim import UNIT, Spec, goodput, unloaded_ttft_s
 from bench.traces import default_trace_path, load_azure, load_mooncake
 from services.model.timing import TimingProfile, load_profile
+from services.planner.split_table import TABLE_PATH, SplitTable
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GPUS = 8
@@ -200,6 +201,53 @@ def robustness(rows: list[tuple[str, str, str, str]], n: int, seed: int, repeats
     return out
 
 
+def write_planner_table(splits: dict) -> None:
+    """The planner's copy of the best splits: the winners only (services/planner/split_table.py)."""
+    keep = ("best_disagg_split", "best_cond_split", "goodput_per_instance")
+    compact = {
+        p: {ln: {w: {k: row[k] for k in keep} for w, row in ws.items()} for ln, ws in links.items()}
+        for p, links in splits.items()
+    }
+    doc = {"_doc": f"written by `bench/disagg.py --engine sim`; {METHOD}", "instances": GPUS, "best": compact}
+    TABLE_PATH.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def merge(tags: list[str], extra: list[str]) -> None:
+    """The parts of a sweep run apart (`--tag`) as one: disagg_gpu.txt, disagg_gpu_splits.json
+    and the planner's table, rows in the order of `tags`; `extra`: lines to append (cpu_check)."""
+    head, rows, rest, best = None, [], [], {}
+    for tag in tags:
+        lines = (RESULTS / f"disagg_gpu{tag}.txt").read_text().splitlines()
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("profile "))
+        head = head or lines[: at + 1]
+        body = lines[at + 1 :]
+        cut = next((i for i, ln in enumerate(body) if not ln.strip()), len(body))
+        rows += body[:cut]
+        tail = body[cut:]
+        # The part's own split table is rebuilt below from the merged JSON.
+        stop = next((i for i, ln in enumerate(tail) if ln.startswith("best P:D split")), len(tail))
+        rest += [ln for ln in tail[:stop] if ln.strip()]
+        doc = json.loads((RESULTS / f"disagg_gpu_splits{tag}.json").read_text())
+        for prof, links in doc["best"].items():
+            for link, ws in links.items():
+                best.setdefault(prof, {}).setdefault(link, {}).update(ws)
+    assert head is not None
+    split_text = SplitTable.from_doc({"instances": GPUS, "best": best}).render()
+    out = [*head, *rows]
+    if rest:
+        out += ["", *rest]
+    if extra:
+        out += ["", *extra]
+    out += ["", "best P:D split per workload (the planner's table, services/planner/split_table.py):"]
+    out += split_text.splitlines()
+    (RESULTS / "disagg_gpu.txt").write_text("\n".join(out) + "\n")
+    (RESULTS / "disagg_gpu_splits.json").write_text(
+        json.dumps({"_doc": METHOD, "instances": GPUS, "best": best}, indent=2) + "\n"
+    )
+    write_planner_table(best)
+    print("\n".join(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="sim")
@@ -211,10 +259,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-check", action="store_true", help="also the CPU profile at 2 workers")
     ap.add_argument(
+        "--tag",
+        default="",
+        help="write disagg_gpu<TAG>.txt / _splits<TAG>.json and no planner table (a part of the sweep run apart)",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=3, help="seeds pooled when re-checking rows where cond lost (0: skip)"
+    )
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="comma-separated tags of parts run apart: write the whole sweep's files from them and exit",
     )
     args = ap.parse_args(argv)
     n = args.requests or (300 if args.quick else 600)
+    if args.merge:
+        merge(args.merge.split(","), cpu_check(n, args.seed) if args.cpu_check else [])
+        return 0
     profiles = ["splitwise-h100-llama70b"] if args.quick else args.profiles.split(",")
     links = ["rdma"] if args.quick else args.links.split(",")
     workloads = ["mix"] if args.quick else args.workloads.split(",")
@@ -276,13 +337,19 @@ def main(argv: list[str] | None = None) -> int:
         table += robustness(lost, n, args.seed, args.repeats)
     if args.cpu_check:
         table += ["", *cpu_check(n, args.seed)]
+    if splits:
+        split_text = SplitTable.from_doc({"instances": GPUS, "best": splits}).render()
+        table += ["", "best P:D split per workload (the planner's table, services/planner/split_table.py):"]
+        table += split_text.splitlines()
+        print("\n" + "\n".join(table[-1 - len(split_text.splitlines()) :]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     if not args.quick:
-        (RESULTS / "disagg_gpu.txt").write_text("\n".join(lines + table) + "\n")
-        (RESULTS / "disagg_gpu_splits.json").write_text(
-            json.dumps({"_doc": METHOD, "instances": GPUS, "best": splits}, indent=2) + "\n"
-        )
-        print(f"wrote {RESULTS / 'disagg_gpu.txt'} and {RESULTS / 'disagg_gpu_splits.json'}")
+        txt, js = RESULTS / f"disagg_gpu{args.tag}.txt", RESULTS / f"disagg_gpu_splits{args.tag}.json"
+        txt.write_text("\n".join(lines + table) + "\n")
+        js.write_text(json.dumps({"_doc": METHOD, "instances": GPUS, "best": splits}, indent=2) + "\n")
+        if not args.tag:
+            write_planner_table(splits)
+        print(f"wrote {txt}, {js}" + ("" if args.tag else f" and {TABLE_PATH}"))
     if quick is not None:
         res, cb, ca = quick
         print(

@@ -13,7 +13,9 @@ bytes per token and link bandwidth, the decode step now and unloaded.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +29,9 @@ class Rates:
     kv_bytes_per_token: float = 0.0  # what one prompt token's KV pull moves
     link_bytes_per_s: float = math.inf  # KV pull bandwidth
     tpot_s: float = 0.0  # recent mean inter-token latency here, stalls included
+    decode_step_s: float = 0.0  # recent median inter-token latency: the step when no prefill stalls it
     unloaded_tpot_s: float = 0.0  # decode step here unloaded (a low quantile of it)
+    remote_measured: bool = True  # a remote prefill has been measured (False: its rates are priors)
 
 
 class WaitEstimator:
@@ -109,19 +113,54 @@ class TimeAverage:
 
 
 class LowQuantile:
-    """A running low quantile: falls at once to a lower sample, rises slowly to a higher
-    one (the unloaded decode step, from inter-token latencies seen under load: the
-    fastest step seen, drifting up if the hardware slows)."""
+    """A running low quantile: falls at once to a lower sample, rises toward a higher
+    one only with time (`tau_up_s`), not with the number of samples (the unloaded
+    decode step, from inter-token latencies seen under load: the fastest step seen,
+    drifting up if the hardware slows). Per sample it would not hold: a loaded
+    worker reports one interval per running request per pass, so 50 requests x a
+    1% rise a sample took it to the loaded step within a few passes, and the TPOT
+    SLO built on it (1.5x the unloaded step) with it (issue 19: 62 ms read for a
+    44 ms SLO on the 70B profile, every decode's slack overstated)."""
 
-    def __init__(self, down: float = 1.0, up: float = 0.01):
+    def __init__(self, tau_up_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
         self.value: float | None = None
-        self._down, self._up = down, up
+        self._tau, self._clock = tau_up_s, clock
+        self._at = 0.0
 
     def update(self, x: float) -> None:
-        if self.value is None:
+        now = self._clock()
+        if self.value is None or x < self.value:
             self.value = x
         else:
-            self.value += (self._down if x < self.value else self._up) * (x - self.value)
+            self.value += (1.0 - math.exp(-max(now - self._at, 0.0) / self._tau)) * (x - self.value)
+        self._at = now
+
+
+class RecentMedian:
+    """The median of the samples of the last `window_s` seconds (at most `max_samples`):
+    the decode step at the current batch with the stalls left out. A local prefill
+    stalls one pass in many, so the median interval is a decode-only pass while the
+    mean (TimeAverage) carries the stalls. The time rule projects a decode's
+    remaining tokens at this pace: with the mean it projected the stalls it was
+    deciding about as if they would go on whatever it chose, found every decode
+    already past its SLO (so "lost either way", priced at nothing) and kept
+    prefilling locally on a decode worker it had itself slowed (issue 19)."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float], max_samples: int = 512):
+        self._window, self._clock = window_s, clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def update(self, x: float) -> None:
+        self._samples.append((self._clock(), x))
+
+    @property
+    def value(self) -> float:
+        now = self._clock()
+        while self._samples and now - self._samples[0][0] > self._window:
+            self._samples.popleft()
+        if not self._samples:
+            return 0.0
+        return statistics.median(x for _, x in self._samples)
 
 
 class PathRates:
@@ -148,7 +187,8 @@ class PathRates:
         self.link = Ewma(0.0, alpha)  # bytes per second; 0 = not measured
         self.kv_bytes_per_token = Ewma(0.0, alpha)
         self.tpot = TimeAverage(10.0, clock)
-        self.unloaded_tpot = LowQuantile()
+        self.unloaded_tpot = LowQuantile(clock=clock)
+        self.decode_step = RecentMedian(10.0, clock)
 
     def observe_local(self, prompt_tokens_computed: int, tokens_waiting: int) -> None:
         """The engine's counters (the token rule's wait estimate learns from them)."""
@@ -188,6 +228,7 @@ class PathRates:
         if seconds > 0 and tokens > 0:
             self.tpot.update(seconds, tokens)
             self.unloaded_tpot.update(seconds / tokens)
+            self.decode_step.update(seconds / tokens)
 
     @property
     def local_tokens_per_s(self) -> float:
@@ -206,5 +247,7 @@ class PathRates:
             kv_bytes_per_token=self.kv_bytes_per_token.value,
             link_bytes_per_s=self.link.value if self.link.samples else math.inf,
             tpot_s=self.tpot.value,
+            decode_step_s=self.decode_step.value,
             unloaded_tpot_s=self.unloaded_tpot.value or 0.0,
+            remote_measured=bool(self.remote.samples),
         )

@@ -15,15 +15,22 @@ on each path:
 and what a local prefill costs the decodes already running here: each of them
 stalls for the prefill's whole compute time (`uncached / local rate`) against
 its TPOT slack, `tpot_slo * its tokens - (elapsed + queued local prefills +
-remaining tokens * the recent mean inter-token latency here)`. That mean is
-time-averaged over every running request and includes the stalls this worker
-has been taking, so the slack left is what future stalls at the current pace
-will leave. Score, in requests meeting their SLOs (goodput):
+remaining tokens * the decode step here)`. The step is the median inter-token
+latency of the last 10 s: the pass at the current batch with the prefill stalls
+left out. (It was the time-averaged mean, stalls included; that projected the
+stalls being decided about as if they would continue whatever the choice, so
+on a decode worker slowed by its own local prefills every decode read as past
+its SLO, "lost either way", priced at nothing, and the rule kept prefilling
+locally: bench/disagg_sim.py, the 8B azure 7:1 case, issue 19.) The unloaded
+step (for the relative TPOT SLO) is the fastest step seen, rising toward slower
+ones only with time (minutes), not with the number of samples. Score, in requests meeting their SLOs (goodput):
 
     local  = [local TTFT <= TTFT SLO] - sum over running decodes of min(1, (stall / slack)^2)
     remote = [remote TTFT <= TTFT SLO]
 
-The higher score wins (reasons `local_slo`, `remote_slo`). On a tie, the path
+The higher score wins (reasons `local_slo`, `remote_slo`). On a tie before any
+remote prefill has been measured, remote (`remote_unmeasured`: its prediction is
+only the local rate borrowed, and one remote prefill measures it). On a tie, the path
 that uses less of the SLO budgets (`local_cheaper`, `remote_cheaper`): local
 uses `local TTFT / TTFT SLO` of this request's budget plus `stall / slack` of
 every running decode's, remote `remote TTFT / TTFT SLO`: both are fractions,
@@ -94,6 +101,7 @@ class Reason(enum.Enum):
     REMOTE_SLO = "remote_slo"  # time rule: remote scores more (local misses TTFT or stalls decodes)
     LOCAL_CHEAPER = "local_cheaper"  # time rule: a tie, local uses less of the SLO budgets
     REMOTE_CHEAPER = "remote_cheaper"  # time rule: a tie, remote uses less of the SLO budgets
+    REMOTE_UNMEASURED = "remote_unmeasured"  # time rule: a tie, and the remote path never measured
     FORCED_LOCAL = "forced_local"
     FORCED_REMOTE = "forced_remote"
     FALLBACK = "fallback"  # the remote path failed; local once
@@ -269,7 +277,7 @@ class DisaggregationPolicy:
             # decode counts as lost (a fresh worker learns the step from its first decodes).
             cost = used = float(len(running))
         elif stall > 0:
-            step = max(rates.tpot_s, rates.unloaded_tpot_s)
+            step = max(rates.decode_step_s or rates.tpot_s, rates.unloaded_tpot_s)
             for r in running:
                 budget = tpot_slo * (r.decoded + r.remaining)
                 # The local prefills queued ahead will stall it too, whatever this decision.
@@ -295,6 +303,11 @@ class DisaggregationPolicy:
             return Decision(Path.LOCAL, Reason.LOCAL_SLO, prediction=p)
         if remote > local:
             return Decision(Path.REMOTE, Reason.REMOTE_SLO, best, p)
+        if not rates.remote_measured:
+            # A tie on priors: the remote path's rates and the link have never been measured, so
+            # its prediction is the local one borrowed. Measure it once rather than trust the
+            # prior forever (a fresh mesh would otherwise prefill everything locally on an idle tie).
+            return Decision(Path.REMOTE, Reason.REMOTE_UNMEASURED, best, p)
         if p.local_ttft_s / p.ttft_slo_s + p.slack_used <= p.remote_ttft_s / p.ttft_slo_s:
             return Decision(Path.LOCAL, Reason.LOCAL_CHEAPER, prediction=p)
         return Decision(Path.REMOTE, Reason.REMOTE_CHEAPER, best, p)

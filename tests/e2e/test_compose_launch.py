@@ -87,7 +87,8 @@ def generate_long(compose, text: str) -> tuple[list[int], router_pb2.GenerateFin
 
 
 def test_a_long_prompt_is_prefilled_remotely_and_streams_back(compose):
-    # Longer than PDMESH_MAX_LOCAL_PREFILL_TOKENS (512) and not cached anywhere yet.
+    # Not cached anywhere yet, and the first of its decode worker with a prefill candidate: the
+    # time rule (compose pins no token threshold) measures the remote path on that tie.
     tokens, final = generate_long(compose, "The mesh moves KV between containers. " * 20)
     assert len(tokens) == 8
     assert final.prefill_path == "remote"

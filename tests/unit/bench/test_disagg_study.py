@@ -1,5 +1,7 @@
 """bench/disagg.py's scoring: goodput and SLO attainment (the figures the study's verdict rests on)."""
 
+import pytest
+
 from bench.disagg import Baseline, best_rate, misses
 from bench.stats import RequestRecord
 
@@ -24,3 +26,25 @@ def test_attainment_counts_ttft_and_tpot_misses_and_failures():
     recs = [record(0.1), record(0.5), record(None, ok=False)]
     att, ttft_miss, tpot_miss = misses(recs, base)
     assert (round(att, 3), ttft_miss, tpot_miss) == (0.333, 2, 1)
+
+
+def test_repetitions_get_t_intervals_and_points_wilson_intervals():
+    from bench.disagg import mean_ci, wilson
+
+    # Three repetitions: mean 1.0, s = 0.1, t(0.975, 2) = 4.303 -> half-width 0.248.
+    assert mean_ci([0.9, 1.0, 1.1]) == "1 [0.752, 1.25]"
+    assert mean_ci([0.5]) == "0.5"
+    lo, hi = wilson(54, 60)  # 90% of 60 requests
+    assert 0.79 < lo < 0.80 and 0.95 < hi < 0.96
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_relative_rates_are_in_units_of_the_measured_unbatched_capacity():
+    from bench.disagg import Workload, capacity
+
+    base = Baseline(ttft_a=0.0, ttft_b=0.001, tpot=0.02)
+    # 1,000 tokens in (1 s) and 51 out (50 x 20 ms = 1 s): 2 s a request, 2 workers: 1 req/s.
+    assert capacity(base, Workload("w", [(1000, 51)] * 4)) == pytest.approx(1.0)
+    # The machine 6x slower: the unit follows, so a relative rate keeps its load level.
+    slow = Baseline(ttft_a=0.0, ttft_b=0.006, tpot=0.12)
+    assert capacity(slow, Workload("w", [(1000, 51)])) == pytest.approx(1 / 6)

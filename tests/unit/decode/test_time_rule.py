@@ -239,3 +239,83 @@ def test_the_local_wait_eats_into_the_slack():
     near = decide(200, wait=0.2, running=running).prediction.slack_used
     far = decide(200, wait=0.0, running=running).prediction.slack_used
     assert near > far > 0
+
+
+def test_the_unloaded_step_rises_with_time_not_with_the_number_of_samples():
+    # Issue 19: a loaded worker reports one interval per running request per pass. Counted per
+    # sample, 60 requests at a 44 ms step took the "unloaded" 30 ms step to ~44 ms within a few
+    # passes, and the TPOT SLO (1.5x it) from 45 to 66 ms: every decode's slack overstated.
+    clock = Clock()
+    rates = PathRates(clock=clock)
+    rates.decode_interval(0.030, 1)  # the first decode, alone
+    for _pass in range(10):  # ten passes of 60 decodes at 44 ms, 0.44 s in all
+        clock.t += 0.044
+        for _ in range(60):
+            rates.decode_interval(0.044, 1)
+    r = rates.snapshot()
+    assert r.unloaded_tpot_s == pytest.approx(0.030, abs=0.0005)
+    assert RULE.predict(100, 100, IDLE, 0.0, r, ()).tpot_slo_s == pytest.approx(0.045, abs=0.001)
+    # 20 minutes at 44 ms and no faster step: the hardware is slower than it was, and the
+    # estimate follows (it falls at once to a faster step).
+    for _ in range(1200):
+        clock.t += 1.0
+        rates.decode_interval(0.044, 1)
+    assert rates.snapshot().unloaded_tpot_s > 0.043
+    rates.decode_interval(0.025, 1)
+    assert rates.snapshot().unloaded_tpot_s == 0.025
+
+
+def test_the_decode_step_is_the_median_interval_of_the_last_seconds():
+    clock = Clock()
+    rates = PathRates(clock=clock)
+    # 12 ms steps, one pass in five stalled 300 ms by a prefill: the mean carries the stalls,
+    # the median is the decode-only step.
+    for i in range(50):
+        clock.t += 0.012
+        rates.decode_interval(0.3 if i % 5 == 0 else 0.012, 1)
+    r = rates.snapshot()
+    assert r.decode_step_s == pytest.approx(0.012) and r.tpot_s > 0.05
+    # Samples older than the window no longer count.
+    clock.t += 11.0
+    rates.decode_interval(0.02, 1)
+    assert rates.snapshot().decode_step_s == pytest.approx(0.02)
+
+
+def test_decodes_slowed_by_stalls_are_projected_at_the_decode_step_and_still_priced():
+    # Issue 19, llmd 8B on one decode GPU: 50 decodes 10 tokens in, 200 to go; 12 ms steps
+    # (18 ms SLO), but local prefills have stalled them to a 50 ms mean. Projected at the
+    # mean, each is past its SLO, "lost either way", and a local prefill looks free: the rule
+    # kept prefilling locally and kept them slow. At the decode step each has 1.18 s of
+    # slack, a 1,000-token prefill (0.33 s here) uses 28% of it: remote.
+    rates = Rates(
+        local_tokens_per_s=3000,
+        remote_tokens_per_s=3000,
+        tpot_s=0.05,
+        decode_step_s=0.012,
+        unloaded_tpot_s=0.012,
+    )
+    running = [RunningDecode(decoded=10, remaining=200, elapsed_s=0.2)] * 50
+    d = decide(1000, rates=rates, running=running)
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_SLO)
+    assert d.prediction.stall_cost == pytest.approx(50 * ((1000 / 3000) / 1.18) ** 2, rel=0.01)
+    # The same decodes really past their SLO at the decode step too: not counted.
+    late = [RunningDecode(decoded=10, remaining=200, elapsed_s=2.0)] * 50
+    assert decide(1000, rates=rates, running=late).prediction.stall_cost == 0.0
+    # Before the median has a sample, the mean stands in (as before it existed).
+    no_step = Rates(**{**rates.__dict__, "decode_step_s": 0.0})
+    assert decide(1000, rates=no_step, running=running).prediction.stall_cost == 0.0
+
+
+def test_a_tie_before_any_remote_prefill_is_measured_goes_remote_once():
+    # A fresh decode worker: both paths priced at the same prior, the link free: a tie that
+    # would keep every idle request local and the remote path unmeasured for good.
+    rates = PathRates(clock=Clock())
+    d = decide(2000, rates=rates.snapshot())
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_UNMEASURED) and d.candidate == IDLE
+    # Once one remote prefill is measured, the tie-break is the budgets' again: local skips the pull.
+    rates.remote_done(1000, 1.0, 0.0)
+    rates.pulled(nbytes=1000 * 100_000, seconds=0.1, tokens=1000)
+    d = decide(2000, rates=rates.snapshot())
+    assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_CHEAPER)
+    # Not a tie (a local queue past the TTFT SLO): the scores decide, measured or not.
+    assert decide(2000, wait=10.0, rates=PathRates(clock=Clock()).snapshot()).reason is Reason.REMOTE_SLO
