@@ -58,8 +58,10 @@ class WorkerConfig:
         "", "host:port of the router's internal port (--internal-port) to join at run time ('' = static only)"
     )
     router_lease_ms: int = setting(10_000, "lease of the runtime registration at the router")
+    # 15 s, not less: one engine step on a shared CPU (a long prompt chunk, a cold first pass
+    # under load) can take several seconds, and the router's own stream stall timeout is 10 s.
     stall_not_serving_s: float = setting(
-        5.0,
+        15.0,
         "readiness goes NOT_SERVING (reason no_progress) when the engine has requests and computes "
         "no token for this long, and comes back when tokens flow (0 = off)",
     )

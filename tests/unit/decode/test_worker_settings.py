@@ -48,7 +48,7 @@ def test_every_section_of_the_settings_is_a_documented_flag_section(main, settin
 
 
 def test_the_forward_progress_stall_time_is_a_worker_setting_of_both_roles():
-    assert parse_decode([], {}).worker.stall_not_serving_s == 5.0
+    assert parse_decode([], {}).worker.stall_not_serving_s == 15.0
     assert parse_decode(["--stall-not-serving-s", "2.5"], {}).worker.stall_not_serving_s == 2.5
     assert parse_prefill([], {"PDMESH_STALL_NOT_SERVING_S": "0"}).worker.stall_not_serving_s == 0.0  # off
     with pytest.raises(ConfigError, match="stall_not_serving_s"):
