@@ -98,6 +98,35 @@ def start_mesh(
     return mesh
 
 
+def start_decodes_and_router(
+    launcher: Launcher, n: int, decode_args: tuple[str, ...], router_args: tuple[str, ...]
+) -> tuple[list[RunningService], RunningService]:
+    """`n` decode workers (ids decode-0..) started together, then a router that knows them
+    statically; the launcher stops them all."""
+    decodes = [
+        launcher.start(
+            ServiceSpec(
+                f"decode-{i}",
+                "services.decode.main",
+                flags(worker_id=f"decode-{i}") + decode_args,
+                ready_service="pdmesh.v1.DecodeService",
+            )
+        )
+        for i in range(n)
+    ]
+    for d in decodes:
+        launcher.wait_ready(d)
+    router = launcher.start_ready(
+        ServiceSpec(
+            "router",
+            "services.router.main",
+            router_args + flags(decode_workers=[d.address for d in decodes]),
+            ready_service="pdmesh.v1.RouterService",
+        )
+    )
+    return decodes, router
+
+
 def generate(
     stub: decode_pb2_grpc.DecodeServiceStub,
     prompt: list[int],

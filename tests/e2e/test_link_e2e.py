@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdmesh.launcher import Launcher, ServiceSpec, flags
+from pdmesh.launcher import Launcher, flags
 from pdmesh.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import start_decodes_and_router, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -42,27 +42,7 @@ def run(stub, req) -> tuple[list[int], router_pb2.GenerateFinal]:
 
 def test_sigkill_migrates_every_request_on_the_link_and_leaves_the_other_worker_alone(tmp_path):
     with Launcher(tmp_path) as launcher:
-        decodes = [
-            launcher.start(
-                ServiceSpec(
-                    f"decode-{i}",
-                    "services.decode.main",
-                    flags(worker_id=f"decode-{i}") + SIM,
-                    ready_service="pdmesh.v1.DecodeService",
-                )
-            )
-            for i in range(2)
-        ]
-        for d in decodes:
-            launcher.wait_ready(d)
-        router = launcher.start_ready(
-            ServiceSpec(
-                "router",
-                "services.router.main",
-                FAST + flags(decode_workers=[d.address for d in decodes]),
-                ready_service="pdmesh.v1.RouterService",
-            )
-        )
+        decodes, router = start_decodes_and_router(launcher, 2, SIM, FAST)
         stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.address))
         survivor_stats = [
             decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(d.address)).Stats for d in decodes

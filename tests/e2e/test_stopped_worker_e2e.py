@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdmesh.launcher import Launcher, ServiceSpec, flags
+from pdmesh.launcher import Launcher, flags
 from pdmesh.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
-from tests.e2e.helpers import TINY, wait_until
+from tests.e2e.helpers import TINY, start_decodes_and_router, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -66,27 +66,7 @@ def test_sigstopped_decode_worker_goes_not_serving_and_its_streams_finish_elsewh
     launcher = Launcher(tmp_path)
     decodes = []
     try:
-        decodes = [
-            launcher.start(
-                ServiceSpec(
-                    f"decode-{i}",
-                    "services.decode.main",
-                    flags(worker_id=f"decode-{i}") + TINY,
-                    ready_service="pdmesh.v1.DecodeService",
-                )
-            )
-            for i in range(2)
-        ]
-        for d in decodes:
-            launcher.wait_ready(d)
-        router = launcher.start_ready(
-            ServiceSpec(
-                "router",
-                "services.router.main",
-                ROUTER + flags(decode_workers=[d.address for d in decodes]),
-                ready_service="pdmesh.v1.RouterService",
-            )
-        )
+        decodes, router = start_decodes_and_router(launcher, 2, TINY, ROUTER)
         stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.address))
         internal = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.internal_address))
         stats = [decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(d.address)).Stats for d in decodes]
