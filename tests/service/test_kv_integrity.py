@@ -51,10 +51,10 @@ PROMPT = [(7 * i + 3) % 256 for i in range(150)]  # > 32 tokens: remote in condi
 MAX_TOKENS = 12
 
 
-def reference_tokens(prompt: list[int]) -> list[int]:
+def reference_tokens(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     """Greedy tokens of a fresh engine of the same (seeded) tiny model, no mesh involved."""
     engine = LLMEngine(ENGINE)
-    req = EngineRequest("ref", tuple(prompt), sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    req = EngineRequest("ref", tuple(prompt), sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return engine.generate([req])["ref"]
 
 

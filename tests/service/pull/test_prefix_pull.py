@@ -29,9 +29,7 @@ from services.common.validation import RequestLimits
 from services.decode.config import DecodeSettings
 from services.decode.main import wire
 from services.decode.prefix_pull import PullerConfig
-from services.engine.api import EngineRequest, SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
 from services.kvtransfer.metrics import KvServiceMetrics
 from services.kvtransfer.registry import AgentRegistry
 from services.kvtransfer.servicer import SERVICE_NAME as KV_SERVICE
@@ -39,9 +37,11 @@ from services.kvtransfer.servicer import KvTransferServicer
 from services.kvtransfer.stats import TransferStatistics
 from services.worker.prefix_source import PrefixSourceConfig
 from services.worker.runtime import WorkerConfig, WorkerRuntime
+from tests.service.test_kv_integrity import ENGINE as INTEGRITY_ENGINE
 from tests.service.test_kv_integrity import Corrupter
+from tests.service.test_kv_integrity import reference_tokens as integrity_reference
 
-ENGINE = EngineConfig(preset="tiny", num_threads=1, num_blocks=128, max_model_len=512)
+ENGINE = INTEGRITY_ENGINE  # one tiny engine config for both suites (reference_tokens builds it)
 LIMITS = RequestLimits(max_tokens_limit=64, max_prompt_tokens=400)
 SHARED = [(11 * i + 5) % 256 for i in range(96)]  # 6 blocks of 16
 PROMPT = SHARED + [(3 * i + 1) % 256 for i in range(21)]
@@ -49,9 +49,7 @@ MAX_TOKENS = 10
 
 
 def reference_tokens(prompt: list[int]) -> list[int]:
-    engine = LLMEngine(ENGINE)
-    req = EngineRequest("ref", tuple(prompt), sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    return engine.generate([req])["ref"]
+    return integrity_reference(prompt, MAX_TOKENS)  # same ENGINE, no mesh
 
 
 class Worker:
