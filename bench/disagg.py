@@ -251,69 +251,85 @@ def load_average() -> str:
         return "load average unknown"
 
 
+def mode_topology(args, mode: str) -> topology.Topology:
+    topo = topology.Topology(**{**MODES[mode].__dict__, "preset": args.preset})
+    if args.patient:
+        # A contended machine runs a 2,048-token prefill for 20 s: the router's stall timeout
+        # (10 s) would migrate every decode it stalls and the remote prefill timeout (30 s)
+        # fail queued prompts over to local, failures of the deployment's absolute timeouts
+        # rather than of the modes being compared.
+        topo = topology.Topology(
+            **{
+                **topo.__dict__,
+                "router_flags": (*topo.router_flags, "--stall-timeout-s", "0"),
+                "decode_flags": (*topo.decode_flags, "--prefill-timeout-s", "600"),
+            }
+        )
+    if mode == "cond" and args.cond_max_local is not None:
+        flags = (*topo.decode_flags, "--max-local-prefill-tokens", str(args.cond_max_local))
+        topo = topology.Topology(**{**topo.__dict__, "decode_flags": flags})
+    return topo
+
+
 def repetition(args, rates: list[float], workloads: list[str], loads: dict[str, Workload], seed: int):
-    """The three modes back to back (agg first: it measures the unloaded baseline this
-    repetition's SLOs are relative to). Returns (curves, stats)."""
+    """The three modes interleaved point by point: all three deployments run side by side (an
+    idle one costs next to nothing), and at each rate the modes take turns, in an order rotated
+    from rate to rate, so that a shared machine's speed drifting over minutes lands on all three
+    alike instead of on whichever mode ran during the slow minutes (session 5: modes run back to
+    back saw TPOT differ 15x within one repetition). The unloaded baseline, which this
+    repetition's SLOs are relative to, is measured on agg. Returns (curves, stats)."""
     curves: dict[str, dict[str, list[tuple[float, float]]]] = {w: {} for w in workloads}
     stats: dict[tuple[str, str, float], dict[str, float]] = {}
-    base: Baseline | None = None
     caps: dict[str, float] = {}
-    for mode, topo in MODES.items():
-        topo = topology.Topology(**{**topo.__dict__, "preset": args.preset})
-        if args.patient:
-            # A contended machine runs a 2,048-token prefill for 20 s: the router's stall timeout
-            # (10 s) would migrate every decode it stalls and the remote prefill timeout (30 s)
-            # fail queued prompts over to local, failures of the deployment's absolute timeouts
-            # rather than of the modes being compared.
-            topo = topology.Topology(
-                **{
-                    **topo.__dict__,
-                    "router_flags": (*topo.router_flags, "--stall-timeout-s", "0"),
-                    "decode_flags": (*topo.decode_flags, "--prefill-timeout-s", "600"),
-                }
+    deps: dict[str, topology.Deployment] = {}
+    try:
+        for mode in MODES:
+            topo = mode_topology(args, mode)
+            deps[mode] = topology.start(topo)
+            wait_workers(deps[mode].internal_address, topo.prefill + topo.decode)
+        print(
+            f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC] deployments up: {load_average()}", flush=True
+        )
+        # Each length twice: the TPOT SLO is 1.5x this median, so a noisy baseline moves every
+        # attainment figure (4 samples gave 20.1-24.9 ms across runs on this machine).
+        lengths = [64, 128, 256, 512, 1024, 2048] * 2
+        base = measure_baseline(deps["agg"].address, lengths, args.output_tokens, seed + 7)
+        print(
+            f"unloaded: TTFT = {base.ttft_a * 1000:.0f} ms + {base.ttft_b * 1e6:.0f} us/token; "
+            f"TPOT p50 {base.tpot * 1000:.1f} ms -> SLO TPOT <= {base.tpot_slo * 1000:.1f} ms",
+            flush=True,
+        )
+        if args.relative_rates:
+            caps = {w: capacity(base, loads[w]) for w in workloads}
+            print(
+                "relative rates: unbatched capacity "
+                + " ".join(f"{w}={c:.3f} req/s" for w, c in caps.items())
+                + "; absolute rates "
+                + " ".join(f"{w}={[round(x * c, 3) for x in rates]}" for w, c in caps.items()),
+                flush=True,
             )
-        if mode == "cond" and args.cond_max_local is not None:
-            flags = (*topo.decode_flags, "--max-local-prefill-tokens", str(args.cond_max_local))
-            topo = topology.Topology(**{**topo.__dict__, "decode_flags": flags})
-        print(f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC] {mode}: {load_average()}", flush=True)
-        dep = topology.start(topo)
-        try:
-            wait_workers(dep.internal_address, topo.prefill + topo.decode)
-            if base is None:  # the first mode is agg: measure unloaded latency there
-                # Each length twice: the TPOT SLO is 1.5x this median, so a noisy baseline moves every
-                # attainment figure (4 samples gave 20.1-24.9 ms across runs on this machine).
-                lengths = [64, 128, 256, 512, 1024, 2048] * 2
-                base = measure_baseline(dep.address, lengths, args.output_tokens, seed + 7)
-                print(
-                    f"unloaded: TTFT = {base.ttft_a * 1000:.0f} ms + {base.ttft_b * 1e6:.0f} us/token; "
-                    f"TPOT p50 {base.tpot * 1000:.1f} ms -> SLO TPOT <= {base.tpot_slo * 1000:.1f} ms",
-                    flush=True,
-                )
-                if args.relative_rates:
-                    caps = {w: capacity(base, loads[w]) for w in workloads}
-                    print(
-                        "relative rates: unbatched capacity "
-                        + " ".join(f"{w}={c:.3f} req/s" for w, c in caps.items())
-                        + "; absolute rates "
-                        + " ".join(f"{w}={[round(x * c, 3) for x in rates]}" for w, c in caps.items()),
-                        flush=True,
+        names = list(MODES)
+        for w in workloads:
+            for i, rate in enumerate(rates):
+                r_abs = rate * caps[w] if args.relative_rates else rate
+                for mode in names[i % len(names) :] + names[: i % len(names)]:
+                    recs = run(
+                        deps[mode].address, items(loads[w], r_abs, seed + int(rate * 100)), timeout_s=300
                     )
-            for w in workloads:
-                for rate in rates:
-                    r_abs = rate * caps[w] if args.relative_rates else rate
-                    recs = run(dep.address, items(loads[w], r_abs, seed + int(rate * 100)), timeout_s=300)
                     att, ttft_miss, tpot_miss = misses(recs, base)
                     curves[w].setdefault(mode, []).append((rate, att))
                     d = describe(recs)
                     stats[(mode, w, rate)] = d
                     print(
-                        f"{w:>5} {mode:>6} rate={rate:<5}{f' ({r_abs:.3f} req/s)' if args.relative_rates else ''} ok={d['ok']}/{d['n']} remote={d['remote']} "
-                        f"ttft p50/p99={d['ttft_p50']:.0f}/{d['ttft_p99']:.0f} ms "
+                        f"[{time.strftime('%H:%M:%S', time.gmtime())}] {w:>5} {mode:>6} rate={rate:<5}"
+                        f"{f' ({r_abs:.3f} req/s)' if args.relative_rates else ''} ok={d['ok']}/{d['n']} "
+                        f"remote={d['remote']} ttft p50/p99={d['ttft_p50']:.0f}/{d['ttft_p99']:.0f} ms "
                         f"tpot p50/p99={d['tpot_p50']:.1f}/{d['tpot_p99']:.1f} ms attain={att:.0%} "
-                        f"(missed ttft {ttft_miss}, tpot {tpot_miss})",
+                        f"(missed ttft {ttft_miss}, tpot {tpot_miss}) {load_average()}",
                         flush=True,
                     )
-        finally:
+    finally:
+        for dep in deps.values():
             dep.close()
     return curves, stats
 
@@ -422,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats",
         type=int,
         default=1,
-        help="repetitions (each: the three modes back to back); CIs when > 1",
+        help="repetitions (each: the three modes interleaved point by point); CIs when > 1",
     )
     ap.add_argument(
         "--relative-rates",
@@ -476,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopping before repetition {rep + 1}: it would end after --stop-at", flush=True)
             break
         t0 = time.time()
-        # One repetition = the three modes back to back on one arrival seed, so that the ratios
+        # One repetition = the three modes interleaved on one arrival seed, so that the ratios
         # within a repetition share the machine's load of those minutes.
         curves, stats = repetition(args, rates, workloads, loads, args.seed + 1000 * rep)
         rep_s = time.time() - t0
