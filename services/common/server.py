@@ -26,8 +26,10 @@ import asyncio
 import inspect
 import json
 import os
+import select
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -444,14 +446,34 @@ def run(main: Callable[[], Awaitable[Any]]) -> Any:
 def die_with_parent() -> None:
     """SIGTERM (a drain) when the launcher that set `PDMESH_PARENT_PID` dies, so a killed `pdmesh up`
     or test run leaves no orphan services. Done here in the service, not in a `preexec_fn`: Python
-    code between fork and exec in a threaded launcher (gRPC, engine threads) can crash the child."""
+    code between fork and exec in a threaded launcher (gRPC, engine threads) can crash the child.
+
+    Watches the launcher *process* through a pidfd (readable once every thread of it has exited).
+    Not `PR_SET_PDEATHSIG`, the fallback where pidfds are missing: that fires when the launcher's
+    *thread* that forked us exits, so a service started from a short-lived thread (a restart from a
+    fault schedule or a supervisor's worker thread) was terminated as soon as that thread ended."""
     expected = os.environ.get(PARENT_PID_ENV)
     if not expected or sys.platform != "linux":
         return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != int(expected):  # the launcher died before the prctl: nobody will signal us
-        log.warning("launcher gone before start", parent_pid=int(expected))
+    parent = int(expected)
+    try:
+        pidfd: int | None = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # Python or kernel without pidfds, or the launcher already gone
+        pidfd = None
+    if os.getppid() != parent:  # the launcher died before we watched it: nobody will signal us
+        log.warning("launcher gone before start", parent_pid=parent)
         sys.exit(0)
+    if pidfd is None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:
+            sys.exit(0)
+        return
+    threading.Thread(target=_terminate_when_readable, args=(pidfd,), name="parent-watch", daemon=True).start()
+
+
+def _terminate_when_readable(pidfd: int) -> None:
+    select.select([pidfd], [], [])
+    os.kill(os.getpid(), signal.SIGTERM)
