@@ -225,6 +225,7 @@ class Sim:
             rates = d.rates
             assert rates is not None
             waiting = d.queued_tokens()
+            rates.arrived(spec.output)
             rates.observe_local(d.prompt_computed, waiting)
             decision = self.policy.decide(
                 spec.prompt,

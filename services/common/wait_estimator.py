@@ -32,6 +32,8 @@ class Rates:
     decode_step_s: float = 0.0  # recent median inter-token latency: the step when no prefill stalls it
     unloaded_tpot_s: float = 0.0  # decode step here unloaded (a low quantile of it)
     remote_measured: bool = True  # a remote prefill has been measured (False: its rates are priors)
+    arrivals_per_s: float = 0.0  # requests reaching this worker's rule, recent rate (0: not measured)
+    mean_output_tokens: float = 0.0  # their mean max_tokens (0: not measured)
 
 
 class WaitEstimator:
@@ -163,6 +165,27 @@ class RecentMedian:
         return statistics.median(x for _, x in self._samples)
 
 
+class RecentRate:
+    """Events per second over the last `window_s` (or since the first event, when younger)."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float], max_events: int = 4096):
+        self.window_s = window_s
+        self._clock = clock
+        self._times: deque[float] = deque(maxlen=max_events)
+
+    def update(self) -> None:
+        self._times.append(self._clock())
+
+    @property
+    def value(self) -> float:
+        now = self._clock()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) < 2:
+            return 0.0
+        return (len(self._times) - 1) / max(now - self._times[0], 1e-3)
+
+
 class PathRates:
     """The rates the decode worker's time rule runs on, fed continuously: every
     local prefill (`local_done`: its queue + compute less its predicted
@@ -189,6 +212,15 @@ class PathRates:
         self.tpot = TimeAverage(10.0, clock)
         self.unloaded_tpot = LowQuantile(clock=clock)
         self.decode_step = RecentMedian(10.0, clock)
+        self.arrivals = RecentRate(10.0, clock)
+        self.output_tokens = Ewma(0.0, alpha)
+
+    def arrived(self, max_tokens: int) -> None:
+        """A request reached the rule (its decision follows): the arrival rate and output length
+        that price a local prefill's stall of the decodes that will start during it."""
+        self.arrivals.update()
+        if max_tokens > 0:
+            self.output_tokens.update(float(max_tokens))
 
     def observe_local(self, prompt_tokens_computed: int, tokens_waiting: int) -> None:
         """The engine's counters (the token rule's wait estimate learns from them)."""
@@ -250,4 +282,6 @@ class PathRates:
             decode_step_s=self.decode_step.value,
             unloaded_tpot_s=self.unloaded_tpot.value or 0.0,
             remote_measured=bool(self.remote.samples),
+            arrivals_per_s=self.arrivals.value,
+            mean_output_tokens=self.output_tokens.value if self.output_tokens.samples else 0.0,
         )

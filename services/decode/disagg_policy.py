@@ -34,7 +34,12 @@ only the local rate borrowed, and one remote prefill measures it). On a tie, the
 that uses less of the SLO budgets (`local_cheaper`, `remote_cheaper`): local
 uses `local TTFT / TTFT SLO` of this request's budget plus `stall / slack` of
 every running decode's, remote `remote TTFT / TTFT SLO`: both are fractions,
-so the tie-break is as hardware-free as the score. The stall term is the
+so the tie-break is as hardware-free as the score. Local's share in the tie-break also
+counts the decodes expected to start during the stall (the measured arrival rate x the
+stall, each stalled half of it against a fresh request's slack), when the prefill worker
+has no queue (one with a queue delays its own later arrivals alike): an idle decode worker
+otherwise "saves the transfer" on a long prompt and blocks everything that arrives
+meanwhile. The stall term is the
 number of running decodes this prefill is expected to push past their SLO: a
 stall that uses a fraction x of a decode's slack loses it with probability x^2
 (a small bite is nearly free, since the decode absorbs it unless later stalls
@@ -285,6 +290,24 @@ class DisaggregationPolicy:
                 if slack > 0:  # one already past is lost either way
                     used += min(1.0, stall / slack)
                     cost += min(1.0, (stall / slack) ** 2)
+            # The decodes that will start during the stall: requests arriving here while this
+            # prefill runs (the measured arrival rate), each joining the batch part-way through it
+            # and so stalled for half of it on average, against a fresh request's whole slack.
+            # Without this term an idle decode worker judged a 2,300-token prompt "cheaper" here
+            # (no decode running to stall) and then blocked every request arriving in the next
+            # 4.6 s: the CPU study's cond lost to both pure modes at every rate (issue 19). It
+            # weighs in the tie-break only (`used`), not the score: these decodes are expected,
+            # not running, and as a score their small bites sent every prompt to a scarce prefill
+            # worker (1:7 splits lost up to 41% of their goodput in bench/disagg_gpu.py's model).
+            # And only against an idle prefill worker: with a queue there, a prompt sent away
+            # delays the requests arriving behind it at that worker in the same way, which this
+            # worker cannot see, and pricing one side only sent prompts on to the scarce side
+            # (8B Mooncake 1:7: 0.72x its goodput; 0.98x with this condition).
+            arriving = rates.arrivals_per_s * stall
+            if arriving > 0 and rates.mean_output_tokens > 1 and best.estimated_wait_s <= 0:
+                slack = (tpot_slo - step) * (rates.mean_output_tokens - 1)
+                x = stall / 2 / slack if slack > 0 else math.inf
+                used += arriving * min(1.0, x)
         return Prediction(ttft_slo, tpot_slo, local, remote, stall, cost, used)
 
     def _time_rule(

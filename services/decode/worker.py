@@ -231,6 +231,7 @@ class DecodeWorker:
     async def _decide(self, job: DecodeJob, context_len: int, cached: int) -> tuple[Decision, float]:
         """The decision and the local wait predicted for it."""
         mode = job.mode or Mode(self.policy.config.default_mode)
+        self.rates.arrived(job.request.sampling.max_tokens - len(job.request.resume_token_ids))
         candidates = self._candidates(job)
         if not candidates:
             # Local whatever the wait: skip the engine stats walk the wait estimate needs

@@ -319,3 +319,77 @@ def test_a_tie_before_any_remote_prefill_is_measured_goes_remote_once():
     assert (d.path, d.reason) == (Path.LOCAL, Reason.LOCAL_CHEAPER)
     # Not a tie (a local queue past the TTFT SLO): the scores decide, measured or not.
     assert decide(2000, wait=10.0, rates=PathRates(clock=Clock()).snapshot()).reason is Reason.REMOTE_SLO
+
+
+# The CPU study's worker (issue 19): 500 prompt tokens/s, 40 ms decode steps, an idle prefill worker.
+CPU_STUDY = Rates(
+    local_tokens_per_s=500,
+    remote_tokens_per_s=500,
+    kv_bytes_per_token=20_000,
+    link_bytes_per_s=1e9,
+    tpot_s=0.04,
+    decode_step_s=0.04,
+    unloaded_tpot_s=0.04,
+)
+
+
+def test_an_idle_worker_sends_a_long_prompt_away_while_requests_keep_arriving():
+    # No decode runs here, so a local 2,300-token prefill stalls nobody *now*: a tie, and local
+    # skips the transfer. But it holds this worker for 4.6 s, and at 0.5 requests/s about 2.3
+    # requests arrive meanwhile and start decoding into the stall: 2.3 s each on average
+    # against a fresh 32-token request's whole slack of (60 - 40 ms) x 31 = 0.62 s.
+    assert decide(2300, rates=CPU_STUDY).reason is Reason.LOCAL_CHEAPER
+    arriving = Rates(**{**CPU_STUDY.__dict__, "arrivals_per_s": 0.5, "mean_output_tokens": 32})
+    d = decide(2300, rates=arriving)
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_CHEAPER)
+    # A tie-break, not a score: the arrivals are expected, not running, and a score that a
+    # small expected bite could flip sent every prompt to a scarce prefill worker (1:7 splits
+    # lost a third of their goodput in bench/disagg_gpu.py's model).
+    assert d.prediction.stall_cost == 0.0 and d.prediction.slack_used == pytest.approx(0.5 * 4.6)
+    # A short prompt's stall is a small bite of an arrival's slack, and few arrive during it.
+    short = decide(150, rates=arriving).prediction
+    assert short.slack_used == pytest.approx(0.5 * 0.3 * 0.15 / 0.62)
+    # Only against an idle prefill worker: with a queue there, sending the prompt delays the
+    # requests arriving behind it at that worker too, which this worker cannot price, so
+    # neither side is charged for its arrivals (the old tie-break).
+    queued = decide(2300, rates=arriving, candidates=[Candidate("p", "a", 0.5)])
+    assert queued.prediction.slack_used == 0.0 and queued.reason is Reason.LOCAL_CHEAPER
+    # With the prefill worker's queue past the TTFT SLO, both prompts stay local.
+    for prompt in (150, 2300):
+        busy = decide(prompt, rates=arriving, candidates=[Candidate("p", "a", 30.0)])
+        assert (busy.path, busy.reason) == (Path.LOCAL, Reason.LOCAL_SLO), prompt
+
+
+def test_the_arrival_term_is_the_same_on_a_cpu_and_a_gpu():
+    # Scale every time by 20x (rates and arrivals down, waits up): the same decisions and costs.
+    gpu = Rates(
+        **{
+            **CPU_STUDY.__dict__,
+            "local_tokens_per_s": 10_000,
+            "remote_tokens_per_s": 10_000,
+            "tpot_s": 0.002,
+            "decode_step_s": 0.002,
+            "unloaded_tpot_s": 0.002,
+            "link_bytes_per_s": 2e10,
+            "arrivals_per_s": 10.0,
+            "mean_output_tokens": 32,
+        }
+    )
+    cpu = Rates(**{**CPU_STUDY.__dict__, "arrivals_per_s": 0.5, "mean_output_tokens": 32})
+    for prompt in (150, 800, 2300):
+        g, c = decide(prompt, rates=gpu), decide(prompt, rates=cpu)
+        assert g.label == c.label, prompt
+        assert g.prediction.slack_used == pytest.approx(c.prediction.slack_used), prompt
+
+
+def test_path_rates_measure_the_arrival_rate_and_output_length():
+    clock = Clock()
+    rates = PathRates(alpha=1.0, clock=clock)
+    assert (rates.snapshot().arrivals_per_s, rates.snapshot().mean_output_tokens) == (0.0, 0.0)
+    for i in range(5):  # 5 arrivals 0.5 s apart: 2 per second
+        clock.t = 0.5 * i
+        rates.arrived(64)
+    r = rates.snapshot()
+    assert r.arrivals_per_s == pytest.approx(2.0) and r.mean_output_tokens == 64
+    clock.t = 30.0  # nothing for longer than the window: no rate
+    assert rates.snapshot().arrivals_per_s == 0.0
