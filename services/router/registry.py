@@ -121,6 +121,9 @@ class WorkerRegistry:
         self._clock = clock
         self._available = available
         self._workers: dict[str, WorkerRecord] = {}
+        # Called with the worker id after each load report is taken (LoadView.reported:
+        # the router's own view then knows what of its traffic the report holds).
+        self.on_load: Callable[[str], None] | None = None
 
     # ---- membership ---------------------------------------------------------
 
@@ -196,6 +199,8 @@ class WorkerRegistry:
         self._workers[worker_id] = dataclasses.replace(
             r, load=load, pending_blocks=0, lease_expires_at=expires, last_seen_at=now
         )
+        if self.on_load is not None:
+            self.on_load(worker_id)
         return True
 
     def update_load(self, worker_id: str, load: WorkerLoad) -> bool:
@@ -204,6 +209,8 @@ class WorkerRegistry:
         if r is None:
             return False
         self._workers[worker_id] = dataclasses.replace(r, load=load, pending_blocks=0)
+        if self.on_load is not None:
+            self.on_load(worker_id)
         return True
 
     def deregister(self, worker_id: str) -> bool:
