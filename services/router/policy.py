@@ -224,8 +224,8 @@ def _blended(c: Candidate, own: Mapping[str, OwnLoad] | None) -> tuple[int, int]
     return max(load.tokens_waiting, t.prefill_tokens), max(load.active_decode_blocks, t.decode_blocks)
 
 
-def _cost_and_tiebreak(k: tuple[float, float, Choice]) -> tuple[float, float]:
-    return k[0], k[1]
+# Choice(w, cost, overlap) without the named tuple's Python-level __new__ (kv_aware's hot path).
+_choice, _tuple = tuple.__new__, Choice
 
 
 class RoundRobinPolicy:
@@ -289,8 +289,12 @@ class KvAwarePolicy:
         overlaps = overlaps or {}
         cfg = self.config
         weight, dweight, bs, busy = cfg.prefill_weight, cfg.decode_weight, cfg.block_size, cfg.busy_blocks
-        scored = []
-        # self.cost inlined: this loop runs once per candidate per decision (hot path).
+        sample = cfg.temperature > 0
+        rnd = self._rng.random
+        keyed = []
+        # self.cost inlined: this loop runs once per candidate per decision (hot path). The
+        # tie-break draw is taken here, in candidate order (as before), so the sort below
+        # compares plain tuples with no key function.
         for c in candidates:
             if not c.healthy:
                 continue
@@ -314,13 +318,11 @@ class KvAwarePolicy:
             cost = weight * (max(prompt_blocks - credit, 0) - (-waiting // bs)) + dweight * decode
             if busy and (waiting or decode or load.running):
                 cost += busy
-            scored.append(Choice(wid, cost, overlap))
-        if cfg.temperature > 0 and len(scored) > 1:
-            return self._sample(scored)
-        rnd = self._rng.random
-        keyed = [(ch.cost, rnd(), ch) for ch in scored]
-        keyed.sort(key=_cost_and_tiebreak)
-        return [k[2] for k in keyed]
+            keyed.append((cost, 0.0 if sample else rnd(), wid, overlap))
+        if sample and len(keyed) > 1:
+            return self._sample([Choice(w, cost, o) for cost, _, w, o in keyed])
+        keyed.sort()
+        return [_choice(_tuple, (w, cost, o)) for cost, _, w, o in keyed]
 
     def _sample(self, scored: list[Choice]) -> list[Choice]:
         """Sequential sampling without replacement from softmax(-norm cost / T)."""
