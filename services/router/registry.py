@@ -191,6 +191,8 @@ class WorkerRegistry:
             last_seen_at=now,
         )
         self._workers[info.worker_id] = record
+        if load is not None and self.on_load is not None:  # a join can carry a report too
+            self.on_load(info.worker_id)
         return JoinResult(record, interval, replaced)
 
     def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:

@@ -194,4 +194,6 @@ def test_each_load_report_tells_on_load_which_worker_reported():
     assert reg.heartbeat("d1", WorkerLoad(running=1))
     assert reg.update_load("d2", WorkerLoad(running=2))
     assert not reg.heartbeat("gone", WorkerLoad())  # unknown: no report taken
-    assert seen == ["d1", "d2"]
+    reg.join(info("d3"), load=WorkerLoad(running=3))  # a join that carries a load report
+    reg.join(info("d4"))  # one that does not
+    assert seen == ["d1", "d2", "d3"]
