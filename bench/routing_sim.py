@@ -407,7 +407,7 @@ def make_reqs(args, time_factor: float) -> list[Req]:
         "mooncake",
         num_requests=args.requests,
         max_duration_s=1e9,
-        length_factor=args.length_factor,
+        length_factor=getattr(args, "length_factor", 1.0),  # callers before --length-factor pass none
         time_factor=time_factor,
         seed=args.seed,
         vocab=VocabRange(0, 256),
