@@ -241,8 +241,11 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
 # Ablation variants (issue 17): "<policy>@<variant>" runs the router with these flags.
 VARIANTS = {
     # the router before issue 17: heartbeat load, Dynamo's decode weight 1
-    "old": {"load_view": "false", "optimistic_prefix_ttl_s": 0, "decode_weight": 1.0},
+    "old": {"load_view": "false", "optimistic_prefix_ttl_s": 0, "decode_weight": 1.0, "busy_blocks": 0},
     "hb": {"load_view": "false", "optimistic_prefix_ttl_s": 0},  # heartbeat load only, decode weight 0.1
+    # session 5's default: own view and decode weight 0.1, no busy term (the blend with reports
+    # is the code's: subtracting what was ours in each report has no switch)
+    "lv0": {"load_view": "true", "optimistic_prefix_ttl_s": 0, "busy_blocks": 0},
     "lv1": {"load_view": "true", "optimistic_prefix_ttl_s": 0, "decode_weight": 1.0},  # own view, weight 1
     "lv": {"load_view": "true", "optimistic_prefix_ttl_s": 0},  # + the router's own load view (the default)
     "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes

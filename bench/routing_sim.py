@@ -170,6 +170,8 @@ class Variant:
     lag: float = -1.0  # KV events reach the router this long after the pass (s); < 0: it sees caches exactly
     ttl: float = 0.0  # optimistic prefixes: a routed prompt's blocks count as cached this long (s)
     oracle: bool = False  # exploration: the workers' true remaining prefill tokens as load
+    busy_blocks: float = RouterConfig().busy_blocks  # the router's default ("busy=0": none)
+    sync: bool = True  # the load view learns of each report (LoadView.reported); "sync=0": max(own, reported)
 
 
 class Cluster:
@@ -183,6 +185,7 @@ class Cluster:
             block_size=args.block_size,
             prefill_weight=variant.prefill_weight,
             temperature=variant.temperature,
+            busy_blocks=variant.busy_blocks,
             **({"decode_weight": variant.decode_weight} if _has_decode_weight() else {}),
         )
         self.policy = make_policy(variant.policy, cfg, random.Random(seed))
@@ -208,6 +211,8 @@ class Cluster:
                 active_decode_blocks=sum(len(r.blocks) + r.extra_blocks for r in w.running),
             )
             self.pending[i] = 0
+            if self.v.sync:
+                self.view.reported(str(i))
 
     def route(self, r: Req, now: float) -> None:
         bs = self.args.block_size
@@ -257,7 +262,9 @@ class Cluster:
         total_blocks = -(-(r.prompt + r.out) // bs)
         new_blocks = total_blocks - choice.overlap_blocks
         if self.v.own_view:
-            r.key = self.view.begin(choice.worker_id, r.prompt - choice.overlap_blocks * bs, new_blocks)
+            r.key = self.view.begin(
+                choice.worker_id, r.prompt - choice.overlap_blocks * bs, new_blocks, r.prompt, bs
+            )
         else:
             self.pending[wi] += new_blocks
         if self.v.ttl > 0:
@@ -379,15 +386,19 @@ def parse_variant(spec: str) -> Variant:
     """'rr', 'kv@hb', 'kv@lv', 'll@lv', optionally with options: 'kv@lv:dw=0.05+t=0.1'."""
     base, _, opts = spec.partition(":")
     v = VARIANTS[base]
-    v = Variant(spec, v.policy, v.own_view, v.prefill_weight, v.decode_weight, v.temperature)
+    v = Variant(spec, v.policy, v.own_view, v.prefill_weight, v.decode_weight, v.temperature)  # fresh copy
     for kv in filter(None, opts.split("+")):
         k, _, val = kv.partition("=")
-        name = {"pw": "prefill_weight", "dw": "decode_weight", "t": "temperature", "qw": "queue_weight"}.get(
-            k, k
-        )
+        name = {
+            "pw": "prefill_weight",
+            "dw": "decode_weight",
+            "t": "temperature",
+            "qw": "queue_weight",
+            "busy": "busy_blocks",
+        }.get(k, k)
         if name not in Variant.__dataclass_fields__ or name in ("name", "policy", "own_view"):
             raise ValueError(f"unknown variant option {k!r} in {spec!r}")
-        setattr(v, name, bool(int(val)) if name == "oracle" else float(val))
+        setattr(v, name, bool(int(val)) if name in ("oracle", "sync") else float(val))
     return v
 
 
@@ -396,7 +407,7 @@ def make_reqs(args, time_factor: float) -> list[Req]:
         "mooncake",
         num_requests=args.requests,
         max_duration_s=1e9,
-        length_factor=1,
+        length_factor=getattr(args, "length_factor", 1.0),  # callers before --length-factor pass none
         time_factor=time_factor,
         seed=args.seed,
         vocab=VocabRange(0, 256),
@@ -435,6 +446,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--time-factor", type=float, default=0.6, help="model time factor at 4 workers (/ workers/4)"
     )
+    p.add_argument(
+        "--length-factor", type=float, default=1.0, help="trace lengths / this (bench/peers/dynamo/run.py: 8)"
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="arrivals x this at every size (time factor 1/rate); 0: --time-factor",
+    )
     p.add_argument("--num-blocks", type=int, default=65536)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mbt", type=int, default=8192)
@@ -445,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     prof = load_profile("dynamo-mocker").scaled_to(args.num_blocks, args.block_size)
     for n in args.workers:
         args.workers_n = n
-        tf = args.time_factor * 4 / n
+        tf = 1.0 / args.rate if args.rate > 0 else args.time_factor * 4 / n
         base = make_reqs(args, tf)
         print(f"{n} workers, {len(base)} requests, model time_factor {tf:g}")
         seen: set[int] = set()

@@ -68,6 +68,14 @@ class RouterConfig:
     decode_weight: float = setting(
         0.1, "kv_aware, least_loaded: weight of an active decode block against a block to prefill"
     )
+    # 30, not 0: a new request on a worker with anything running waits out the pass in
+    # progress and shares the next one (the mocker profile's 16.5 ms per prefill pass is ~68
+    # blocks of prefill, a decode pass ~25), which a cost in blocks alone does not price; at the
+    # Dynamo side by side's x4 load bench/routing_sim.py gave kv_aware p50 66 ms against 69
+    # without it (round robin 68) and no change at 15-60 or at the routing study's settings.
+    busy_blocks: float = setting(
+        30.0, "kv_aware: blocks added to the cost of a worker with a request running or queued"
+    )
     # On since issue 17's second pass: with decode_weight 0.1 it is the best or tied variant at
     # 4-32 workers in bench/routing_sim.py (BENCHMARKS.md); with weight 1 it was not.
     load_view: bool = setting(
@@ -180,7 +188,9 @@ class RouterConfig:
         )
 
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(self.block_size, self.prefill_weight, self.temperature, self.decode_weight)
+        return PolicyConfig(
+            self.block_size, self.prefill_weight, self.temperature, self.decode_weight, self.busy_blocks
+        )
 
 
 @dataclass(frozen=True)

@@ -481,7 +481,9 @@ class RequestFlow:
         pulled = pull.pull_blocks if pull is not None and pull.target == choice.worker_id else 0
         to_prefill = len(input_ids) - max(choice.overlap_blocks, pulled) * cfg.block_size
         if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
-            self._routed = ctx.load_view.begin(choice.worker_id, to_prefill, new_blocks)
+            self._routed = ctx.load_view.begin(
+                choice.worker_id, to_prefill, new_blocks, len(input_ids), cfg.block_size
+            )
         self._sent = (request, to_prefill, new_blocks)  # what a hedge of this attempt sends
         self._attempt = self._new_attempt(choice.worker_id, call, to_prefill)
         return self._attempt

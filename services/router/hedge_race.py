@@ -113,7 +113,7 @@ class HedgeRace:
         ctx.registry.begin_request(wid, 0 if ctx.load_view is not None else new_blocks)
         call = ctx.call_decode(wid, request, timeout)
         if ctx.load_view is not None:
-            self._routed = ctx.load_view.begin(wid, to_prefill, new_blocks)
+            self._routed = ctx.load_view.begin(wid, to_prefill, new_blocks, len(inputs), cfg.block_size)
         self._cached = choice.overlap_blocks * cfg.block_size
         self.hedge = self._new_attempt(wid, call, len(inputs) - self._cached)
         self._count("sent")

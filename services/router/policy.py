@@ -97,6 +97,9 @@ class PolicyConfig:
     prefill_weight: float = setting(1.0, "kv_aware: weight of a block to prefill against a decode block")
     temperature: float = setting(0.0, "kv_aware: 0 = lowest cost wins; > 0 samples softmax(-cost/T)")
     decode_weight: float = setting(1.0, "kv_aware, least_loaded: weight of an active decode block")
+    busy_blocks: float = setting(
+        0.0, "kv_aware: blocks added for a worker with any request running or queued (its pass in progress)"
+    )
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, "block_size must be >= 1")
@@ -105,6 +108,7 @@ class PolicyConfig:
         )
         require(self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0")
         require(self.decode_weight >= 0 and math.isfinite(self.decode_weight), "decode_weight must be >= 0")
+        require(self.busy_blocks >= 0 and math.isfinite(self.busy_blocks), "busy_blocks must be >= 0")
 
 
 def tier_weight(restore_s: float, recompute_s: float) -> float:
@@ -163,10 +167,14 @@ def overlap_credit(tiers: Sequence[TierOverlap]) -> float:
 
 
 class OwnLoad(Protocol):
-    """What this router routed to a worker and has outstanding there (LoadView's totals)."""
+    """What this router routed to a worker and has outstanding there (LoadView's totals):
+    `synced` once a report of the worker arrived, with what was ours in it (`snap_*`)."""
 
     prefill_tokens: int
     decode_blocks: int
+    synced: bool
+    snap_tokens: int
+    snap_blocks: int
 
 
 class Policy(Protocol):
@@ -185,9 +193,10 @@ class Policy(Protocol):
         `prompt_blocks`: full blocks of the prompt; `overlaps`: worker id ->
         leading prompt blocks that worker has cached (PrefixIndex.match);
         `own`: worker id -> the router's own outstanding load there
-        (LoadView.totals), blended with the reported load as max(own, reported)
-        per component, as LoadView.blend does, without building new candidates
-        (that blend was most of a decision's ranking time).
+        (LoadView.totals), blended with the reported load per component as
+        LoadView.blend does (load_view.blended: the report beyond what was ours in
+        it, plus ours now), without building new candidates (that blend was most
+        of a decision's ranking time).
         """
         ...
 
@@ -201,16 +210,22 @@ def _queued_prefill_blocks(load: WorkerLoad, block_size: int) -> int:
 
 
 def _blended(c: Candidate, own: Mapping[str, OwnLoad] | None) -> tuple[int, int]:
-    """(tokens waiting, active decode blocks) of `c`: max(own, reported) per component."""
+    """(tokens waiting, active decode blocks) of `c` blended with `own` (load_view.blended;
+    repeated here because load_view imports this module)."""
     load = c.load
     t = own.get(c.worker_id) if own else None
     if t is None:
         return load.tokens_waiting, load.active_decode_blocks
+    if t.synced:
+        return (
+            max(load.tokens_waiting - t.snap_tokens, 0) + t.prefill_tokens,
+            max(load.active_decode_blocks - t.snap_blocks, 0) + t.decode_blocks,
+        )
     return max(load.tokens_waiting, t.prefill_tokens), max(load.active_decode_blocks, t.decode_blocks)
 
 
-def _cost_and_tiebreak(k: tuple[float, float, Choice]) -> tuple[float, float]:
-    return k[0], k[1]
+# Choice(w, cost, overlap) without the named tuple's Python-level __new__ (kv_aware's hot path).
+_choice, _tuple = tuple.__new__, Choice
 
 
 class RoundRobinPolicy:
@@ -273,9 +288,13 @@ class KvAwarePolicy:
         (`overlap_credit`), used in the cost in place of that worker's device overlap."""
         overlaps = overlaps or {}
         cfg = self.config
-        weight, dweight, bs = cfg.prefill_weight, cfg.decode_weight, cfg.block_size
-        scored = []
-        # self.cost inlined: this loop runs once per candidate per decision (hot path).
+        weight, dweight, bs, busy = cfg.prefill_weight, cfg.decode_weight, cfg.block_size, cfg.busy_blocks
+        sample = cfg.temperature > 0
+        rnd = self._rng.random
+        keyed = []
+        # self.cost inlined: this loop runs once per candidate per decision (hot path). The
+        # tie-break draw is taken here, in candidate order (as before), so the sort below
+        # compares plain tuples with no key function.
         for c in candidates:
             if not c.healthy:
                 continue
@@ -287,19 +306,23 @@ class KvAwarePolicy:
             load = c.load
             waiting, decode = load.tokens_waiting, load.active_decode_blocks
             t = own.get(wid) if own else None
-            if t is not None:  # max(own, reported), as _blended
-                if t.prefill_tokens > waiting:
-                    waiting = t.prefill_tokens
-                if t.decode_blocks > decode:
-                    decode = t.decode_blocks
+            if t is not None:  # as _blended
+                if t.synced:  # the report beyond what was ours in it, plus ours now
+                    waiting = (waiting - t.snap_tokens if waiting > t.snap_tokens else 0) + t.prefill_tokens
+                    decode = (decode - t.snap_blocks if decode > t.snap_blocks else 0) + t.decode_blocks
+                else:
+                    if t.prefill_tokens > waiting:
+                        waiting = t.prefill_tokens
+                    if t.decode_blocks > decode:
+                        decode = t.decode_blocks
             cost = weight * (max(prompt_blocks - credit, 0) - (-waiting // bs)) + dweight * decode
-            scored.append(Choice(wid, cost, overlap))
-        if cfg.temperature > 0 and len(scored) > 1:
-            return self._sample(scored)
-        rnd = self._rng.random
-        keyed = [(ch.cost, rnd(), ch) for ch in scored]
-        keyed.sort(key=_cost_and_tiebreak)
-        return [k[2] for k in keyed]
+            if busy and (waiting or decode or load.running):
+                cost += busy
+            keyed.append((cost, 0.0 if sample else rnd(), wid, overlap))
+        if sample and len(keyed) > 1:
+            return self._sample([Choice(w, cost, o) for cost, _, w, o in keyed])
+        keyed.sort()
+        return [_choice(_tuple, (w, cost, o)) for cost, _, w, o in keyed]
 
     def _sample(self, scored: list[Choice]) -> list[Choice]:
         """Sequential sampling without replacement from softmax(-norm cost / T)."""

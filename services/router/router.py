@@ -141,6 +141,8 @@ class Router:
         self.index = TieredPrefixIndex(settings.index)  # pool blocks + host tiers
         self.sequencer = EventSequencer()
         self.load_view = LoadView() if cfg.load_view else None
+        if self.load_view is not None:  # what of ours each load report holds (load_view.py)
+            self.registry.on_load = self.load_view.reported
         self.budget = RetryBudget(settings.retry_budget, clock)
         self.ledger = CostLedger()
         self.auth = (

@@ -107,3 +107,68 @@ def test_policies_given_the_totals_rank_as_on_blended_candidates():
             b = make_policy(name, cfg, random.Random(1)).rank(cands, 50, overlaps, own=view.totals())
             assert a == b
             assert b != make_policy(name, cfg, random.Random(1)).rank(cands, 50, overlaps)  # own matters
+
+
+# ---- reports that hold this router's traffic (LoadView.reported) ------------------------
+
+
+def test_a_report_taken_before_our_requests_ended_does_not_keep_them():
+    # The report (1 s stale) still shows our two requests; both have ended since: the
+    # worker is idle, and max(own, reported) used to keep it busy until the next report.
+    v = LoadView()
+    k1 = v.begin("a", 64, 5, prompt_tokens=64, block_size=16)
+    k2 = v.begin("a", 32, 3, prompt_tokens=96, block_size=16)
+    v.reported("a")  # taken now: 160 prompt tokens and 4 + 6 prompt blocks of ours in it
+    report = cand("a", 160, 10)
+    assert loads(v, [report]) == {"a": (96, 8)}  # exactly ours
+    v.first_token(k1)
+    v.end(k1)
+    v.end(k2)
+    assert loads(v, [report]) == {"a": (0, 0)}
+
+
+def test_other_routers_traffic_in_a_report_stays_after_ours_ends():
+    v = LoadView()
+    k = v.begin("a", 64, 4, prompt_tokens=64, block_size=16)
+    v.reported("a")
+    report = cand("a", 264, 24)  # 200 tokens and 20 blocks are another router's
+    assert loads(v, [report]) == {"a": (264, 24)}
+    v.end(k)
+    assert loads(v, [report]) == {"a": (200, 20)}
+    v.begin("a", 10, 2, prompt_tokens=10, block_size=16)  # routed after the report: added
+    assert loads(v, [report]) == {"a": (210, 22)}
+
+
+def test_the_next_report_replaces_what_was_ours_in_the_last():
+    v = LoadView()
+    k = v.begin("a", 64, 4, prompt_tokens=64, block_size=16)
+    v.reported("a")
+    v.end(k)
+    v.reported("a")  # a fresh report without our request: nothing of ours to subtract
+    assert loads(v, [cand("a", 50, 3)]) == {"a": (50, 3)}
+    assert len(v.totals()) == 0  # and nothing left tracked for the worker
+
+
+def test_a_report_with_nothing_of_ours_is_all_other_traffic():
+    v = LoadView()
+    v.reported("a")
+    v.begin("a", 64, 4, prompt_tokens=64, block_size=16)  # after the report: not in it
+    assert loads(v, [cand("a", 100, 10)]) == {"a": (100, 10)}  # max(own, reported) until the next
+
+
+def test_the_policy_blends_inline_as_blend_does():
+    from random import Random
+
+    from services.router.policy import PolicyConfig, make_policy
+
+    v = LoadView()
+    k = v.begin("a", 640, 40, prompt_tokens=800, block_size=16)
+    v.begin("b", 160, 20, prompt_tokens=160, block_size=16)
+    v.reported("a")
+    v.first_token(k)
+    cands = [cand("a", 900, 120), cand("b", 0, 5), cand("c", 300, 0)]
+    for name in ("kv_aware", "least_loaded"):
+        cfg = PolicyConfig(decode_weight=0.1)
+        inline = make_policy(name, cfg, Random(1)).rank(cands, 20, {"a": 10}, own=v.totals())
+        copied = make_policy(name, cfg, Random(1)).rank(v.blend(cands), 20, {"a": 10})
+        assert inline == copied

@@ -115,3 +115,18 @@ def test_least_loaded_orders_by_load_then_router_inflight():
         cand("idle"),
     ]
     assert ids(p.rank(cands, 4, {"busy": 4})) == ["idle", "idle-but-routed", "busy", "queued"]
+
+
+def test_kv_aware_busy_blocks_prices_the_pass_in_progress():
+    # a holds 20 of the prompt's 100 blocks but is running a request; b is idle. In blocks
+    # alone a wins (100 - 20 + 0.1 * 100 = 90 < 100); a new request there waits out a's
+    # pass and shares the next one, which busy_blocks prices.
+    cands = [
+        Candidate("a", WorkerLoad(running=1, active_decode_blocks=100)),
+        Candidate("b", WorkerLoad()),
+    ]
+    plain = make_policy("kv_aware", PolicyConfig(decode_weight=0.1), random.Random(0))
+    assert plain.rank(cands, 100, {"a": 20})[0].worker_id == "a"
+    busy = make_policy("kv_aware", PolicyConfig(decode_weight=0.1, busy_blocks=30), random.Random(0))
+    ranked = busy.rank(cands, 100, {"a": 20})
+    assert [c.worker_id for c in ranked] == ["b", "a"] and ranked[1].cost == 120

@@ -183,3 +183,17 @@ def test_targets_must_name_a_port():
     for bad in ("host", "host:", "host:0", "host:99999", "::1:80"):
         with pytest.raises(ValueError):
             parse_target(bad)
+
+
+def test_each_load_report_tells_on_load_which_worker_reported():
+    reg, _ = registry()
+    reg.join(info("d1"))
+    reg.join(info("d2"), WorkerSource.STATIC)
+    seen = []
+    reg.on_load = seen.append
+    assert reg.heartbeat("d1", WorkerLoad(running=1))
+    assert reg.update_load("d2", WorkerLoad(running=2))
+    assert not reg.heartbeat("gone", WorkerLoad())  # unknown: no report taken
+    reg.join(info("d3"), load=WorkerLoad(running=3))  # a join that carries a load report
+    reg.join(info("d4"))  # one that does not
+    assert seen == ["d1", "d2", "d3"]
