@@ -15,7 +15,8 @@ Workflow pins: between two steps of an agent workflow (a tool call, the user
 thinking) the engine keeps the workflow's cached blocks out of the free queue
 for `pin_ttl_s`, so the next step's prompt (the conversation so far) is still a
 cache hit (cf. Continuum). A pin holds one reference per block. It ends on its
-TTL (`expire_pins`, counted as expired), when the workflow ends (`unpin`), when
+TTL (`expire_pins`, counted as expired; the TTL restarts when the workflow's
+next step reaches the scheduler, `touch_pin`, so a queued step keeps it), when the workflow ends (`unpin`), when
 the next step pins again (replaced), or under pressure: an allocation that
 would fail releases pins lowest value first (fewest blocks = least recompute
 lost, then the soonest to expire), counted as evicted.
@@ -336,6 +337,16 @@ class BlockManager:
             self._pins[workflow_id] = _Pin(keep, self._clock() + self.pin_ttl_s)
             self._pinned_blocks += len(keep)
         return len(keep)
+
+    def touch_pin(self, workflow_id: str) -> bool:
+        """The workflow's next step arrived: its pin now lasts pin_ttl_s from here,
+        so it survives the step's wait in the queue (the TTL is meant to cover the
+        think / tool time between steps, not a backlog). False if it had none."""
+        pin = self._pins.get(workflow_id) if workflow_id else None
+        if pin is None:
+            return False
+        pin.expires_at = max(pin.expires_at, self._clock() + self.pin_ttl_s)
+        return True
 
     def unpin(self, workflow_id: str) -> bool:
         """The workflow ended: release its pin. False if it had none."""
