@@ -11,9 +11,12 @@ What is modeled, not run: a worker serves `slots` steps at once and queues the
 rest locally (its engine's waiting queue); a step takes
 prefill_ms(uncached prompt, cached) + output x decode_ms(pool utilisation);
 a step still running at its workflow's deadline is cancelled then (its tokens
-are wasted, prorated). Routing: the workflow's last worker when its local
-queue is short (the affinity hint), else the worker with the longest cached
-prefix, then the shortest queue (a prefix-aware router, used by every policy).
+are wasted, prorated). Routing is the router's: the kv_aware policy
+(services/router/policy.py, at the router's decode weight) over every worker's
+exact cached prefix and its queued prefill tokens (the router's LoadView), and
+for pdmesh the workflow -> worker hint (services/router/workflow_affinity.py);
+a step that reaches a worker restarts its workflow's pin TTL, as the engine's
+Scheduler.add does.
 
 Workflows: single-call chat, 10-20-call copilot, 40-60-call research agent;
 each call's prompt is the conversation so far plus a new user/tool message;
@@ -50,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.engine.api import EngineRequest
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
+from services.model.hashing import BlockHashChain
 from services.model.timing import TimingProfile, load_profile
 from services.router.admission import (
     AdmissionConfig,
@@ -59,7 +63,10 @@ from services.router.admission import (
     Waiter,
     WaiterState,
 )
+from services.router.config import RouterConfig
 from services.router.cost import RequestCost, RequestOutcome, WorkflowLedger
+from services.router.policy import Candidate, KvAwarePolicy, PolicyConfig, WorkerLoad
+from services.router.workflow_affinity import WorkflowAffinity
 from services.router.workflow_sched import WorkflowInfo, WorkflowSchedConfig
 
 BLOCK = 16
@@ -114,6 +121,8 @@ class Step:
     ticket: Ticket | None = None
     queued_at: float = 0.0
     ctx: int = 0
+    hashes: BlockHashChain | None = None
+    routed_prefill: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,6 +179,7 @@ class Fleet:
         self.running = [0] * workers
         self.context = [0] * workers  # context tokens of the running steps (the mocker's K)
         self.queues: list[deque[Step]] = [deque() for _ in range(workers)]
+        self.queued_prefill = [0] * workers  # prompt tokens routed there, not started (the LoadView's)
         self.seqs: dict[int, Sequence] = {}
 
     def backlog(self, w: int) -> int:
@@ -203,7 +213,12 @@ class Sim:
         self.waiters: dict[int, Step] = {}
         self.max_wait = {k.name: 0.0 for k in KINDS}
         self.prompt_tokens = self.cached_tokens = 0
-        self.followups = self.affinity_hits = 0
+        self.followups = self.affinity_hits = self.same_home = 0
+        # The router's own routing code: kv_aware at the router's decode weight, and the hint.
+        self.router_policy = KvAwarePolicy(
+            PolicyConfig(block_size=BLOCK, decode_weight=RouterConfig().decode_weight), random.Random(7)
+        )
+        self.affinity = WorkflowAffinity() if policy.affinity else None
 
     def unloaded_s(self, w: Workflow) -> float:
         return demand_slot_s([w], self.fleet.profile, self.batch_context) + sum(w.gaps)
@@ -266,22 +281,37 @@ class Sim:
     # ---- workers ---------------------------------------------------------------
 
     def dispatch(self, step: Step) -> None:
+        """Route as the router does (services/router/generate.py _launch): the
+        kv_aware policy over the workers, overlaps from their caches (the prefix
+        index, exact here), and for pdmesh the workflow -> worker hint's credit."""
         fleet = self.fleet
-        home = step.wf.home
-        if self.policy.affinity and home is not None and fleet.backlog(home) < 2 * fleet.slots:
-            w = home
-        else:  # prefix-aware among the workers that are not backed up
-            free = [i for i in range(len(fleet.bms)) if fleet.backlog(i) < fleet.slots + 2]
-            w = min(
-                free or range(len(fleet.bms)),
-                key=lambda i: (
-                    -fleet.bms[i].cached_prefix_tokens(step.prompt) if free else 0,
-                    fleet.backlog(i),
+        hashes = BlockHashChain(step.prompt, BLOCK)
+        overlaps = {str(i): bm.cached_prefix_blocks(hashes) for i, bm in enumerate(fleet.bms)}
+        if self.affinity is not None:
+            overlaps = self.affinity.credit(step.wf.id, hashes, overlaps, self.now)
+        cands = [
+            Candidate(
+                str(i),
+                WorkerLoad(
+                    running=fleet.running[i],
+                    waiting=len(fleet.queues[i]),
+                    tokens_waiting=fleet.queued_prefill[i],
+                    active_decode_blocks=fleet.context[i] // BLOCK,
                 ),
             )
+            for i in range(len(fleet.bms))
+        ]
+        w = int(self.router_policy.rank(cands, len(hashes), overlaps)[0].worker_id)
+        step.hashes = hashes
+        step.routed_prefill = len(step.prompt) - overlaps[str(w)] * BLOCK
+        if step.index > 0 and step.wf.home is not None:
+            self.same_home += w == step.wf.home
+        if self.policy.pins:
+            fleet.bms[w].touch_pin(step.wf.id)  # as the engine's Scheduler.add
         if fleet.running[w] < fleet.slots and not fleet.queues[w]:  # never ahead of the local queue
             self.start(w, step)
         else:
+            fleet.queued_prefill[w] += step.routed_prefill
             fleet.queues[w].append(step)
 
     def start(self, w: int, step: Step) -> None:
@@ -343,11 +373,15 @@ class Sim:
         elif final:
             self.end(wf, True)
         else:
+            if self.affinity is not None and step.hashes is not None:
+                self.affinity.record(wf.id, str(w), step.hashes, self.now)
             wf.context += step.out_tokens
             wf.step += 1
             self.push(self.now + wf.gaps[step.index], self.step_arrives, wf)
         while fleet.queues[w] and fleet.running[w] < fleet.slots:
-            self.start(w, fleet.queues[w].popleft())
+            nxt = fleet.queues[w].popleft()
+            fleet.queued_prefill[w] -= nxt.routed_prefill
+            self.start(w, nxt)
 
     def fail_shed(self, step: Step) -> None:
         self.ledger.record_shed(step.wf.kind.name, step.wf.id, self.now)
@@ -357,6 +391,8 @@ class Sim:
 
     def end(self, wf: Workflow, ok: bool) -> None:
         wf.done, wf.ok, wf.end = True, ok, self.now
+        if self.affinity is not None:
+            self.affinity.forget(wf.id)
         self.ctl.forget_workflow(wf.id)
 
     # ---- results ---------------------------------------------------------------
@@ -381,6 +417,7 @@ class Sim:
             "by_kind": by_kind,
             "kv_hit": self.cached_tokens / max(self.prompt_tokens, 1),
             "affinity": self.affinity_hits / max(self.followups, 1),
+            "same_home": self.same_home / max(self.followups, 1),
             "pins": self.fleet.bms[0].pin_stats() if self.policy.pins else None,
         }
 
@@ -426,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin-ttl-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--overloads", type=str, default="1.5,3")
+    ap.add_argument("--policies", type=str, default="fifo,priority,las,pdmesh", help="a subset, to diagnose")
     args = ap.parse_args(argv)
     duration = 400.0 if args.quick else args.duration_s
     base = AdmissionConfig(
@@ -453,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'max_wait_s':>10} {'kv_hit':>6} {'affin':>6}  done by class / longest wait by class"
         )
         rows = {}
-        for pol in policies(base):
+        for pol in (p for p in policies(base) if p.name in args.policies.split(",")):
             sim = Sim(pol, workload, args)
             sim.run()
             r = rows[pol.name] = sim.results()
@@ -465,9 +503,12 @@ def main(argv: list[str] | None = None) -> int:
             if r["pins"] is not None:
                 p = r["pins"]
                 print(
-                    f"{'':9} worker 0 pins: expired={p.pins_expired} evicted={p.pins_evicted} released={p.pins_released}"
+                    f"{'':9} worker 0 pins: expired={p.pins_expired} evicted={p.pins_evicted} "
+                    f"released={p.pins_released}; next step routed to its last worker {r['same_home']:.2f}"
                 )
         last = rows
+    if not {"fifo", "las", "pdmesh"} <= last.keys():
+        return 0
     f, las, full = last["fifo"], last["las"], last["pdmesh"]
     print(
         f"\nworkflows done_vs_fifo={full['done'] / max(f['done'], 1):.2f} "

@@ -206,6 +206,19 @@ class BlockManager:
                 n += 1
         return n * self.block_size
 
+    def cached_prefix_blocks(self, hashes: Seq[int]) -> int:
+        """Leading blocks of the chain `hashes` cached here (hashed once by the caller
+        for every worker it asks). Thread-safe."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._cached:
+                    break
+                n += 1
+        return n
+
     def allocate_slots(self, seq: Sequence, num_tokens: int, cached: Seq[int] = ()) -> bool:
         """Grow `seq.block_table` to cover `num_tokens` tokens, first taking the
         prefix-cache hits `cached` (admission only). All or nothing: False, with

@@ -63,6 +63,7 @@ from services.router.retries import RetriedArrivals, SharedFlow
 from services.router.retry_budget import RetryBudget
 from services.router.tier_index import TieredPrefixIndex
 from services.router.worker_pool import WorkerPool
+from services.router.workflow_routing import WorkflowRouting
 
 log = structlog.get_logger()
 
@@ -152,6 +153,7 @@ class Router:
             settings.admission, clock, self.auth.limits_for if self.auth is not None else None
         )
         self.gate = AdmissionGate(self.admission, clock)
+        self.workflows = WorkflowRouting(settings.workflow, self.admission)
         self.pool = WorkerPool(
             cfg,
             self.registry,
@@ -190,6 +192,7 @@ class Router:
             if settings.prefix_pull.enabled
             else None,
             hash_memo=HashMemo(),
+            workflows=self.workflows,
         )
         self.flows: dict[str, RequestFlow] = {}
         # Keyed requests, so that a client's retry joins the running one (retries.py).
