@@ -323,6 +323,8 @@ class Sim:
         fleet.running[w] += 1
         tokens = step.prompt + step.out_tokens
         seq = Sequence(EngineRequest(f"{step.wf.id}/{step.index}", tokens), BLOCK, None)
+        if step.hashes is not None:  # the prompt's chain, hashed once at routing (the same values)
+            seq._block_hashes = list(step.hashes)
         hits = bm.match_prefix(seq, len(step.prompt) - 1)
         if bm.allocate_slots(seq, len(tokens), hits):
             seq.num_computed_tokens = len(tokens)

@@ -154,6 +154,7 @@ class Router:
         )
         self.gate = AdmissionGate(self.admission, clock)
         self.workflows = WorkflowRouting(settings.workflow, self.admission)
+        self.workflows.attach_metrics(self.metrics.registry)
         self.pool = WorkerPool(
             cfg,
             self.registry,
@@ -222,6 +223,7 @@ class Router:
             await asyncio.sleep(self.config.housekeeping_interval_s)
             await self.expire_leases()
             self._export_worker_gauges()
+            self.workflows.publish(self.clock())
 
     def _export_worker_gauges(self) -> None:
         counts: dict[tuple[str, str], int] = {}

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from services.router.admission import AdmissionController
 from services.router.cost import RequestCost, RequestOutcome, WorkflowLedger, WorkflowStats
 from services.router.workflow_affinity import WorkflowAffinity, WorkflowRoutingConfig
@@ -42,6 +44,7 @@ class WorkflowRouting:
         self.affinity = WorkflowAffinity(self.config)
         self.ledger = ledger or WorkflowLedger()
         self._admission = admission
+        self._g_workflows: Gauge | None = None  # the gauges, once attach_metrics is called
 
     def info(self, workflow: Any) -> WorkflowInfo:
         """The scheduling part of a `common_pb2.WorkflowContext` (None or an empty id: none)."""
@@ -99,6 +102,58 @@ class WorkflowRouting:
     def expire(self, now: float) -> int:
         """Close workflows the ledger saw no step of for its idle timeout (housekeeping)."""
         return self.ledger.expire(now)
+
+    def attach_metrics(self, registry: CollectorRegistry) -> None:
+        """Per-tenant workflow gauges on the router's registry, refreshed by `publish`
+        (on the event loop: the ledger is not read from the metrics thread)."""
+        self._g_workflows = Gauge(
+            "pdmesh_router_workflows",
+            "Workflows closed, by tenant and outcome",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self._g_cost = Gauge(
+            "pdmesh_router_tokens_per_successful_workflow",
+            "Tokens computed for all steps (all attempts) of completed workflows / workflows completed",
+            ["tenant"],
+            registry=registry,
+        )
+        self._g_rate = Gauge(
+            "pdmesh_router_workflow_completion_rate",
+            "Completed / closed workflows",
+            ["tenant"],
+            registry=registry,
+        )
+        self._g_waste = Gauge(
+            "pdmesh_router_workflow_wasted_tokens",
+            "Tokens of workflow steps thrown away, by tenant and cause",
+            ["tenant", "cause"],
+            registry=registry,
+        )
+        self._g_affinity = Gauge(
+            "pdmesh_router_workflow_affinity",
+            "Workflow steps given their last worker's context (hit) or not (miss: hint expired, "
+            "prompt diverged, worker gone)",
+            ["result"],
+            registry=registry,
+        )
+
+    def publish(self, now: float) -> None:
+        """Close idle workflows, then refresh the gauges (housekeeping, on the loop)."""
+        self.expire(now)
+        if self._g_workflows is None:
+            return
+        for tenant in self.ledger.tenants():
+            st = self.ledger.stats(tenant)
+            self._g_workflows.labels(tenant, "completed").set(st.completed)
+            self._g_workflows.labels(tenant, "failed").set(st.failed)
+            self._g_workflows.labels(tenant, "open").set(st.open)
+            self._g_cost.labels(tenant).set(st.cost_per_successful_workflow)
+            self._g_rate.labels(tenant).set(st.completion_rate)
+            for cause, tokens in st.wasted.items():
+                self._g_waste.labels(tenant, cause.value).set(tokens)
+        self._g_affinity.labels("hit").set(self.affinity.hits)
+        self._g_affinity.labels("miss").set(self.affinity.misses)
 
     def _end(self, workflow_id: str) -> None:
         self.affinity.forget(workflow_id)

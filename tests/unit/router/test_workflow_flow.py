@@ -182,3 +182,31 @@ async def test_sunk_tokens_earn_a_retry_the_spent_budget_refuses_a_fresh_request
     assert mesh.sent[-1][0] != mesh.sent[-2][0]
     st = mesh.workflows.stats()
     assert st.open == 1 and st.failed == 0  # the step succeeded; the workflow goes on
+
+
+async def test_the_per_tenant_gauges_show_cost_completion_and_waste():
+    from prometheus_client import CollectorRegistry
+
+    mesh = Mesh()
+    reg = CollectorRegistry()
+    mesh.workflows.attach_metrics(reg)
+    convo = list(range(1, 4 * BS + 1))
+    await run(mesh.flow("a0", convo, wf(0, wid="ok"), tenant="acme"))
+    await run(
+        mesh.flow("a1", [*convo, 7, 8, 9, 10, 5], wf(1, spent=70, final_step=True, wid="ok"), tenant="acme")
+    )
+    await run(mesh.flow("b0", convo, wf(0, wid="bad"), tenant="beta"))
+    mesh.script = [[unavailable()]]
+    with pytest.raises(Unavailable):
+        await run(mesh.flow("b1", [*convo, 1, 2], wf(1, spent=70, wid="bad"), tenant="beta"))
+    mesh.workflows.publish(mesh.clock())
+
+    def value(name, **labels):
+        return reg.get_sample_value(name, labels)
+
+    assert value("pdmesh_router_workflows", tenant="acme", outcome="completed") == 1
+    assert value("pdmesh_router_workflows", tenant="beta", outcome="failed") == 1
+    assert value("pdmesh_router_workflow_completion_rate", tenant="beta") == 0
+    assert value("pdmesh_router_tokens_per_successful_workflow", tenant="acme") > 0
+    assert value("pdmesh_router_workflow_wasted_tokens", tenant="beta", cause="earlier_steps") > 0
+    assert value("pdmesh_router_workflow_affinity", result="hit") == 2
