@@ -42,6 +42,8 @@ import array
 import heapq
 import itertools
 import math
+import multiprocessing
+import os
 import random
 import sys
 import zlib
@@ -455,6 +457,23 @@ def demand_slot_s(workload: list[Workflow], p: TimingProfile, batch_context: flo
     return total
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _run_one(ov, name, base, capacity, per_wf, duration, args) -> dict:
+    pol = next(p for p in policies(base) if p.name == name)
+    sim = Sim(pol, make_workload(ov * capacity / per_wf, duration, args.seed), args)
+    sim.run()
+    return sim.results()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a shorter arrival window")
@@ -466,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--overloads", type=str, default="1.5,3")
     ap.add_argument("--policies", type=str, default="fifo,priority,las,pdmesh", help="a subset, to diagnose")
+    ap.add_argument("--jobs", type=int, default=1, help="runs (overload x policy) in parallel processes")
     args = ap.parse_args(argv)
     duration = 400.0 if args.quick else args.duration_s
     base = AdmissionConfig(
@@ -479,27 +499,39 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile("dynamo-mocker").scaled_to(args.blocks, BLOCK)
     args.batch_context = args.slots * mean_context(probe)
     per_wf = demand_slot_s(probe, profile, args.batch_context) / len(probe)
+    print(f"cpu: {_cpu_model()}, load average {os.getloadavg()[0]:.1f} (at start)")
     print(
         f"fleet: {args.workers} workers x {args.slots} slots, {args.blocks} KV blocks each; "
         f"{per_wf:.1f} slot-s per workflow; arrivals for {duration:.0f} s"
     )
+    overloads = [float(x) for x in args.overloads.split(",")]
+    names = [p.name for p in policies(base) if p.name in args.policies.split(",")]
+    jobs = [(ov, name) for ov in overloads for name in names]
+    # Each (overload, policy) run is independent and deterministic: --jobs runs them in
+    # parallel processes, with the same results as one after another.
+    if args.jobs > 1:
+        with multiprocessing.get_context("fork").Pool(min(args.jobs, len(jobs))) as pool:
+            done = pool.starmap(
+                _run_one, [(ov, name, base, capacity, per_wf, duration, args) for ov, name in jobs]
+            )
+    else:
+        done = [_run_one(ov, name, base, capacity, per_wf, duration, args) for ov, name in jobs]
+    results = dict(zip(jobs, done, strict=True))
     last: dict[str, dict] = {}
-    for ov in (float(x) for x in args.overloads.split(",")):
+    for ov in overloads:
         rate = ov * capacity / per_wf
-        workload = make_workload(rate, duration, args.seed)
-        print(f"\n== overload {ov:g}x: {rate:.2f} workflows/s, {len(workload)} workflows")
+        n = len(make_workload(rate, duration, args.seed))
+        print(f"\n== overload {ov:g}x: {rate:.2f} workflows/s, {n} workflows")
         print(
             f"{'policy':9} {'done':>5} {'rate':>6} {'cost/ok':>8} {'waste/ok':>9} {'p99_s':>7} "
             f"{'max_wait_s':>10} {'kv_hit':>6} {'affin':>6}  done by class / longest wait by class"
         )
         rows = {}
-        for pol in (p for p in policies(base) if p.name in args.policies.split(",")):
-            sim = Sim(pol, workload, args)
-            sim.run()
-            r = rows[pol.name] = sim.results()
+        for name in names:
+            r = rows[name] = results[(ov, name)]
             classes = " ".join(f"{k}={r['by_kind'][k]:.2f}/{r['waits'][k]:.0f}s" for k in r["by_kind"])
             print(
-                f"{pol.name:9} {r['done']:5d} {r['rate']:6.2f} {r['cost']:8.0f} {r['waste']:9.0f} "
+                f"{name:9} {r['done']:5d} {r['rate']:6.2f} {r['cost']:8.0f} {r['waste']:9.0f} "
                 f"{r['p99']:7.1f} {r['max_wait']:10.1f} {r['kv_hit']:6.2f} {r['affinity']:6.2f}  {classes}"
             )
             if r["pins"] is not None:
@@ -514,10 +546,11 @@ def main(argv: list[str] | None = None) -> int:
     f, las, full = last["fifo"], last["las"], last["pdmesh"]
     print(
         f"\nworkflows done_vs_fifo={full['done'] / max(f['done'], 1):.2f} "
-        f"waste_vs_fifo={full['waste'] / f['waste']:.2f} "
+        f"waste_vs_fifo={full['waste'] / f['waste'] if f['waste'] else math.nan:.2f} "
         f"done_vs_las={full['done'] / max(las['done'], 1):.2f} "
         f"affinity_hit={full['affinity']:.2f} max_wait_s={full['max_wait']:.1f}"
     )
+    print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
     return 0
 
 
