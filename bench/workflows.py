@@ -11,9 +11,12 @@ What is modeled, not run: a worker serves `slots` steps at once and queues the
 rest locally (its engine's waiting queue); a step takes
 prefill_ms(uncached prompt, cached) + output x decode_ms(pool utilisation);
 a step still running at its workflow's deadline is cancelled then (its tokens
-are wasted, prorated). Routing: the workflow's last worker when its local
-queue is short (the affinity hint), else the worker with the longest cached
-prefix, then the shortest queue (a prefix-aware router, used by every policy).
+are wasted, prorated). Routing is the router's: the kv_aware policy
+(services/router/policy.py, at the router's decode weight) over every worker's
+exact cached prefix and its queued prefill tokens (the router's LoadView), and
+for pdmesh the workflow -> worker hint (services/router/workflow_affinity.py);
+a step that reaches a worker restarts its workflow's pin TTL, as the engine's
+Scheduler.add does.
 
 Workflows: single-call chat, 10-20-call copilot, 40-60-call research agent;
 each call's prompt is the conversation so far plus a new user/tool message;
@@ -35,9 +38,12 @@ Policies (same workload, same fleet):
 from __future__ import annotations
 
 import argparse
+import array
 import heapq
 import itertools
 import math
+import multiprocessing
+import os
 import random
 import sys
 import zlib
@@ -50,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.engine.api import EngineRequest
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
+from services.model.hashing import BlockHashChain
 from services.model.timing import TimingProfile, load_profile
 from services.router.admission import (
     AdmissionConfig,
@@ -59,7 +66,10 @@ from services.router.admission import (
     Waiter,
     WaiterState,
 )
+from services.router.config import RouterConfig
 from services.router.cost import RequestCost, RequestOutcome, WorkflowLedger
+from services.router.policy import Candidate, KvAwarePolicy, PolicyConfig, WorkerLoad
+from services.router.workflow_affinity import WorkflowAffinity
 from services.router.workflow_sched import WorkflowInfo, WorkflowSchedConfig
 
 BLOCK = 16
@@ -114,6 +124,8 @@ class Step:
     ticket: Ticket | None = None
     queued_at: float = 0.0
     ctx: int = 0
+    hashes: BlockHashChain | None = None
+    routed_prefill: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,7 @@ class Fleet:
         self.running = [0] * workers
         self.context = [0] * workers  # context tokens of the running steps (the mocker's K)
         self.queues: list[deque[Step]] = [deque() for _ in range(workers)]
+        self.queued_prefill = [0] * workers  # prompt tokens routed there, not started (the LoadView's)
         self.seqs: dict[int, Sequence] = {}
 
     def backlog(self, w: int) -> int:
@@ -203,7 +216,12 @@ class Sim:
         self.waiters: dict[int, Step] = {}
         self.max_wait = {k.name: 0.0 for k in KINDS}
         self.prompt_tokens = self.cached_tokens = 0
-        self.followups = self.affinity_hits = 0
+        self.followups = self.affinity_hits = self.same_home = 0
+        # The router's own routing code: kv_aware at the router's decode weight, and the hint.
+        self.router_policy = KvAwarePolicy(
+            PolicyConfig(block_size=BLOCK, decode_weight=RouterConfig().decode_weight), random.Random(7)
+        )
+        self.affinity = WorkflowAffinity() if policy.affinity else None
 
     def unloaded_s(self, w: Workflow) -> float:
         return demand_slot_s([w], self.fleet.profile, self.batch_context) + sum(w.gaps)
@@ -234,13 +252,10 @@ class Sim:
 
     def step_arrives(self, wf: Workflow) -> None:
         k = wf.step
-        rng = wf.tokens_rng
         if not wf.context:
             wf.context = list(SYSTEM)
-        wf.context += [rng.randint(300, 60_000) for _ in range(wf.msgs[k])]
-        step = Step(
-            wf, k, list(wf.context), wf.outs[k], [rng_tok(wf) for _ in range(wf.outs[k])], queued_at=self.now
-        )
+        wf.context += rng_toks(wf, wf.msgs[k])
+        step = Step(wf, k, list(wf.context), wf.outs[k], rng_toks(wf, wf.outs[k]), queued_at=self.now)
         prio = wf.kind.priority if self.policy.priorities else 0
         info = WorkflowInfo(wf.id, k, wf.spent)
         try:
@@ -266,22 +281,37 @@ class Sim:
     # ---- workers ---------------------------------------------------------------
 
     def dispatch(self, step: Step) -> None:
+        """Route as the router does (services/router/generate.py _launch): the
+        kv_aware policy over the workers, overlaps from their caches (the prefix
+        index, exact here), and for pdmesh the workflow -> worker hint's credit."""
         fleet = self.fleet
-        home = step.wf.home
-        if self.policy.affinity and home is not None and fleet.backlog(home) < 2 * fleet.slots:
-            w = home
-        else:  # prefix-aware among the workers that are not backed up
-            free = [i for i in range(len(fleet.bms)) if fleet.backlog(i) < fleet.slots + 2]
-            w = min(
-                free or range(len(fleet.bms)),
-                key=lambda i: (
-                    -fleet.bms[i].cached_prefix_tokens(step.prompt) if free else 0,
-                    fleet.backlog(i),
+        hashes = BlockHashChain(step.prompt, BLOCK)
+        overlaps = {str(i): bm.cached_prefix_blocks(hashes) for i, bm in enumerate(fleet.bms)}
+        if self.affinity is not None:
+            overlaps = self.affinity.credit(step.wf.id, hashes, overlaps, self.now)
+        cands = [
+            Candidate(
+                str(i),
+                WorkerLoad(
+                    running=fleet.running[i],
+                    waiting=len(fleet.queues[i]),
+                    tokens_waiting=fleet.queued_prefill[i],
+                    active_decode_blocks=fleet.context[i] // BLOCK,
                 ),
             )
+            for i in range(len(fleet.bms))
+        ]
+        w = int(self.router_policy.rank(cands, len(hashes), overlaps)[0].worker_id)
+        step.hashes = hashes
+        step.routed_prefill = len(step.prompt) - overlaps[str(w)] * BLOCK
+        if step.index > 0 and step.wf.home is not None:
+            self.same_home += w == step.wf.home
+        if self.policy.pins:
+            fleet.bms[w].touch_pin(step.wf.id)  # as the engine's Scheduler.add
         if fleet.running[w] < fleet.slots and not fleet.queues[w]:  # never ahead of the local queue
             self.start(w, step)
         else:
+            fleet.queued_prefill[w] += step.routed_prefill
             fleet.queues[w].append(step)
 
     def start(self, w: int, step: Step) -> None:
@@ -293,6 +323,8 @@ class Sim:
         fleet.running[w] += 1
         tokens = step.prompt + step.out_tokens
         seq = Sequence(EngineRequest(f"{step.wf.id}/{step.index}", tokens), BLOCK, None)
+        if step.hashes is not None:  # the prompt's chain, hashed once at routing (the same values)
+            seq._block_hashes = list(step.hashes)
         hits = bm.match_prefix(seq, len(step.prompt) - 1)
         if bm.allocate_slots(seq, len(tokens), hits):
             seq.num_computed_tokens = len(tokens)
@@ -343,11 +375,15 @@ class Sim:
         elif final:
             self.end(wf, True)
         else:
+            if self.affinity is not None and step.hashes is not None:
+                self.affinity.record(wf.id, str(w), step.hashes, self.now)
             wf.context += step.out_tokens
             wf.step += 1
             self.push(self.now + wf.gaps[step.index], self.step_arrives, wf)
         while fleet.queues[w] and fleet.running[w] < fleet.slots:
-            self.start(w, fleet.queues[w].popleft())
+            nxt = fleet.queues[w].popleft()
+            fleet.queued_prefill[w] -= nxt.routed_prefill
+            self.start(w, nxt)
 
     def fail_shed(self, step: Step) -> None:
         self.ledger.record_shed(step.wf.kind.name, step.wf.id, self.now)
@@ -357,6 +393,8 @@ class Sim:
 
     def end(self, wf: Workflow, ok: bool) -> None:
         wf.done, wf.ok, wf.end = True, ok, self.now
+        if self.affinity is not None:
+            self.affinity.forget(wf.id)
         self.ctl.forget_workflow(wf.id)
 
     # ---- results ---------------------------------------------------------------
@@ -381,13 +419,16 @@ class Sim:
             "by_kind": by_kind,
             "kv_hit": self.cached_tokens / max(self.prompt_tokens, 1),
             "affinity": self.affinity_hits / max(self.followups, 1),
+            "same_home": self.same_home / max(self.followups, 1),
             "pins": self.fleet.bms[0].pin_stats() if self.policy.pins else None,
         }
 
 
-def rng_tok(wf: Workflow) -> int:
+def rng_toks(wf: Workflow, n: int) -> list[int]:
+    """`n` token ids in [300, 60300) from the workflow's own generator (16 random
+    bits each: a per-token randint was a tenth of the study's time)."""
     assert wf.tokens_rng is not None
-    return wf.tokens_rng.randint(300, 60_000)
+    return [300 + x % 60_000 for x in array.array("H", wf.tokens_rng.randbytes(2 * n))]
 
 
 def mean_context(workload: list[Workflow]) -> float:
@@ -416,6 +457,23 @@ def demand_slot_s(workload: list[Workflow], p: TimingProfile, batch_context: flo
     return total
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _run_one(ov, name, base, capacity, per_wf, duration, args) -> dict:
+    pol = next(p for p in policies(base) if p.name == name)
+    sim = Sim(pol, make_workload(ov * capacity / per_wf, duration, args.seed), args)
+    sim.run()
+    return sim.results()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a shorter arrival window")
@@ -426,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin-ttl-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--overloads", type=str, default="1.5,3")
+    ap.add_argument("--policies", type=str, default="fifo,priority,las,pdmesh", help="a subset, to diagnose")
+    ap.add_argument("--jobs", type=int, default=1, help="runs (overload x policy) in parallel processes")
     args = ap.parse_args(argv)
     duration = 400.0 if args.quick else args.duration_s
     base = AdmissionConfig(
@@ -439,42 +499,58 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile("dynamo-mocker").scaled_to(args.blocks, BLOCK)
     args.batch_context = args.slots * mean_context(probe)
     per_wf = demand_slot_s(probe, profile, args.batch_context) / len(probe)
+    print(f"cpu: {_cpu_model()}, load average {os.getloadavg()[0]:.1f} (at start)")
     print(
         f"fleet: {args.workers} workers x {args.slots} slots, {args.blocks} KV blocks each; "
         f"{per_wf:.1f} slot-s per workflow; arrivals for {duration:.0f} s"
     )
+    overloads = [float(x) for x in args.overloads.split(",")]
+    names = [p.name for p in policies(base) if p.name in args.policies.split(",")]
+    jobs = [(ov, name) for ov in overloads for name in names]
+    # Each (overload, policy) run is independent and deterministic: --jobs runs them in
+    # parallel processes, with the same results as one after another.
+    if args.jobs > 1:
+        with multiprocessing.get_context("fork").Pool(min(args.jobs, len(jobs))) as pool:
+            done = pool.starmap(
+                _run_one, [(ov, name, base, capacity, per_wf, duration, args) for ov, name in jobs]
+            )
+    else:
+        done = [_run_one(ov, name, base, capacity, per_wf, duration, args) for ov, name in jobs]
+    results = dict(zip(jobs, done, strict=True))
     last: dict[str, dict] = {}
-    for ov in (float(x) for x in args.overloads.split(",")):
+    for ov in overloads:
         rate = ov * capacity / per_wf
-        workload = make_workload(rate, duration, args.seed)
-        print(f"\n== overload {ov:g}x: {rate:.2f} workflows/s, {len(workload)} workflows")
+        n = len(make_workload(rate, duration, args.seed))
+        print(f"\n== overload {ov:g}x: {rate:.2f} workflows/s, {n} workflows")
         print(
             f"{'policy':9} {'done':>5} {'rate':>6} {'cost/ok':>8} {'waste/ok':>9} {'p99_s':>7} "
             f"{'max_wait_s':>10} {'kv_hit':>6} {'affin':>6}  done by class / longest wait by class"
         )
         rows = {}
-        for pol in policies(base):
-            sim = Sim(pol, workload, args)
-            sim.run()
-            r = rows[pol.name] = sim.results()
+        for name in names:
+            r = rows[name] = results[(ov, name)]
             classes = " ".join(f"{k}={r['by_kind'][k]:.2f}/{r['waits'][k]:.0f}s" for k in r["by_kind"])
             print(
-                f"{pol.name:9} {r['done']:5d} {r['rate']:6.2f} {r['cost']:8.0f} {r['waste']:9.0f} "
+                f"{name:9} {r['done']:5d} {r['rate']:6.2f} {r['cost']:8.0f} {r['waste']:9.0f} "
                 f"{r['p99']:7.1f} {r['max_wait']:10.1f} {r['kv_hit']:6.2f} {r['affinity']:6.2f}  {classes}"
             )
             if r["pins"] is not None:
                 p = r["pins"]
                 print(
-                    f"{'':9} worker 0 pins: expired={p.pins_expired} evicted={p.pins_evicted} released={p.pins_released}"
+                    f"{'':9} worker 0 pins: expired={p.pins_expired} evicted={p.pins_evicted} "
+                    f"released={p.pins_released}; next step routed to its last worker {r['same_home']:.2f}"
                 )
         last = rows
+    if not {"fifo", "las", "pdmesh"} <= last.keys():
+        return 0
     f, las, full = last["fifo"], last["las"], last["pdmesh"]
     print(
         f"\nworkflows done_vs_fifo={full['done'] / max(f['done'], 1):.2f} "
-        f"waste_vs_fifo={full['waste'] / f['waste']:.2f} "
+        f"waste_vs_fifo={full['waste'] / f['waste'] if f['waste'] else math.nan:.2f} "
         f"done_vs_las={full['done'] / max(las['done'], 1):.2f} "
         f"affinity_hit={full['affinity']:.2f} max_wait_s={full['max_wait']:.1f}"
     )
+    print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
     return 0
 
 

@@ -15,7 +15,8 @@ Workflow pins: between two steps of an agent workflow (a tool call, the user
 thinking) the engine keeps the workflow's cached blocks out of the free queue
 for `pin_ttl_s`, so the next step's prompt (the conversation so far) is still a
 cache hit (cf. Continuum). A pin holds one reference per block. It ends on its
-TTL (`expire_pins`, counted as expired), when the workflow ends (`unpin`), when
+TTL (`expire_pins`, counted as expired; the TTL restarts when the workflow's
+next step reaches the scheduler, `touch_pin`, so a queued step keeps it), when the workflow ends (`unpin`), when
 the next step pins again (replaced), or under pressure: an allocation that
 would fail releases pins lowest value first (fewest blocks = least recompute
 lost, then the soonest to expire), counted as evicted.
@@ -205,6 +206,19 @@ class BlockManager:
                 n += 1
         return n * self.block_size
 
+    def cached_prefix_blocks(self, hashes: Seq[int]) -> int:
+        """Leading blocks of the chain `hashes` cached here (hashed once by the caller
+        for every worker it asks). Thread-safe."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._cached:
+                    break
+                n += 1
+        return n
+
     def allocate_slots(self, seq: Sequence, num_tokens: int, cached: Seq[int] = ()) -> bool:
         """Grow `seq.block_table` to cover `num_tokens` tokens, first taking the
         prefix-cache hits `cached` (admission only). All or nothing: False, with
@@ -336,6 +350,16 @@ class BlockManager:
             self._pins[workflow_id] = _Pin(keep, self._clock() + self.pin_ttl_s)
             self._pinned_blocks += len(keep)
         return len(keep)
+
+    def touch_pin(self, workflow_id: str) -> bool:
+        """The workflow's next step arrived: its pin now lasts pin_ttl_s from here,
+        so it survives the step's wait in the queue (the TTL is meant to cover the
+        think / tool time between steps, not a backlog). False if it had none."""
+        pin = self._pins.get(workflow_id) if workflow_id else None
+        if pin is None:
+            return False
+        pin.expires_at = max(pin.expires_at, self._clock() + self.pin_ttl_s)
+        return True
 
     def unpin(self, workflow_id: str) -> bool:
         """The workflow ended: release its pin. False if it had none."""

@@ -61,6 +61,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence behind those of equal or higher priority."""
+        if seq.workflow_id:  # the workflow's pinned context must outlive this step's wait
+            self.block_manager.touch_pin(seq.workflow_id)
         i = len(self.waiting)
         while i > 0 and self.waiting[i - 1].priority < seq.priority:
             i -= 1

@@ -44,6 +44,7 @@ from services.router.prefix_pull import PrefixPullConfig
 from services.router.registry import RegistryConfig, parse_target
 from services.router.retries import RetryAttachConfig
 from services.router.retry_budget import RetryBudgetConfig
+from services.router.workflow_affinity import WorkflowRoutingConfig
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,7 @@ class RouterSettings:
     retry_attach: RetryAttachConfig = field(default_factory=RetryAttachConfig)  # retried arrivals
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     prefix_pull: PrefixPullConfig = field(default_factory=PrefixPullConfig)  # issue 17 item 3
+    workflow: WorkflowRoutingConfig = field(default_factory=WorkflowRoutingConfig)  # issue 21
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -285,6 +287,7 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("retry_attach", RetryAttachConfig, "retry_attach_"),
     ("index", PrefixIndexConfig, "index_"),
     ("prefix_pull", PrefixPullConfig, "prefix_pull_"),
+    ("workflow", WorkflowRoutingConfig, "workflow_"),
     ("tls", TlsConfig, "tls_"),
     ("auth", AuthConfig, ""),
     ("tracing", TracingConfig, ""),

@@ -62,6 +62,8 @@ from services.router.prefix_index import PrefixIndex
 from services.router.prefix_pull import PrefixPullPlanner, PullPlan, plan_for_ranking
 from services.router.registry import WorkerRegistry, WorkerRole
 from services.router.retry_budget import RetryBudget
+from services.router.workflow_routing import WorkflowRouting
+from services.router.workflow_sched import NO_WORKFLOW
 
 log = structlog.get_logger()
 
@@ -129,6 +131,8 @@ class RoutingContext:
     reroute: Callable[[str, str], int] = lambda worker_id, cause: 0
     pull_planner: PrefixPullPlanner | None = None  # prefixes pulled instead of recomputed; None: off
     hash_memo: HashMemo | None = None  # prompt block hashes computed before; None: hash every time
+    # The request's WorkflowContext in admission, recovery, routing and cost (issue 21); None: ignored.
+    workflows: WorkflowRouting | None = None
 
 
 def _worker_of(ch: Choice) -> str:
@@ -161,8 +165,15 @@ class RequestFlow:
     def __init__(self, ctx: RoutingContext, req: FlowRequest):
         self.ctx = ctx
         self.req = req
+        wf = ctx.workflows
+        self._wf_info = wf.info(req.workflow) if wf is not None else NO_WORKFLOW
+        self._hashes: BlockHashChain | None = None  # the last attempt's prompt chain (workflow hint)
         self.journey = RequestJourney(
-            req.request_id, req.prompt_token_ids, req.max_tokens, ctx.journey_config
+            req.request_id,
+            req.prompt_token_ids,
+            req.max_tokens,
+            ctx.journey_config,
+            sunk_tokens=self._wf_info.tokens_spent,
         )
         self._wake = asyncio.Event()
         self._attempt: DecodeAttempt | None = None
@@ -231,7 +242,17 @@ class RequestFlow:
                     )
                 self.ctx.ledger.record(self._cost)
                 self._count_waste()
-            self.ctx.gate.release(ticket)
+                if self.ctx.workflows is not None:
+                    self.ctx.workflows.finished(
+                        self.req.tenant,
+                        self.req.workflow,
+                        self._cost,
+                        self.worker_id,
+                        self._hashes,
+                        self.ctx.clock(),
+                    )
+            served = self._cost.computed_tokens if self._cost is not None else 0
+            self.ctx.gate.release(ticket, served)  # charged to the workflow's attained service
 
     def _count_waste(self) -> None:
         """`pdmesh_router_wasted_tokens_by_cause_total{cause}`, once per request (the copies
@@ -247,7 +268,9 @@ class RequestFlow:
         deadline = None if req.timeout_s is None else ctx.clock() + req.timeout_s
         cost = len(req.prompt_token_ids) + req.max_tokens
         try:
-            return await ctx.gate.acquire(req.tenant, req.priority, cost, deadline, self._on_queued)
+            return await ctx.gate.acquire(
+                req.tenant, req.priority, cost, deadline, self._on_queued, self._wf_info
+            )
         except DeadlineUnreachable as e:
             self._shed(e.reason)
             raise DeadlineExceeded(str(e)) from e
@@ -265,6 +288,8 @@ class RequestFlow:
 
     def _shed(self, reason: str) -> None:
         self.ctx.ledger.record_shed()
+        if self.ctx.workflows is not None:
+            self.ctx.workflows.shed(self.req.tenant, self.req.workflow, self.ctx.clock())
         if self.ctx.metrics is not None:
             self.ctx.metrics.shed(reason)
 
@@ -369,7 +394,7 @@ class RequestFlow:
         decision = self.journey.fail_attempt(
             err.retryable,
             another_worker=self._another_worker(),
-            retry_budget=err.reroute or ctx.budget.can_retry(),
+            retry_budget=err.reroute or ctx.budget.can_retry(self._wf_info.tokens_spent),
         )
         log.info(
             "attempt_failed",
@@ -426,6 +451,11 @@ class RequestFlow:
             for c in ctx.registry.eligible(WorkerRole.DECODE)
             if c.worker_id not in plan.exclude_workers and not saturated(c, cfg)
         ]
+        if ctx.workflows is not None and self._wf_info.workflow_id:  # the workflow's last worker
+            overlaps = ctx.workflows.credit(
+                self.req.workflow, hashes, overlaps, now, {c.worker_id for c in cands}
+            )
+        self._hashes = hashes
         own = ctx.load_view.totals() if ctx.load_view is not None else None
         credits = None  # host-tier hits: credited by what each worker measured (tier_index)
         tier_credits = getattr(ctx.index, "tier_credits", None)

@@ -63,6 +63,7 @@ from services.router.retries import RetriedArrivals, SharedFlow
 from services.router.retry_budget import RetryBudget
 from services.router.tier_index import TieredPrefixIndex
 from services.router.worker_pool import WorkerPool
+from services.router.workflow_routing import WorkflowRouting
 
 log = structlog.get_logger()
 
@@ -154,6 +155,8 @@ class Router:
             settings.admission, clock, self.auth.limits_for if self.auth is not None else None
         )
         self.gate = AdmissionGate(self.admission, clock)
+        self.workflows = WorkflowRouting(settings.workflow, self.admission)
+        self.workflows.attach_metrics(self.metrics.registry)
         self.pool = WorkerPool(
             cfg,
             self.registry,
@@ -192,6 +195,7 @@ class Router:
             if settings.prefix_pull.enabled
             else None,
             hash_memo=HashMemo(),
+            workflows=self.workflows,
         )
         self.flows: dict[str, RequestFlow] = {}
         # Keyed requests, so that a client's retry joins the running one (retries.py).
@@ -221,6 +225,7 @@ class Router:
             await asyncio.sleep(self.config.housekeeping_interval_s)
             await self.expire_leases()
             self._export_worker_gauges()
+            self.workflows.publish(self.clock())
 
     def _export_worker_gauges(self) -> None:
         counts: dict[tuple[str, str], int] = {}

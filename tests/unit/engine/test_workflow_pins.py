@@ -121,3 +121,23 @@ def test_scheduler_pins_a_finished_step_not_an_aborted_one_and_the_final_step_un
     computed(bm, s2)
     sched.finish(s2, SequenceStatus.FINISHED)
     assert bm.pinned("wf") == 0 and bm.num_free_blocks == 8
+
+
+def test_the_next_step_reaching_the_scheduler_restarts_the_pin_ttl_so_a_queued_step_keeps_it():
+    # Before the fix the TTL ran from the end of the previous step only, so a step that
+    # waited in a queue longer than TTL - think time found its context gone.
+    bm, clock = pinned_manager(ttl=10.0)
+    sched = Scheduler(bm, 4, 64)
+    s0 = wf_seq(range(8), "s0")
+    computed(bm, s0)
+    sched.finish(s0, SequenceStatus.FINISHED)
+    assert bm.pinned("wf") == 2
+    clock.t += 6.0  # think time
+    s1 = wf_seq([*range(8), *range(40, 48)], "s1")
+    sched.add(s1)  # queued behind others
+    clock.t += 8.0  # 14 s after the pin: past its first TTL, within the restarted one
+    assert bm.expire_pins() == 0 and bm.pinned("wf") == 2
+    assert bm.cached_prefix_tokens(list(range(8))) == 8
+    clock.t += 2.1
+    assert bm.expire_pins() == 1 and bm.num_free_blocks == 8
+    assert not bm.touch_pin("wf") and not bm.touch_pin("")

@@ -1,0 +1,131 @@
+"""Heterogeneous workers: each worker's own speed, learned online, and its warm models.
+
+Owns one `WorkerProfile` per worker: what it registered (accelerator kind and
+generation, memory headroom, warm models, model load time: WorkerInfo fields
+30-33) and exponentially weighted means of its *measured* seconds per prefill
+token and per decode token. Labels are not rates: two workers of one
+generation differ (clocks, neighbours, a noisy host), so the rates come only
+from what the router saw each worker do (`observe_prefill`: a first token
+after `tokens` prompt tokens to compute; `observe_decode`: `tokens` generated
+in `seconds`).
+
+`predict_s` is the time a request would take on a worker: prefill + decode at
+that worker's rates (the fleet's median rate while it has no sample yet, so a
+new worker is neither favoured nor shunned), plus the model's load time when
+the model is not warm there. `cost_per_token` divides it by the tokens the
+request delivers: the router's "cost per successful token" in seconds of that
+worker. Plain, synchronous.
+
+Not wired yet: the routing policy (services/router/policy.py) ranks on blocks,
+not seconds; feeding `predict_s` into its cost is the next step (issue 21 item 3).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from services.common.config import require, setting
+
+
+@dataclass(frozen=True)
+class WorkerProfileConfig:
+    alpha: float = setting(0.2, "weight of the latest sample in a worker's rate mean")
+    default_prefill_s_per_token: float = setting(1e-4, "prefill rate assumed before any worker is measured")
+    default_decode_s_per_token: float = setting(2e-2, "decode rate assumed before any worker is measured")
+    default_load_s: float = setting(30.0, "load time charged for a cold model when the worker gave none")
+
+    def __post_init__(self) -> None:
+        require(0 < self.alpha <= 1, "alpha must be in (0, 1]")
+        require(self.default_prefill_s_per_token > 0, "default_prefill_s_per_token must be > 0")
+        require(self.default_decode_s_per_token > 0, "default_decode_s_per_token must be > 0")
+        require(self.default_load_s >= 0, "default_load_s must be >= 0")
+
+
+@dataclass
+class WorkerProfile:
+    worker_id: str
+    accelerator: str = ""  # kind/generation as registered, e.g. "cuda/h200"; a label only
+    memory_headroom_bytes: int = 0
+    warm_models: frozenset[str] = field(default_factory=frozenset)
+    model_load_s: float = 0.0
+    prefill_s_per_token: float | None = None  # measured (EWMA); None: no sample yet
+    decode_s_per_token: float | None = None
+
+
+class WorkerProfiles:
+    def __init__(self, config: WorkerProfileConfig | None = None):
+        self.config = config or WorkerProfileConfig()
+        self._by_worker: dict[str, WorkerProfile] = {}
+
+    def register(
+        self,
+        worker_id: str,
+        *,
+        accelerator: str = "",
+        memory_headroom_bytes: int = 0,
+        warm_models: tuple[str, ...] = (),
+        model_load_s: float = 0.0,
+    ) -> WorkerProfile:
+        """A worker joined or re-registered: its description; learned rates are kept."""
+        p = self._by_worker.get(worker_id) or WorkerProfile(worker_id)
+        p.accelerator = accelerator
+        p.memory_headroom_bytes = max(memory_headroom_bytes, 0)
+        p.warm_models = frozenset(warm_models)
+        p.model_load_s = max(model_load_s, 0.0)
+        self._by_worker[worker_id] = p
+        return p
+
+    def forget(self, worker_id: str) -> None:
+        self._by_worker.pop(worker_id, None)
+
+    def get(self, worker_id: str) -> WorkerProfile | None:
+        return self._by_worker.get(worker_id)
+
+    def observe_prefill(self, worker_id: str, tokens: int, seconds: float) -> None:
+        """`worker_id` computed `tokens` prompt tokens and sent a first token after `seconds`."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        p = self._profile(worker_id)
+        p.prefill_s_per_token = self._mix(p.prefill_s_per_token, seconds / tokens)
+
+    def observe_decode(self, worker_id: str, tokens: int, seconds: float) -> None:
+        """`worker_id` generated `tokens` tokens in `seconds` (after the first)."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        p = self._profile(worker_id)
+        p.decode_s_per_token = self._mix(p.decode_s_per_token, seconds / tokens)
+
+    def predict_s(self, worker_id: str, prefill_tokens: int, decode_tokens: int, model_id: str = "") -> float:
+        """Seconds a request would take on `worker_id`: its prefill and decode at
+        the worker's measured rates, plus the load time of a model not warm there."""
+        p = self._profile(worker_id)
+        pre = p.prefill_s_per_token or self._fleet_median("prefill_s_per_token")
+        dec = p.decode_s_per_token or self._fleet_median("decode_s_per_token")
+        t = max(prefill_tokens, 0) * pre + max(decode_tokens, 0) * dec
+        if model_id and model_id not in p.warm_models:
+            t += p.model_load_s or self.config.default_load_s
+        return t
+
+    def cost_per_token(
+        self, worker_id: str, prefill_tokens: int, decode_tokens: int, model_id: str = ""
+    ) -> float:
+        """Predicted worker-seconds per token delivered (decode_tokens >= 1)."""
+        return self.predict_s(worker_id, prefill_tokens, decode_tokens, model_id) / max(decode_tokens, 1)
+
+    def _fleet_median(self, attr: str) -> float:
+        seen = [v for p in self._by_worker.values() if (v := getattr(p, attr)) is not None]
+        if seen:
+            return statistics.median(seen)
+        if attr == "prefill_s_per_token":
+            return self.config.default_prefill_s_per_token
+        return self.config.default_decode_s_per_token
+
+    def _mix(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self.config.alpha * (sample - old)
+
+    def _profile(self, worker_id: str) -> WorkerProfile:
+        p = self._by_worker.get(worker_id)
+        if p is None:
+            p = self._by_worker[worker_id] = WorkerProfile(worker_id)
+        return p

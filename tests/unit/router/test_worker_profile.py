@@ -1,0 +1,52 @@
+"""Per-worker rates learned online and cold-model charges (services/router/worker_profile.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.worker_profile import WorkerProfileConfig, WorkerProfiles
+
+
+def test_rates_come_from_measurements_not_labels():
+    prof = WorkerProfiles(WorkerProfileConfig(alpha=0.5))
+    # Same label, different measured speed: the prediction follows the measurements.
+    prof.register("a", accelerator="cuda/h200", warm_models=("m",))
+    prof.register("b", accelerator="cuda/h200", warm_models=("m",))
+    prof.observe_prefill("a", 1000, 0.1)
+    prof.observe_prefill("b", 1000, 0.4)
+    prof.observe_decode("a", 10, 0.1)
+    prof.observe_decode("b", 10, 0.3)
+    assert prof.predict_s("a", 1000, 10, "m") == pytest.approx(0.2)
+    assert prof.predict_s("b", 1000, 10, "m") == pytest.approx(0.7)
+    prof.observe_prefill("a", 1000, 0.3)  # slower now: the mean moves halfway
+    assert prof.get("a").prefill_s_per_token == pytest.approx(2e-4)
+    assert prof.cost_per_token("a", 1000, 10, "m") == pytest.approx((0.2 + 0.1) / 10)
+
+
+def test_an_unmeasured_worker_gets_the_fleet_median_and_a_cold_model_its_load_time():
+    prof = WorkerProfiles(WorkerProfileConfig(default_load_s=30.0))
+    for w, s in (("a", 0.1), ("b", 0.2), ("c", 0.6)):
+        prof.register(w, warm_models=("m",))
+        prof.observe_prefill(w, 100, s)
+    prof.register("new", warm_models=("other",), model_load_s=12.0)
+    assert prof.predict_s("new", 100, 0, "other") == pytest.approx(0.2)  # the median rate
+    assert prof.predict_s("new", 100, 0, "m") == pytest.approx(0.2 + 12.0)  # "m" is cold there
+    prof.register("unsaid")  # no load time registered: the default is charged
+    assert prof.predict_s("unsaid", 0, 0, "m") == pytest.approx(30.0)
+    assert prof.predict_s("unsaid", 0, 0) == 0.0  # no model named: nothing to load
+
+
+def test_bad_samples_are_ignored_and_rates_survive_re_registration():
+    prof = WorkerProfiles()
+    prof.register("a")
+    prof.observe_prefill("a", 0, 1.0)
+    prof.observe_decode("a", 5, 0.0)
+    assert prof.get("a").prefill_s_per_token is None and prof.get("a").decode_s_per_token is None
+    prof.observe_decode("a", 5, 0.5)
+    prof.register("a", memory_headroom_bytes=-3)
+    assert prof.get("a").decode_s_per_token == pytest.approx(0.1)
+    assert prof.get("a").memory_headroom_bytes == 0
+    prof.forget("a")
+    assert prof.get("a") is None
+    with pytest.raises(ValueError):
+        WorkerProfileConfig(alpha=0)

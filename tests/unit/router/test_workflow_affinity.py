@@ -1,0 +1,63 @@
+"""The workflow -> worker hint (services/router/workflow_affinity.py), on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.model.hashing import BlockHashChain
+from services.router.workflow_affinity import WorkflowAffinity, WorkflowRoutingConfig
+
+BS = 4
+
+
+def chain(tokens) -> BlockHashChain:
+    return BlockHashChain(list(tokens), BS)
+
+
+def test_the_home_worker_is_credited_the_previous_prompt_when_the_new_one_extends_it():
+    aff = WorkflowAffinity()
+    step0 = list(range(10))  # 2 full blocks
+    aff.record("wf", "w1", chain(step0), now=0.0)
+    step1 = [*step0, 90, 91, 92, 93, 94, 95]  # 4 blocks, extends step 0's prompt
+    got = aff.credit("wf", chain(step1), {"w2": 1}, now=1.0)
+    assert got == {"w2": 1, "w1": 2}
+    assert aff.hits == 1 and aff.misses == 0
+
+
+def test_no_credit_when_the_prompt_diverges_the_hint_expired_or_the_home_is_not_eligible():
+    aff = WorkflowAffinity(WorkflowRoutingConfig(affinity_ttl_s=10.0))
+    aff.record("wf", "w1", chain(range(8)), now=0.0)
+    other = [0, 1, 2, 3, 99, 5, 6, 7, 8]  # block 1 differs
+    assert aff.credit("wf", chain(other), {}, now=1.0) == {}
+    assert aff.credit("wf", chain(range(12)), {}, now=1.0, eligible={"w2"}) == {}
+    assert aff.credit("wf", chain(range(12)), {}, now=10.0) == {}  # expired
+    assert aff.misses == 3 and aff.hits == 0 and len(aff) == 0
+
+
+def test_the_index_overlap_wins_when_it_is_larger_and_unknown_workflows_are_passed_through():
+    aff = WorkflowAffinity()
+    aff.record("wf", "w1", chain(range(8)), now=0.0)
+    overlaps = {"w1": 3}
+    assert aff.credit("wf", chain(range(16)), overlaps, now=0.0) is overlaps
+    assert aff.credit("other", chain(range(16)), overlaps, now=0.0) is overlaps
+    assert aff.credit("", chain(range(16)), overlaps, now=0.0) is overlaps
+    assert (aff.hits, aff.misses) == (1, 0)
+
+
+def test_forget_and_forget_worker_and_the_bound():
+    aff = WorkflowAffinity(WorkflowRoutingConfig(max_workflows=2))
+    for i in range(3):
+        aff.record(f"wf{i}", "w1" if i else "w2", chain(range(8)), now=float(i))
+    assert len(aff) == 2 and aff.home("wf0", 3.0) is None  # least recently seen dropped
+    assert aff.forget_worker("w1") == 2 and len(aff) == 0
+    aff.record("a", "w1", chain(range(8)), now=0.0)
+    aff.forget("a")
+    assert aff.home("a", 0.0) is None
+    aff.record("", "w1", chain(range(8)), now=0.0)
+    aff.record("b", "w1", chain(range(3)), now=0.0)  # under a block: nothing to credit
+    assert len(aff) == 0
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        WorkflowRoutingConfig(affinity_ttl_s=0)
