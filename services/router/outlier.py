@@ -85,6 +85,9 @@ class OutlierConfig:
     eval_interval_s: float = setting(0.5, "quantiles are recomputed at most this often")
     live_enabled: bool = setting(True, "judge workers also by the requests in flight there (`track`)")
     live_min_attempts: int = setting(2, "attempts in flight a worker needs to be judged by them")
+    live_min_age_s: float = setting(
+        0.5, "an attempt is judged live once this old (from its first message for ITL): scheduling noise"
+    )
 
     def __post_init__(self) -> None:
         require(self.window_s > 0 and self.max_samples >= 1, "need window_s > 0 and max_samples >= 1")
@@ -100,6 +103,7 @@ class OutlierConfig:
         require(self.probe_requests >= 1 and self.probe_successes >= 1, "probe counts must be >= 1")
         require(self.probe_timeout_s > 0 and self.eval_interval_s >= 0, "bad probe or eval interval")
         require(self.live_min_attempts >= 1, "live_min_attempts must be >= 1")
+        require(self.live_min_age_s >= 0, "live_min_age_s must be >= 0")
 
 
 TTFT, ITL = 0, 1
@@ -285,6 +289,11 @@ class OutlierDetector:
             dq.popleft()
         return [v for _, v in dq]
 
+    def tick(self) -> None:
+        """Evaluate if an interval has passed (the router's housekeeping calls it, so that
+        requests in flight on a worker that stopped are judged with no traffic arriving)."""
+        self._maybe_evaluate(self._clock())
+
     def evaluate(self) -> None:
         """Recompute every worker's quantiles, scores and states now."""
         self._last_eval = -math.inf
@@ -355,9 +364,13 @@ class OutlierDetector:
         w.live = live = [a for a in w.live if not a.ended]
         ttft: list[float] = []
         itl: list[float] = []
+        age = self.config.live_min_age_s  # a gap or two of a young stream is the OS's noise
         for a in live:
             if a.first_at is None:
-                ttft.append((now - a.started) / (1 + max(a.prefill_blocks, 0)))
+                if now - a.started >= age:
+                    ttft.append((now - a.started) / (1 + max(a.prefill_blocks, 0)))
+            elif now - a.first_at < age:
+                continue
             elif (later := a.later_tokens) >= 1:
                 itl.append(max((a.last_at - a.first_at) / later, now - a.last_at))
             else:

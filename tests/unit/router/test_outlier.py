@@ -238,13 +238,14 @@ class Flight:
         self.last_at = at
 
 
-def streaming(det, clock, worker: str, gap: float, n: int = 3) -> list[Flight]:
-    """`n` attempts on `worker`, each past its first token and 3 more `gap` apart, the last now."""
+def streaming(det, clock, worker: str, gap: float, n: int = 3, age: float = 1.0) -> list[Flight]:
+    """`n` attempts on `worker`, streaming for `age` seconds, a token every `gap`, the last now."""
     out = []
+    later = max(1, round(age / gap))
     for _ in range(n):
-        first = clock.t - 3 * gap
+        first = clock.t - later * gap
         f = Flight(worker, first - 0.05)
-        for k in range(4):
+        for k in range(later + 1):
             f.tokens(first + k * gap)
         det.track(f)
         out.append(f)
@@ -329,6 +330,20 @@ def test_one_live_attempt_is_not_enough_and_a_slow_probe_is_ejected_again():
     clock.t += 0.05
     det.evaluate()
     assert det.state("w0") is OutlierState.PROBING  # its first token came in time
-    advance(det, clock, ("w1", "w2", "w3"), 0.3)  # then nothing for 300 ms, against 30 ms a token
+    advance(det, clock, ("w1", "w2", "w3"), 0.6)  # then nothing for 600 ms, against 30 ms a token
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED
+
+
+def test_young_streams_are_not_judged_the_os_may_have_delayed_a_gap_or_two():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, live_min_age_s=0.5))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    for i in (1, 2, 3):
+        streaming(det, clock, f"w{i}", 0.03)
+    streaming(det, clock, "w0", 0.15, age=0.3)  # 5x slower, but for 0.3 s only
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
+    streaming(det, clock, "w0", 0.15, age=0.6)
     det.evaluate()
     assert det.state("w0") is OutlierState.EJECTED
