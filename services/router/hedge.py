@@ -30,6 +30,9 @@ class HedgeConfig:
     multiple: float = setting(3.0, "hedge after this many times the worker's predicted TTFT")
     min_delay_s: float = setting(0.05, "never hedge sooner than this after the attempt started")
     max_hedges: int = setting(1, "copies of one request at most")
+    require_faster: bool = setting(
+        True, "hedge only to a worker whose predicted TTFT + queue wait is under the primary's wait so far"
+    )
 
     def __post_init__(self) -> None:
         require(self.multiple > 0, "multiple must be > 0")

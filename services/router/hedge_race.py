@@ -100,7 +100,8 @@ class HedgeRace:
         faster = [
             c
             for c in cands
-            if worth_hedging(
+            if not ctx.hedge.require_faster
+            or worth_hedging(
                 waited,
                 ctx.outliers.predicted_ttft(c.worker_id, primary.prefill_blocks),
                 c.load.estimated_wait_ms / 1000.0,

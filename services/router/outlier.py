@@ -85,6 +85,9 @@ class OutlierConfig:
     eval_interval_s: float = setting(0.5, "quantiles are recomputed at most this often")
     live_enabled: bool = setting(True, "judge workers also by the requests in flight there (`track`)")
     live_min_attempts: int = setting(2, "attempts in flight a worker needs to be judged by them")
+    live_eject_after_s: float = setting(
+        2.0, "the live view ejects only after this long above eject_ratio (before: it deprioritises)"
+    )
     live_min_age_s: float = setting(
         0.5, "an attempt is judged live once this old (from its first message for ITL): scheduling noise"
     )
@@ -104,6 +107,7 @@ class OutlierConfig:
         require(self.probe_timeout_s > 0 and self.eval_interval_s >= 0, "bad probe or eval interval")
         require(self.live_min_attempts >= 1, "live_min_attempts must be >= 1")
         require(self.live_min_age_s >= 0, "live_min_age_s must be >= 0")
+        require(self.live_eject_after_s >= 0, "live_eject_after_s must be >= 0")
 
 
 TTFT, ITL = 0, 1
@@ -137,6 +141,7 @@ class _Worker:
         self.median_ttft: float | None = None
         self.live: list = []  # attempts in flight here (`track`), pruned as they end
         self.live_values: list[float | None] = [None, None]  # their medians at the last evaluation
+        self.live_bad_since: float | None = None  # live score >= eject_ratio since (HEALTHY)
 
 
 class OutlierDetector:
@@ -330,9 +335,21 @@ class OutlierDetector:
                 continue
             if w.state is not OutlierState.HEALTHY:
                 continue
-            w.score = max(self._score(wid, w), self._live_score(wid, w))
+            window, live = self._score(wid, w), self._live_score(wid, w)
+            w.score = max(window, live)
             w.factor = min(w.score, cfg.max_factor) if w.score >= cfg.deprioritise_ratio else 1.0
-            if w.score >= cfg.eject_ratio and self._may_eject(w.role):
+            # The live view steers new requests away at once (the factor) but ejects only when
+            # it has said so for live_eject_after_s: on a CPU-starved machine a healthy worker's
+            # streams can all be late for a moment, and ejecting it then takes capacity away
+            # when it is needed most (the faults study's fault-free run cascaded that way).
+            if live >= cfg.eject_ratio:
+                if w.live_bad_since is None:
+                    w.live_bad_since = now
+            else:
+                w.live_bad_since = None
+            sustained = w.live_bad_since is not None and now - w.live_bad_since >= cfg.live_eject_after_s
+            if (window >= cfg.eject_ratio or sustained) and self._may_eject(w.role):
+                w.live_bad_since = None
                 self._eject(wid, w, now)
         self.inflated = any(w.factor > 1 for w in self._workers.values())
 

@@ -175,7 +175,9 @@ async def test_a_hedge_that_loses_is_cancelled_and_counted_as_waste(mesh, sims):
     h = await mesh.router(
         decode=[a, b],
         policy="round_robin",
-        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0),  # hedge every request at once
+        # Hedge every request at once, wherever the copy goes (require_faster would refuse a copy
+        # no faster than a primary that has waited ~0 s).
+        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0, require_faster=False),
         outlier=OutlierConfig(min_samples=1, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
         retry_budget=RetryBudgetConfig(min_retries_per_second=10.0),
     )

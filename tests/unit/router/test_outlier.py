@@ -252,15 +252,19 @@ def streaming(det, clock, worker: str, gap: float, n: int = 3, age: float = 1.0)
     return out
 
 
-def advance(det, clock, workers, seconds: float, gap: float = 0.03) -> None:
-    """The clock moves on by `seconds`; the streams on `workers` get a token every `gap`."""
+def advance(det, clock, workers, seconds: float, gap: float = 0.03, gaps: dict | None = None) -> None:
+    """The clock moves on by `seconds`; the streams on `workers` get a token every `gap`
+    (or every `gaps[worker]`), in steps of 10 ms."""
+    gaps = {**{w: gap for w in workers}, **(gaps or {})}
     end = clock.t + seconds
-    flights = [f for w in workers for f in det._workers[w].live]
-    while clock.t + gap <= end + 1e-9:
-        clock.t += gap
-        for f in flights:
-            f.tokens(clock.t)
-    clock.t = end
+    due = {w: clock.t + g for w, g in gaps.items()}
+    while clock.t < end - 1e-9:
+        clock.t = min(clock.t + 0.01, end)
+        for w, g in gaps.items():
+            if clock.t >= due[w] - 1e-9:
+                due[w] += g
+                for f in det._workers[w].live:
+                    f.tokens(clock.t)
 
 
 def test_a_worker_turning_slow_is_ejected_from_its_requests_in_flight_before_any_ends():
@@ -272,6 +276,14 @@ def test_a_worker_turning_slow_is_ejected_from_its_requests_in_flight_before_any
     flights = streaming(det, clock, "w0", 0.15)
     for i in (1, 2, 3):
         streaming(det, clock, f"w{i}", 0.03)
+    det.evaluate()
+    # At once: steered away in proportion (5x), not yet ejected (the live view must say so
+    # for live_eject_after_s, 2 s: a CPU-starved moment must not take a worker out).
+    assert det.state("w0") is OutlierState.HEALTHY and det.factor("w0") == pytest.approx(5.0, rel=0.1)
+    advance(det, clock, ("w1", "w2", "w3"), 1.0, gaps={"w0": 0.15})
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
+    advance(det, clock, ("w1", "w2", "w3"), 1.05, gaps={"w0": 0.15})
     det.evaluate()
     assert det.state("w0") is OutlierState.EJECTED
     assert all(det.state(f"w{i}") is OutlierState.HEALTHY for i in (1, 2, 3))
@@ -303,6 +315,9 @@ def test_a_stopped_worker_is_seen_by_the_gap_its_streams_are_in_now():
     det.evaluate()
     assert det.state("w0") is OutlierState.HEALTHY
     advance(det, clock, ("w1", "w2", "w3"), 0.5)  # w0 stops; the others' streams go on
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY and det.factor("w0") > 5  # steered away at once
+    advance(det, clock, ("w1", "w2", "w3"), 2.05)
     det.evaluate()
     assert det.state("w0") is OutlierState.EJECTED
 
@@ -343,7 +358,23 @@ def test_young_streams_are_not_judged_the_os_may_have_delayed_a_gap_or_two():
         streaming(det, clock, f"w{i}", 0.03)
     streaming(det, clock, "w0", 0.15, age=0.3)  # 5x slower, but for 0.3 s only
     det.evaluate()
-    assert det.state("w0") is OutlierState.HEALTHY
+    assert det.factor("w0") == 1.0
     streaming(det, clock, "w0", 0.15, age=0.6)
     det.evaluate()
-    assert det.state("w0") is OutlierState.EJECTED
+    assert det.factor("w0") > 1.0
+
+
+def test_a_moment_of_live_slowness_deprioritises_but_does_not_eject():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, live_eject_after_s=2.0))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    for i in range(4):
+        streaming(det, clock, f"w{i}", 0.03)
+    advance(det, clock, ("w0", "w1", "w2", "w3"), 0.5, gaps={"w0": 0.15})  # w0 late for 1.5 s
+    det.evaluate()
+    advance(det, clock, ("w0", "w1", "w2", "w3"), 1.0, gaps={"w0": 0.15})
+    det.evaluate()
+    assert det.factor("w0") > 1.0
+    advance(det, clock, ("w0", "w1", "w2", "w3"), 1.0)  # and back to its peers' pace
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
