@@ -703,6 +703,11 @@ def main(argv: list[str] | None = None) -> int:
         per_rep.append(fig)
         if args.repeat > 1:
             out("  " + rep.summary_line(fig) + f" (repetition {k + 1}, seed {seed})")
+        if not rep.valid(fig):
+            out(
+                f"  INVALID repetition: the fault-free run met its SLOs for {fig['clean_slo']:.2f} of requests "
+                f"(< {rep.VALID_CLEAN_SLO}): the machine was too busy; left out of the mean"
+            )
     RESULTS.mkdir(exist_ok=True)
     rep.plot_share(list(results.values()), N_WORKERS, RESULTS / "faults_share.png")
     out(f"  plot: {RESULTS / 'faults_share.png'} (last repetition)")

@@ -116,7 +116,10 @@ def test_figures_and_their_mean_over_repetitions():
             slow_share_10s=0.2,
         ),
     ]
-    m = mean_figures(reps)
+    collapsed = {**reps[0], "goodput_vs_clean": 5.0, "clean_slo": 0.1}  # a machine too busy
+    for r in reps:
+        r["clean_slo"] = 0.95
+    m = mean_figures([*reps, collapsed])
     assert abs(m["goodput_vs_clean"] - 0.95) < 1e-9 and m["hung"] == 1.0  # hung: summed
     assert m["naive_queue_peak_vs_clean"] == 2.0  # a missing run does not count
     assert summary_line(m).startswith("faults goodput_vs_clean=0.95 waste_vs_naive=0.40 ")
