@@ -470,6 +470,12 @@ class Sample:
     waiting: int
     running: int
     requests_total: int
+    computed: int = 0  # the engine's own count: prompt + decode positions computed since start
+
+
+def _sample(clock, i: int, w: RunningService, s) -> Sample:
+    computed = s.counters.prompt_tokens_computed + s.counters.decode_tokens_computed
+    return Sample(clock(), i, w.address, s.load.waiting, s.load.running, s.requests_total, computed)
 
 
 def poll(mesh: Mesh, clock, stop: threading.Event, out: list[Sample]) -> None:
@@ -487,7 +493,7 @@ def poll(mesh: Mesh, clock, stop: threading.Event, out: list[Sample]) -> None:
                     s = decode_pb2_grpc.DecodeServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=POLL_S)
                 except grpc.RpcError:
                     continue  # stopped or gone: no sample
-                out.append(Sample(clock(), i, w.address, s.load.waiting, s.load.running, s.requests_total))
+                out.append(_sample(clock, i, w, s))
             stop.wait(max(0.0, tick + POLL_S - clock()))
     finally:
         for ch in channels.values():
@@ -519,18 +525,21 @@ async def send(items: list[Item], address: str, policy: RetryPolicy, clock, seed
     return records
 
 
-def leaked_blocks(mesh: Mesh, timeout_s: float = 60.0) -> int:
-    """Blocks not free once idle (no prefix cache: an idle worker holds none)."""
+def leaked_blocks(mesh: Mesh, clock, samples: list[Sample], timeout_s: float = 60.0) -> int:
+    """Blocks not free once idle (no prefix cache: an idle worker holds none). The last
+    Stats of each worker go into `samples`: the engines' final computed-token counts."""
     deadline = time.monotonic() + timeout_s
     while True:
-        held = 0
-        for w in mesh.workers.values():
+        held, last = 0, []
+        for i, w in mesh.workers.items():
             if not w.port or w.proc.poll() is not None:
                 continue
             with grpc.insecure_channel(w.address) as ch:
                 s = decode_pb2_grpc.DecodeServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
             held += s.info.kv_capacity_blocks - s.load.free_blocks + s.load.running + s.load.waiting
+            last.append(_sample(clock, i, w, s))
         if held == 0 or time.monotonic() > deadline:
+            samples.extend(last)
             return held
         time.sleep(0.25)  # polling until idle, with a deadline
 
@@ -543,6 +552,7 @@ def run_one(
     sched: Schedule,
     items: list[Item],
     workdir: str,
+    seed: int = 0,
 ):
     from bench.faults_report import RunResult
 
@@ -572,12 +582,12 @@ def run_one(
         for t in threads:
             t.start()
         assert mesh.router is not None
-        records = asyncio.run(send(items, mesh.router.address, ROUTERS[router_kind][1], clock, seed=1))
+        records = asyncio.run(send(items, mesh.router.address, ROUTERS[router_kind][1], clock, seed=seed + 1))
         stop.set()
         threads[0].join(60)
         for i in mesh.workers:
             mesh.signal(i, signal.SIGCONT)
-        leaked = leaked_blocks(mesh)  # idle first: every request's cost is in the ledger
+        leaked = leaked_blocks(mesh, clock, samples)  # idle first: every request's cost is in the ledger
         stats1, metrics1 = router_stats(mesh), scrape(mesh)
     finally:
         stop.set()
@@ -610,7 +620,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="compressed schedule (~5 min in all)")
     ap.add_argument("--runs", default="clean,pdmesh,naive", help="subset of clean,pdmesh,naive")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="trace and client seed of the first repetition")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="repetitions (seeds seed, seed+1, ...); the last line is their mean",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SIDE.FLAG=VALUE",
+        help="override a router flag of one side, e.g. pdmesh.hedge_enabled=false (repeatable)",
+    )
+    ap.add_argument("--out", default="", help="results file name under bench/results/")
     args = ap.parse_args(argv)
     sched = QUICK if args.quick else Schedule()
     items = trace(sched.span_s, args.seed)
@@ -623,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     out(f"faults study ({'quick' if args.quick else 'full'}); CPU: {cpu_model()} x{os.cpu_count()}")
     out(
         f"  {N_WORKERS} sim decode workers (dynamo-mocker, speedup {SPEEDUP:g}, max_num_seqs {MAX_NUM_SEQS}, "
-        f"no prefix cache); Poisson {RATE:g} req/s for {sched.span_s:.0f} s = {len(items)} requests, "
+        f"no prefix cache); Poisson {RATE:g} req/s for {sched.span_s:.0f} s = {len(items)} requests (seed {args.seed}), "
         f"prompts 48-384, outputs 16-48 tokens; deadline {DEADLINE_S:g} s, client read timeout "
         f"{READ_TIMEOUT_S:g} s; SLO TTFT <= {SLO_TTFT_S:g} s, "
         f"TPOT <= {1000 * SLO_TPOT_S:g} ms"
@@ -636,6 +660,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     known = known_router_flags()
     args_of = {kind: router_flags(kind, known) for kind in ROUTERS}
+    for item in args.set:
+        side_flag, _, value = item.partition("=")
+        side, _, flag = side_flag.partition(".")
+        if side not in args_of or not flag or flag not in known:
+            ap.error(f"--set {item!r}: need SIDE.FLAG=VALUE with SIDE in {sorted(args_of)} and a router flag")
+        args_of[side][flag] = value
     head = subprocess.run(
         ["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True
     ).stdout.strip()
@@ -647,36 +677,44 @@ def main(argv: list[str] | None = None) -> int:
         out(f"  not on this checkout (so not used): {', '.join('--' + m.replace('_', '-') for m in missing)}")
     workdir = tempfile.mkdtemp(prefix="bench-faults-")
     plan = {"clean": ("pdmesh", False), "pdmesh": ("pdmesh", True), "naive": ("naive", True)}
+    names = args.runs.split(",")
+    per_rep: list[dict[str, float]] = []
     results: dict[str, rep.RunResult] = {}
-    for name in args.runs.split(","):
-        kind, faulted = plan[name]
-        results[name] = res = run_one(name, kind, args_of[kind], faulted, sched, items, workdir)
-        for line in rep.summary_lines(res, SLO_TTFT_S, SLO_TPOT_S, HUNG_SLACK_S):
-            out(line)
+    for k in range(args.repeat):
+        seed = args.seed + k
+        items = trace(sched.span_s, seed)
+        # Repetition k runs pdmesh and naive in alternating order, so that a machine getting
+        # busier (or quieter) through the study does not favour one side.
+        order = (
+            names
+            if k % 2 == 0
+            else [n for n in names if n == "clean"] + [n for n in reversed(names) if n != "clean"]
+        )
+        if args.repeat > 1:
+            out(f"  repetition {k + 1}/{args.repeat}: seed {seed}, order {','.join(order)}")
+        results = {}
+        for name in order:
+            kind, faulted = plan[name]
+            out(f"  {name}: load average before {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+            results[name] = res = run_one(name, kind, args_of[kind], faulted, sched, items, workdir, seed)
+            for line in rep.summary_lines(res, SLO_TTFT_S, SLO_TPOT_S, HUNG_SLACK_S):
+                out(line)
+        fig = rep.figures(results, SLO_TTFT_S, SLO_TPOT_S, HUNG_SLACK_S)
+        per_rep.append(fig)
+        if args.repeat > 1:
+            out("  " + rep.summary_line(fig) + f" (repetition {k + 1}, seed {seed})")
+        if not rep.valid(fig):
+            out(
+                f"  INVALID repetition: the fault-free run met its SLOs for {fig['clean_slo']:.2f} of requests "
+                f"(< {rep.VALID_CLEAN_SLO}): the machine was too busy; left out of the mean"
+            )
     RESULTS.mkdir(exist_ok=True)
     rep.plot_share(list(results.values()), N_WORKERS, RESULTS / "faults_share.png")
-    out(f"  plot: {RESULTS / 'faults_share.png'}")
-    nan = float("nan")
-
-    def goodput(name: str) -> float:
-        r = results.get(name)
-        return sum(rep.meets_slo(x, SLO_TTFT_S, SLO_TPOT_S) for x in r.records) / r.span_s if r else nan
-
-    def ratio(a: float, b: float) -> float:
-        return a / b if b else nan
-
-    pd, nv, cl = results.get("pdmesh"), results.get("naive"), results.get("clean")
-    clean_peak = rep.healthy_peak(cl)[0] if cl else nan
-    summary = (
-        f"faults goodput_vs_clean={ratio(goodput('pdmesh'), goodput('clean')):.2f} "
-        f"waste_vs_naive={ratio(rep.waste(pd)['per_success'], rep.waste(nv)['per_success']) if pd and nv else nan:.2f} "
-        f"queue_peak_vs_clean={ratio(rep.healthy_peak(pd)[0], clean_peak) if pd else nan:.2f} "
-        f"naive_queue_peak_vs_clean={ratio(rep.healthy_peak(nv)[0], clean_peak) if nv else nan:.2f} "
-        f"hung={rep.hung(pd.records, HUNG_SLACK_S) if pd else -1} "
-        f"slow_share_10s={rep.slow_share(pd, pd.slow_at + 10, pd.slow_end) if pd else nan:.3f}"
-    )
-    out(summary)
-    name = "faults_quick.txt" if args.quick else "faults.txt"
+    out(f"  plot: {RESULTS / 'faults_share.png'} (last repetition)")
+    if args.repeat > 1:
+        out("  over repetitions, mean [min, max]: " + rep.spread_line(per_rep))
+    out(rep.summary_line(rep.mean_figures(per_rep)))
+    name = args.out or ("faults_quick.txt" if args.quick else "faults.txt")
     (RESULTS / name).write_text("\n".join(lines) + "\n")
     return 0
 

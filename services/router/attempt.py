@@ -117,6 +117,7 @@ class DecodeAttempt:
         self.final: decode_pb2.DecodeFinal | None = None
         self.error: AttemptError | None = None
         self.done = False
+        self.ended = False  # settled or cancelled: not in flight (the outlier detector's live view)
         self.messages = 0
         self._tokens: list[int] = []
         self._wake = wake
@@ -156,6 +157,7 @@ class DecodeAttempt:
 
     def cancel(self) -> None:
         """Stop reading and cancel the call (idempotent)."""
+        self.ended = True
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -219,6 +221,16 @@ class DecodeAttempt:
         return (self._last - self.first_at) / later
 
     @property
+    def last_at(self) -> float:
+        """When the last message arrived (the start while none has)."""
+        return self._last
+
+    @property
+    def later_tokens(self) -> int:
+        """Tokens received after the first message's."""
+        return self.tokens_received - self._first_tokens
+
+    @property
     def stalled(self) -> bool:
         """The watchdog failed it: no first message, or no token, in time."""
         return self._stalled
@@ -235,7 +247,7 @@ class DecodeAttempt:
         return True
 
     def _settle(self) -> None:
-        self.done = True
+        self.done = self.ended = True
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

@@ -532,6 +532,8 @@ class RequestFlow:
             on_first,
         )
         attempt.prefill_blocks = blocks
+        if self.ctx.outliers is not None:  # judged while in flight too (outlier.py's live view)
+            self.ctx.outliers.track(attempt)
         return attempt
 
     def _pick(self, ranked: list[Choice]) -> Choice | None:

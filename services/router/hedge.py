@@ -12,6 +12,7 @@ computed tokens are counted as wasted (`pdmesh_router_wasted_tokens_by_cause_tot
 the first token: after it, the request migrates instead.
 
     delay = hedge_delay(config, predicted_ttft)     # None: do not hedge
+    worth_hedging(waited, copy_ttft, copy_wait)     # a candidate whose copy should win
     winner = race_winner(primary, hedge)            # which to keep, once either moved
 """
 
@@ -29,6 +30,9 @@ class HedgeConfig:
     multiple: float = setting(3.0, "hedge after this many times the worker's predicted TTFT")
     min_delay_s: float = setting(0.05, "never hedge sooner than this after the attempt started")
     max_hedges: int = setting(1, "copies of one request at most")
+    require_faster: bool = setting(
+        True, "hedge only to a worker whose predicted TTFT + queue wait is under the primary's wait so far"
+    )
 
     def __post_init__(self) -> None:
         require(self.multiple > 0, "multiple must be > 0")
@@ -42,6 +46,15 @@ def hedge_delay(config: HedgeConfig, predicted_ttft_s: float | None, hedges_so_f
     if not config.enabled or hedges_so_far >= config.max_hedges or predicted_ttft_s is None:
         return None
     return max(config.multiple * predicted_ttft_s, config.min_delay_s)
+
+
+def worth_hedging(waited_s: float, copy_ttft_s: float | None, copy_wait_s: float) -> bool:
+    """Is a copy on this worker expected to beat a primary that has waited `waited_s` with
+    nothing back? Only if its predicted TTFT there plus the queue wait that worker reports
+    is shorter than that: the primary's remaining wait is taken as long as it has waited
+    already, and a copy that would queue as long only doubles the work (both legs end up in
+    prefill, one is thrown away). No prediction for the worker: 0, its wait decides."""
+    return (copy_ttft_s or 0.0) + max(copy_wait_s, 0.0) < waited_s
 
 
 class Leg(enum.Enum):

@@ -21,7 +21,7 @@ import structlog
 from pdmesh.v1 import decode_pb2
 from services.model.hashing import BlockHashChain
 from services.router.attempt import DecodeAttempt, DecodeCall
-from services.router.hedge import Leg, Winner, hedge_delay, race_winner
+from services.router.hedge import Leg, Winner, hedge_delay, race_winner, worth_hedging
 from services.router.migration import RequestJourney
 from services.router.policy import Choice
 from services.router.registry import WorkerRole
@@ -96,6 +96,21 @@ class HedgeRace:
             for c in ctx.registry.eligible(WorkerRole.DECODE)
             if c.worker_id not in exclude and not self._saturated(c, cfg)
         ]
+        waited = self._loop.time() - primary.started
+        faster = [
+            c
+            for c in cands
+            if not ctx.hedge.require_faster
+            or worth_hedging(
+                waited,
+                ctx.outliers.predicted_ttft(c.worker_id, primary.prefill_blocks),
+                c.load.estimated_wait_ms / 1000.0,
+            )
+        ]
+        if cands and not faster:  # a copy would wait as long: it would only double the work
+            self._count("not_faster")
+            return
+        cands = faster
         inputs = tuple(request.prompt_token_ids) + tuple(request.resume_token_ids)
         hashes = BlockHashChain(inputs, cfg.block_size)
         overlaps = ctx.index.match(hashes) if hashes and cands else {}

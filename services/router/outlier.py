@@ -83,6 +83,14 @@ class OutlierConfig:
     probe_successes: int = setting(3, "good probe samples that bring an ejected worker back")
     probe_timeout_s: float = setting(60.0, "a probe that never reports frees its slot after this")
     eval_interval_s: float = setting(0.5, "quantiles are recomputed at most this often")
+    live_enabled: bool = setting(True, "judge workers also by the requests in flight there (`track`)")
+    live_min_attempts: int = setting(2, "attempts in flight a worker needs to be judged by them")
+    live_eject_after_s: float = setting(
+        2.0, "the live view ejects only after this long above eject_ratio (before: it deprioritises)"
+    )
+    live_min_age_s: float = setting(
+        0.5, "an attempt is judged live once this old (from its first message for ITL): scheduling noise"
+    )
 
     def __post_init__(self) -> None:
         require(self.window_s > 0 and self.max_samples >= 1, "need window_s > 0 and max_samples >= 1")
@@ -97,6 +105,9 @@ class OutlierConfig:
         require(self.ejection_multiplier >= 1 and self.backoff_reset_s >= 0, "bad ejection backoff")
         require(self.probe_requests >= 1 and self.probe_successes >= 1, "probe counts must be >= 1")
         require(self.probe_timeout_s > 0 and self.eval_interval_s >= 0, "bad probe or eval interval")
+        require(self.live_min_attempts >= 1, "live_min_attempts must be >= 1")
+        require(self.live_min_age_s >= 0, "live_min_age_s must be >= 0")
+        require(self.live_eject_after_s >= 0, "live_eject_after_s must be >= 0")
 
 
 TTFT, ITL = 0, 1
@@ -128,6 +139,9 @@ class _Worker:
         self.good = 0  # PROBING: good probe samples so far
         self.quantiles: list[float | None] = [None, None]
         self.median_ttft: float | None = None
+        self.live: list = []  # attempts in flight here (`track`), pruned as they end
+        self.live_values: list[float | None] = [None, None]  # their medians at the last evaluation
+        self.live_bad_since: float | None = None  # live score >= eject_ratio since (HEALTHY)
 
 
 class OutlierDetector:
@@ -174,6 +188,20 @@ class OutlierDetector:
             return
         w.samples[metric].append((now, value))
         self._maybe_evaluate(now)
+
+    def track(self, attempt, role: str = "decode") -> None:
+        """An attempt just sent to `attempt.worker_id` (a services/router/attempt.py
+        DecodeAttempt: worker_id, started, first_at, last_at, later_tokens, prefill_blocks,
+        ended). Until it ends it is judged live at each evaluation: the time it has waited
+        for its first message, per unit of work, and its gap per token so far (the gap it
+        is in now included), so a worker that turned slow or stopped is seen within an
+        evaluation interval or two, not only once its requests finish."""
+        if not self.config.live_enabled:
+            return
+        w = self._worker(attempt.worker_id, role)
+        w.live.append(attempt)
+        if len(w.live) > 4 * self.config.max_samples:  # no evaluation for a while: prune here
+            w.live = [a for a in w.live if not a.ended]
 
     def remove(self, worker_id: str) -> None:
         """The worker left the registry."""
@@ -266,6 +294,11 @@ class OutlierDetector:
             dq.popleft()
         return [v for _, v in dq]
 
+    def tick(self) -> None:
+        """Evaluate if an interval has passed (the router's housekeeping calls it, so that
+        requests in flight on a worker that stopped are judged with no traffic arriving)."""
+        self._maybe_evaluate(self._clock())
+
     def evaluate(self) -> None:
         """Recompute every worker's quantiles, scores and states now."""
         self._last_eval = -math.inf
@@ -288,15 +321,35 @@ class OutlierDetector:
         self._role_median = {
             role: quantile(vals, 0.5) for role, vals in pooled.items() if len(vals) >= cfg.min_samples
         }
+        if cfg.live_enabled:
+            for w in self._workers.values():
+                self._live(w, now)
         if not cfg.enabled:  # off: the samples serve the TTFT prediction only
             return
         for wid, w in self._workers.items():
             self._advance(wid, w, now)
+            if w.state is OutlierState.PROBING and cfg.live_enabled:
+                # A probe that is already far slower than the peers in flight: out again, now.
+                if self._live_score(wid, w) >= cfg.eject_ratio:
+                    self._eject(wid, w, now)
+                continue
             if w.state is not OutlierState.HEALTHY:
                 continue
-            w.score = self._score(wid, w)
+            window, live = self._score(wid, w), self._live_score(wid, w)
+            w.score = max(window, live)
             w.factor = min(w.score, cfg.max_factor) if w.score >= cfg.deprioritise_ratio else 1.0
-            if w.score >= cfg.eject_ratio and self._may_eject(w.role):
+            # The live view steers new requests away at once (the factor) but ejects only when
+            # it has said so for live_eject_after_s: on a CPU-starved machine a healthy worker's
+            # streams can all be late for a moment, and ejecting it then takes capacity away
+            # when it is needed most (the faults study's fault-free run cascaded that way).
+            if live >= cfg.eject_ratio:
+                if w.live_bad_since is None:
+                    w.live_bad_since = now
+            else:
+                w.live_bad_since = None
+            sustained = w.live_bad_since is not None and now - w.live_bad_since >= cfg.live_eject_after_s
+            if (window >= cfg.eject_ratio or sustained) and self._may_eject(w.role):
+                w.live_bad_since = None
                 self._eject(wid, w, now)
         self.inflated = any(w.factor > 1 for w in self._workers.values())
 
@@ -321,6 +374,50 @@ class OutlierDetector:
             q = w.quantiles[m]
             if q is not None:
                 score = max(score, self._ratio(worker_id, w.role, m, q))
+        return score
+
+    def _live(self, w: _Worker, now: float) -> None:
+        """The medians of the worker's attempts in flight (None: fewer than needed)."""
+        w.live = live = [a for a in w.live if not a.ended]
+        ttft: list[float] = []
+        itl: list[float] = []
+        age = self.config.live_min_age_s  # a gap or two of a young stream is the OS's noise
+        for a in live:
+            if a.first_at is None:
+                if now - a.started >= age:
+                    ttft.append((now - a.started) / (1 + max(a.prefill_blocks, 0)))
+            elif now - a.first_at < age:
+                continue
+            elif (later := a.later_tokens) >= 1:
+                itl.append(max((a.last_at - a.first_at) / later, now - a.last_at))
+            else:
+                itl.append(now - a.first_at)
+        need = 1 if w.state is OutlierState.PROBING else self.config.live_min_attempts
+        w.live_values = [
+            quantile(ttft, 0.5) if len(ttft) >= need else None,
+            quantile(itl, 0.5) if len(itl) >= need else None,
+        ]
+
+    def _live_score(self, worker_id: str, w: _Worker) -> float:
+        """The worker's live medians against its healthy peers', each peer taken at the larger
+        of its live median and its window quantile (so a lag in one view does not make a
+        peer look fast), ratios counted as in `_ratio`."""
+        score = 1.0
+        for m in _METRICS:
+            value = w.live_values[m]
+            if value is None:
+                continue
+            refs = [
+                max(v for v in (o.live_values[m], o.quantiles[m]) if v is not None)
+                for wid, o in self._workers.items()
+                if wid != worker_id and o.role == w.role and o.state is OutlierState.HEALTHY
+                if o.live_values[m] is not None or o.quantiles[m] is not None
+            ]
+            if not refs:
+                continue
+            peer = quantile(refs, 0.5)
+            if value - peer >= self.config.min_excess_s:
+                score = max(score, value / peer if peer > 0 else math.inf)
         return score
 
     def _may_eject(self, role: str) -> bool:

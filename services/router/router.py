@@ -224,6 +224,8 @@ class Router:
         while True:
             await asyncio.sleep(self.config.housekeeping_interval_s)
             await self.expire_leases()
+            if self.outliers is not None:  # the live view is judged without traffic too
+                self.outliers.tick()
             self._export_worker_gauges()
             self.workflows.publish(self.clock())
 

@@ -175,7 +175,9 @@ async def test_a_hedge_that_loses_is_cancelled_and_counted_as_waste(mesh, sims):
     h = await mesh.router(
         decode=[a, b],
         policy="round_robin",
-        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0),  # hedge every request at once
+        # Hedge every request at once, wherever the copy goes (require_faster would refuse a copy
+        # no faster than a primary that has waited ~0 s).
+        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0, require_faster=False),
         outlier=OutlierConfig(min_samples=1, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
         retry_budget=RetryBudgetConfig(min_retries_per_second=10.0),
     )
@@ -263,3 +265,35 @@ async def test_a_stream_that_stalls_moves_the_unstarted_requests_of_its_worker_t
     assert toks2 == want2 and final2.worker_id == "b" and final2.migrations == 0
     assert counter(h.router, "pdmesh_router_reroutes_total", cause="stalled") == 1
     await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
+
+
+async def test_a_worker_that_hangs_mid_stream_is_ejected_from_its_streams_in_flight(mesh, sims):
+    # No request ends and too few samples for the window (min_samples 8, 4 first tokens): only
+    # the live view (the gaps of the streams in flight, judged on the router's housekeeping
+    # tick) can see that "a" stopped while "b" streams on.
+    a, b = await sims("a", speedup=0.5), await sims("b", speedup=0.5)
+    cfg = OutlierConfig(min_samples=8, eval_interval_s=0.0, base_ejection_s=100.0)
+    h = await mesh.router(decode=[a, b], policy="round_robin", outlier=cfg, housekeeping_interval_s=0.05)
+    free_a, free_b = a.free(), b.free()
+    outs = {f"r{i}": [] for i in range(4)}  # round robin: r0, r2 on a; r1, r3 on b
+    tasks = [
+        asyncio.create_task(run_flow(h.router, rid, prompt(i), 3000, out))
+        for i, (rid, out) in enumerate(outs.items())
+    ]
+    try:
+        await eventually(
+            lambda: all(len(o) >= 3 for o in outs.values()), what="every stream going", timeout=60
+        )
+        assert h.router.outliers.state("a") is OutlierState.HEALTHY
+        with Hold(a) as hold:
+            await asyncio.to_thread(hold.entered.wait, 30)
+            await eventually(
+                lambda: h.router.outliers.state("a") is OutlierState.EJECTED, what="a ejected", timeout=60
+            )
+            assert h.router.outliers.state("b") is OutlierState.HEALTHY
+            assert not any(t.done() for t in tasks)  # judged while every request was in flight
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)

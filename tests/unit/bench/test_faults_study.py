@@ -76,3 +76,51 @@ def test_slow_share_from_requests_total_deltas():
         s(t=4.5, worker=1, incarnation="b", waiting=0, running=0, requests_total=9),
     ]
     assert slow_share(_result([], samples), 2.0, 6.0) == 0.1
+
+
+def test_waste_counts_what_the_engines_computed_not_the_routers_estimate():
+    # The router estimated a losing hedge or a cancelled attempt as its whole prefill (here
+    # 205 tokens beyond the useful ones); the engines computed 20 beyond them. Worker "a" was
+    # restarted: its first incarnation's last count is kept beside the new one's.
+    s = SimpleNamespace
+    samples = [
+        s(t=1.0, worker=0, incarnation="a1", waiting=0, running=1, requests_total=1, computed=60),
+        s(t=2.0, worker=0, incarnation="a1", waiting=0, running=1, requests_total=1, computed=80),
+        s(t=3.0, worker=0, incarnation="a2", waiting=0, running=0, requests_total=1, computed=109),
+        s(t=3.0, worker=1, incarnation="b", waiting=0, running=0, requests_total=1, computed=109),
+    ]
+    recs = [_rec(0, True, computed=109), _rec(1, True, computed=109)]
+    w = waste(_result(recs, samples, computed=2 * 109 + 205))
+    assert w["engine_measured"] and w["computed"] == 80 + 2 * 109
+    assert w["wasted"] == 80 and w["router_computed"] == 2 * 109 + 205
+
+
+def test_figures_and_their_mean_over_repetitions():
+    from bench.faults_report import mean_figures, spread_line, summary_line
+
+    reps = [
+        dict(
+            goodput_vs_clean=0.9,
+            waste_vs_naive=0.5,
+            queue_peak_vs_clean=1.0,
+            naive_queue_peak_vs_clean=2.0,
+            hung=0.0,
+            slow_share_10s=0.1,
+        ),
+        dict(
+            goodput_vs_clean=1.0,
+            waste_vs_naive=0.3,
+            queue_peak_vs_clean=3.0,
+            naive_queue_peak_vs_clean=float("nan"),
+            hung=1.0,
+            slow_share_10s=0.2,
+        ),
+    ]
+    collapsed = {**reps[0], "goodput_vs_clean": 5.0, "clean_slo": 0.1}  # a machine too busy
+    for r in reps:
+        r["clean_slo"] = 0.95
+    m = mean_figures([*reps, collapsed])
+    assert abs(m["goodput_vs_clean"] - 0.95) < 1e-9 and m["hung"] == 1.0  # hung: summed
+    assert m["naive_queue_peak_vs_clean"] == 2.0  # a missing run does not count
+    assert summary_line(m).startswith("faults goodput_vs_clean=0.95 waste_vs_naive=0.40 ")
+    assert "queue_peak_vs_clean 2.00 [1.00, 3.00]" in spread_line(reps)

@@ -47,3 +47,12 @@ def test_the_config_is_checked():
         HedgeConfig(multiple=0)
     with pytest.raises(ValueError):
         HedgeConfig(max_hedges=-1)
+
+
+def test_a_copy_is_worth_sending_only_where_it_should_beat_the_primary():
+    from services.router.hedge import worth_hedging
+
+    assert worth_hedging(0.6, copy_ttft_s=0.1, copy_wait_s=0.2)  # 0.3 s there vs 0.6 s waited
+    assert not worth_hedging(0.6, copy_ttft_s=0.1, copy_wait_s=0.5)  # it would queue as long
+    assert not worth_hedging(0.2, copy_ttft_s=0.25, copy_wait_s=0.0)  # slower there even idle
+    assert worth_hedging(0.2, copy_ttft_s=None, copy_wait_s=0.0)  # no prediction: its wait decides

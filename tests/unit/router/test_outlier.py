@@ -218,3 +218,163 @@ def test_ttft_counts_per_unit_of_prefill_work():
         det.record_ttft("w0", 0.45, prefill_blocks=8)
     assert det.factor("w0") == 1.0 and det.state("w0") is OutlierState.HEALTHY
     assert det.predicted_ttft("w1", prefill_blocks=3) == pytest.approx(0.2)
+
+
+class Flight:
+    """An attempt in flight as the detector reads it (services/router/attempt.py's fields)."""
+
+    def __init__(self, worker_id: str, started: float, prefill_blocks: int = 0):
+        self.worker_id, self.started, self.prefill_blocks = worker_id, started, prefill_blocks
+        self.first_at: float | None = None
+        self.last_at = started
+        self.later_tokens = 0
+        self.ended = False
+
+    def tokens(self, at: float, n: int = 1) -> None:
+        if self.first_at is None:
+            self.first_at = at
+        else:
+            self.later_tokens += n
+        self.last_at = at
+
+
+def streaming(det, clock, worker: str, gap: float, n: int = 3, age: float = 1.0) -> list[Flight]:
+    """`n` attempts on `worker`, streaming for `age` seconds, a token every `gap`, the last now."""
+    out = []
+    later = max(1, round(age / gap))
+    for _ in range(n):
+        first = clock.t - later * gap
+        f = Flight(worker, first - 0.05)
+        for k in range(later + 1):
+            f.tokens(first + k * gap)
+        det.track(f)
+        out.append(f)
+    return out
+
+
+def advance(det, clock, workers, seconds: float, gap: float = 0.03, gaps: dict | None = None) -> None:
+    """The clock moves on by `seconds`; the streams on `workers` get a token every `gap`
+    (or every `gaps[worker]`), in steps of 10 ms."""
+    gaps = {**{w: gap for w in workers}, **(gaps or {})}
+    end = clock.t + seconds
+    due = {w: clock.t + g for w, g in gaps.items()}
+    while clock.t < end - 1e-9:
+        clock.t = min(clock.t + 0.01, end)
+        for w, g in gaps.items():
+            if clock.t >= due[w] - 1e-9:
+                due[w] += g
+                for f in det._workers[w].live:
+                    f.tokens(clock.t)
+
+
+def test_a_worker_turning_slow_is_ejected_from_its_requests_in_flight_before_any_ends():
+    # Every worker's window says 50 ms (30 s of healthy history); w0's streams in flight now
+    # take 150 ms a token against its peers' 30 ms. No request has ended, so no new sample.
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=5.0))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    flights = streaming(det, clock, "w0", 0.15)
+    for i in (1, 2, 3):
+        streaming(det, clock, f"w{i}", 0.03)
+    det.evaluate()
+    # At once: steered away in proportion (5x), not yet ejected (the live view must say so
+    # for live_eject_after_s, 2 s: a CPU-starved moment must not take a worker out).
+    assert det.state("w0") is OutlierState.HEALTHY and det.factor("w0") == pytest.approx(5.0, rel=0.1)
+    advance(det, clock, ("w1", "w2", "w3"), 1.0, gaps={"w0": 0.15})
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
+    advance(det, clock, ("w1", "w2", "w3"), 1.05, gaps={"w0": 0.15})
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED
+    assert all(det.state(f"w{i}") is OutlierState.HEALTHY for i in (1, 2, 3))
+    for f in flights:  # ended attempts leave the live view
+        f.ended = True
+    det.evaluate()
+    assert det._workers["w0"].live == []
+
+
+def test_without_the_live_view_the_same_worker_is_not_ejected():
+    det, clock, _ = mesh(
+        OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=5.0, live_enabled=False)
+    )
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    streaming(det, clock, "w0", 0.15)
+    for i in (1, 2, 3):
+        streaming(det, clock, f"w{i}", 0.03)
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
+
+
+def test_a_stopped_worker_is_seen_by_the_gap_its_streams_are_in_now():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    for i in range(4):
+        streaming(det, clock, f"w{i}", 0.03)  # all alike so far
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
+    advance(det, clock, ("w1", "w2", "w3"), 0.5)  # w0 stops; the others' streams go on
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY and det.factor("w0") > 5  # steered away at once
+    advance(det, clock, ("w1", "w2", "w3"), 2.05)
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED
+
+
+def test_one_live_attempt_is_not_enough_and_a_slow_probe_is_ejected_again():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=5.0))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    for i in (1, 2, 3):
+        streaming(det, clock, f"w{i}", 0.03)
+    streaming(det, clock, "w0", 0.3, n=1)  # one slow stream: below live_min_attempts
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
+    feed(det, "w0", 0.5)  # the window ejects it
+    assert det.state("w0") is OutlierState.EJECTED
+    for f in (f for o in det._workers.values() for f in o.live):
+        f.ended = True
+    clock.t += 5.0
+    for i in (1, 2, 3):
+        streaming(det, clock, f"w{i}", 0.03)
+    assert det.allow_request("w0")  # PROBING: one probe
+    probe = Flight("w0", clock.t)
+    det.track(probe)
+    probe.tokens(clock.t + 0.05)
+    clock.t += 0.05
+    det.evaluate()
+    assert det.state("w0") is OutlierState.PROBING  # its first token came in time
+    advance(det, clock, ("w1", "w2", "w3"), 0.6)  # then nothing for 600 ms, against 30 ms a token
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED
+
+
+def test_young_streams_are_not_judged_the_os_may_have_delayed_a_gap_or_two():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, live_min_age_s=0.5))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    for i in (1, 2, 3):
+        streaming(det, clock, f"w{i}", 0.03)
+    streaming(det, clock, "w0", 0.15, age=0.3)  # 5x slower, but for 0.3 s only
+    det.evaluate()
+    assert det.factor("w0") == 1.0
+    streaming(det, clock, "w0", 0.15, age=0.6)
+    det.evaluate()
+    assert det.factor("w0") > 1.0
+
+
+def test_a_moment_of_live_slowness_deprioritises_but_does_not_eject():
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, live_eject_after_s=2.0))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    for i in range(4):
+        streaming(det, clock, f"w{i}", 0.03)
+    advance(det, clock, ("w0", "w1", "w2", "w3"), 0.5, gaps={"w0": 0.15})  # w0 late for 1.5 s
+    det.evaluate()
+    advance(det, clock, ("w0", "w1", "w2", "w3"), 1.0, gaps={"w0": 0.15})
+    det.evaluate()
+    assert det.factor("w0") > 1.0
+    advance(det, clock, ("w0", "w1", "w2", "w3"), 1.0)  # and back to its peers' pace
+    det.evaluate()
+    assert det.state("w0") is OutlierState.HEALTHY
