@@ -1,7 +1,7 @@
 """The router process's garbage-collector settings, applied once it is serving.
 
-Profiled in the Dynamo side by side's configuration (bench/profile_front.py
---part dynamo: HTTP door, kv_aware, Mooncake prompts of ~1,800 tokens), the
+Profiled in the Dynamo side by side's configuration (bench/profile_front_dynamo.py:
+HTTP door, kv_aware, Mooncake prompts of ~1,800 tokens), the
 cyclic collector took 7-12% of the router's CPU: every prompt adds ~110 prefix-index
 nodes (each with its sets), KV events, protobufs and per-request objects, so
 CPython's default gen0 threshold of 700 ran a young collection every few
