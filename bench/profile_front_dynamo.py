@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             cpu = run_cpu_s(pid) - cpu0
             prof.wait()
+            errors = collections.Counter(f"{r.error_code}: {r.error_detail[:80]}" for r in recs if not r.ok)
+            for why, n in errors.most_common(3):
+                print(f"  {n} failed: {why}")
             print(
                 f"ok {sum(r.ok for r in recs)}/{len(items)}; router CPU {cpu:.2f} s: "
                 f"{cpu / len(items) * 1e3:.2f} ms per request, {cpu / tokens * 1e6:.1f} us per output token; "
