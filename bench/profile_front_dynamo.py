@@ -58,6 +58,7 @@ CATEGORIES = (
     ("http: request (Gateway._serve)", "Gateway._serve"),
     ("http: starlette/uvicorn", "run_asgi"),
     ("http: connections (httptools)", "httptools_impl"),
+    ("grpc door: Generate (its writes, headers)", "RouterServicer.Generate"),
 )
 
 
