@@ -195,10 +195,13 @@ def test_a_router_sharing_the_ports_is_not_ready_until_it_is_ready_itself(tmp_pa
     try:
         decode = start_decode(launcher)
         first = launcher.start_ready(router_spec("router", decode, *flags(so_reuseport=1)))
-        nowhere = RunningService(decode.spec, decode.proc, decode.port_file, decode.log_path, port=1)
+        shared = flags(so_reuseport=1, port=first.port, http_port=first.http_port)
         second = launcher.start(
-            router_spec(
-                "router-1", nowhere, *flags(so_reuseport=1, port=first.port, http_port=first.http_port)
+            ServiceSpec(
+                "router-1",
+                "services.router.main",
+                ROUTER + flags(decode_workers="127.0.0.1:1") + shared,  # nothing listens on port 1
+                ready_service="pdmesh.v1.RouterService",
             )
         )
         wait_until(
