@@ -20,8 +20,18 @@ disturbed round of each side), then
 grpc_tok_per_msg_b=.. grpc_min_ratio=.. http_min_ratio=..` (ratio = B / A of the medians, min_ratio
 of the minima; below 1 is less CPU per message).
 
+`--dynamo`: the configuration of the Dynamo side by side instead
+(bench/peers/dynamo/run.py's `start_pdmesh`: 4 `sim` workers with the
+dynamo-mocker profile, its WordLevel model folder, kv_aware, HTTP door,
+continuous usage, token-id prompts of the Mooncake trace / 8 at x4): both routers
+on the same workers (each subscribes to their KV events, but only the router under
+load makes any), alternating A and B on the same `--requests` requests per round
+(order swapped every round, as the second one finds the first one's prefixes
+cached); the router's CPU per request and per output token over the round, and
+`front_cpu_ab_dynamo us_per_token_a=.. us_per_token_b=.. ratio=.. min_ratio=..`.
+
 Run (from a directory with no `services` package, so PYTHONPATH decides):
-`cd /tmp && python /path/to/bench/front_cpu_ab.py --a /tmp/base --b /path/to/checkout`.
+`cd /tmp && python /path/to/bench/front_cpu_ab.py --a /tmp/base --b /path/to/checkout [--dynamo]`.
 """
 
 from __future__ import annotations
@@ -180,6 +190,132 @@ async def http_span(address: str, internal: str, pid: int, streams: int, events:
     return (span["cpu1"] - span["cpu0"]) / max(span["n1"] - span["n0"], 1) * 1e6  # per token relayed
 
 
+def dynamo_router_spec(
+    name: str, root: Path, workers: list[str], folder: Path, max_inflight: int
+) -> ServiceSpec:
+    """The router as bench/peers/dynamo/run.py's start_pdmesh runs it, from checkout `root`."""
+    from bench.peers.dynamo.run import MODEL_NAME
+
+    args = flags(
+        decode_workers=workers,
+        model_path=str(folder),
+        http_port=0,
+        http_served_model_name=MODEL_NAME,
+        block_size=16,
+        policy="kv_aware",
+        admission_max_inflight=max_inflight,
+        limits_max_prompt_tokens=1 << 20,
+        metrics_port=0,
+        log_level="warning",
+    )
+    return ServiceSpec(
+        name,
+        "services.router.main",
+        args,
+        env={"PYTHONPATH": str(root)},
+        ready_service="pdmesh.v1.RouterService",
+    )
+
+
+def dynamo_ab(a, roots: dict[str, Path]) -> int:
+    """--dynamo: the Dynamo side by side's configuration, A and B alternating (module docstring)."""
+    from bench.loadgen import build_workload, run_load
+    from bench.peers.dynamo import run as D
+    from bench.traces import VocabRange
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-cpu-ab-model-"))
+    D.write_folder(folder, D.DEFAULT_VOCAB)
+
+    def workload(seed: int) -> list:
+        # The same arrivals, lengths and sharing pattern for every seed; other token ids, so
+        # no run finds the prefixes of an earlier one cached (fewer KV events: less CPU).
+        items = build_workload(
+            "mooncake",
+            num_requests=a.requests,
+            max_duration_s=120.0,
+            length_factor=8.0,
+            time_factor=1 / 4,
+            seed=seed,
+            vocab=VocabRange(D.FIRST_WORD_ID, D.DEFAULT_VOCAB),
+        )
+        return [it for it in items if len(it.prompt_ids) + it.max_tokens <= 16384 * 16 // 2]
+
+    items = workload(0)
+    out_tokens = sum(it.max_tokens for it in items)
+    span = items[-1].arrival_s
+    engine = flags(
+        engine_backend="sim",
+        engine_model_path=str(folder),
+        engine_sim_profile=D.PROFILE,
+        engine_sim_speedup=1.0,
+        engine_block_size=16,
+        engine_num_blocks=16384,
+        engine_max_num_seqs=256,
+        engine_max_num_batched_tokens=8192,
+        default_mode="local",
+        metrics_port=0,
+        limits_max_prompt_tokens=1 << 20,
+        log_level="warning",
+    )
+    us: dict[str, list[float]] = {"a": [], "b": []}
+    with Launcher(tempfile.mkdtemp(prefix="bench-cpu-ab-")) as launcher:
+        decodes = [
+            launcher.start(
+                ServiceSpec(
+                    f"decode-{i}",
+                    "services.decode.main",
+                    flags(worker_id=f"decode-{i}") + engine,
+                    env={"PYTHONPATH": str(roots["b"])},
+                    ready_service="pdmesh.v1.DecodeService",
+                )
+            )
+            for i in range(4)
+        ]
+        for d in decodes:
+            launcher.wait_ready(d, 180)
+        addrs = [d.address for d in decodes]
+        routers = {
+            k: launcher.start_ready(dynamo_router_spec(f"router-{k}", r, addrs, folder, 4 * 256), 180)
+            for k, r in roots.items()
+        }
+        print(
+            f"dynamo config: {len(items)} requests per round over {span:.1f} s, {out_tokens} output tokens, "
+            f"{sum(len(it.prompt_ids) for it in items)} prompt tokens; A={roots['a']} B={roots['b']}; "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        seeds = iter(range(1, 1 << 30))
+        for i in range(-1, a.rounds):  # round 0: warm-up (connections, links, caches), not counted
+            for k in ("a", "b") if i % 2 == 0 else ("b", "a"):
+                r = routers[k]
+                client = D.HttpClient(f"http://{r.http_address}", D.MODEL_NAME)
+                run = workload(next(seeds))
+                cpu0 = proc_cpu_s(r.proc.pid)
+                recs = asyncio.run(
+                    run_load(run, client, max_requests=len(run), max_duration_s=span + 1.0, timeout_s=60)
+                )
+                cpu = proc_cpu_s(r.proc.pid) - cpu0
+                ok = sum(x.ok for x in recs)
+                if i < 0:
+                    print(f"warm-up {k.upper()}: ok {ok}/{len(run)}", flush=True)
+                    continue
+                us[k].append(cpu / out_tokens * 1e6)
+                print(
+                    f"round {i + 1} {k.upper()}: router {cpu:.2f} CPU-s, {cpu / len(items) * 1e3:.2f} ms/request, "
+                    f"{us[k][-1]:.1f} us/output token; ok {ok}/{len(items)}; load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+    med = {k: statistics.median(v) for k, v in us.items()}
+    low = {k: min(v) for k, v in us.items()}
+    lower = sum(b < a_ for a_, b in zip(us["a"], us["b"], strict=True))
+    print(f"B lower than A in {lower} of {a.rounds} rounds")
+    print(
+        f"front_cpu_ab_dynamo us_per_token_a={med['a']:.1f} us_per_token_b={med['b']:.1f} "
+        f"ratio={med['b'] / med['a']:.2f} min_ratio={low['b'] / low['a']:.2f}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", required=True, help="checkout A (the baseline)")
@@ -188,10 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--messages", type=int, default=20000)
     p.add_argument("--main-thread", action="store_true", help="CPU of the event-loop thread only")
+    p.add_argument("--dynamo", action="store_true", help="the Dynamo side by side's configuration")
+    p.add_argument("--requests", type=int, default=200, help="--dynamo: requests per round")
     a = p.parse_args(argv)
     global MAIN_THREAD
     MAIN_THREAD = a.main_thread
     roots = {"a": Path(a.a).resolve(), "b": Path(a.b).resolve()}
+    if a.dynamo:
+        return dynamo_ab(a, roots)
     res: dict[str, list[float]] = {k: [] for k in ("grpc_a", "grpc_b", "http_a", "http_b", "tpm_a", "tpm_b")}
     with Launcher(tempfile.mkdtemp(prefix="bench-cpu-ab-")) as launcher:
         fake = launcher.start_ready(

@@ -136,9 +136,13 @@ class Launcher:
             svc.port, svc.metrics_port = int(data["port"]), data.get("metrics_port")
             svc.internal_port = data.get("internal_port")
             svc.http_port = data.get("http_port")
+        # A router's public port may be shared (SO_REUSEPORT, `--routers N`): a check there can
+        # reach another router, which is already SERVING, and call this one ready before it has a
+        # worker (its first requests then got 503). Its internal port is its own.
+        where = svc.internal_address if svc.internal_port else svc.address
         return (
             bool(svc.port)
-            and health_check(svc.address, svc.spec.ready_service, timeout=1.0, tls=self._tls)[0] == "SERVING"
+            and health_check(where, svc.spec.ready_service, timeout=1.0, tls=self._tls)[0] == "SERVING"
         )
 
     def wait_ready(

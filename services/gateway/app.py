@@ -281,7 +281,9 @@ class Gateway:
             yield R.sse(R.chunk(plan, created, "", first=True))
         msg = first
         done = 0  # tokens streamed so far
+        # Pre-encoded templates: only the text (and the running count) is encoded per event.
         text_event = None if plan.continuous_usage else R.TextEvents(plan, created).event
+        counted_event = R.CountedTextEvents(plan, created).event if plan.continuous_usage else None
         try:
             while not msg.HasField("final"):
                 delta = msg.delta
@@ -291,9 +293,9 @@ class Gateway:
                     if text_event is not None:
                         yield text_event(delta.text)
                     else:
-                        yield R.sse(R.chunk(plan, created, delta.text, completion_tokens=done))
-                elif plan.continuous_usage and delta.token_ids:  # tokens without text yet still count
-                    yield R.sse(R.chunk(plan, created, "", completion_tokens=done))
+                        yield counted_event(delta.text, done)  # type: ignore[misc]
+                elif counted_event is not None and delta.token_ids:  # tokens without text yet still count
+                    yield counted_event("", done)
                 msg = await _next(upstream)
                 if out.first_token_at is None:
                     self._first_token(out, msg)

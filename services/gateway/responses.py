@@ -132,3 +132,27 @@ class TextEvents:
 
     def event(self, text: str) -> bytes:
         return self._head + _encode(text) + self._tail
+
+
+_COUNT = 987_654_321_987_654  # stands for the running count while a template is built
+
+
+class CountedTextEvents:
+    """`TextEvents` for `continuous_usage` streams: every chunk also carries the running
+    completion-token count (twice: completion_tokens and total_tokens), so the template is
+    cut around the text and both counts; the bytes are exactly
+    `sse(chunk(plan, created, text, completion_tokens=n))`."""
+
+    def __init__(self, plan: GenerationPlan, created: int):
+        if not plan.continuous_usage:
+            raise ValueError("only continuous_usage chunks carry a count: use TextEvents")
+        whole = sse(chunk(plan, created, _SLOT, completion_tokens=_COUNT))
+        head, _, rest = whole.partition(_encode(_SLOT))
+        parts = rest.split(str(_COUNT).encode())
+        if len(parts) != 3:  # the count appears exactly twice (completion and total)
+            raise ValueError(f"unexpected usage chunk shape: {whole!r}")
+        self._head, (self._mid, self._sep, self._tail) = head, parts
+
+    def event(self, text: str, completion_tokens: int) -> bytes:
+        n = str(completion_tokens).encode()
+        return self._head + _encode(text) + self._mid + n + self._sep + n + self._tail

@@ -51,9 +51,14 @@ from services.router.registry import (
 log = structlog.get_logger()
 
 READY_NAMES = {WorkerRole.DECODE: "pdmesh.v1.DecodeService", WorkerRole.PREFILL: "pdmesh.v1.PrefillService"}
+# min_reconnect_backoff_ms is not a backoff: gRPC core uses it as the minimum *connect
+# timeout* (TCP + HTTP/2 handshake). At 100 ms a connection to a worker starved of CPU failed
+# with "tcp handshaker shutdown" and took its calls with it (the chaos suite under a CPU hog,
+# tests/chaos/harness.py); 5 s is a handshake's worst case, not a delay: a refused connect
+# still fails at once, and the retry backoff stays 100 ms .. 2 s.
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 5000),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 )

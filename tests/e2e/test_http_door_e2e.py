@@ -182,3 +182,34 @@ def test_pdmesh_up_routers_2_serves_both_doors_from_two_processes(tmp_path):
         assert all(n > 0 for n in counts) and sum(counts) == 24, counts
     finally:
         up.stop(signal.SIGINT)  # Ctrl-C: pdmesh up drains and stops every service
+
+
+def test_a_router_sharing_the_ports_is_not_ready_until_it_is_ready_itself(tmp_path):
+    # The cause of a clean-clone flake: the launcher checked a router's readiness on its
+    # public port, which a second router shares with the first (SO_REUSEPORT), so a check
+    # that the kernel handed to the first router (SERVING) called the second ready while it
+    # had no decode worker yet, and its first requests got 503. Here the second router's
+    # only decode worker does not exist, so it is never ready; every check on the shared
+    # port opens a new connection, and each one has even odds of reaching the first router.
+    launcher = Launcher(tmp_path)
+    try:
+        decode = start_decode(launcher)
+        first = launcher.start_ready(router_spec("router", decode, *flags(so_reuseport=1)))
+        shared = flags(so_reuseport=1, port=first.port, http_port=first.http_port)
+        second = launcher.start(
+            ServiceSpec(
+                "router-1",
+                "services.router.main",
+                ROUTER + flags(decode_workers="127.0.0.1:1") + shared,  # nothing listens on port 1
+                ready_service="pdmesh.v1.RouterService",
+            )
+        )
+        wait_until(
+            lambda: second.internal_port is not None or launcher.poll_ready(second),
+            timeout=120,
+            what="router-1's port file",
+        )
+        assert second.port == first.port
+        assert not any(launcher.poll_ready(second) for _ in range(16))
+    finally:
+        launcher.close()

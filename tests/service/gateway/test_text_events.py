@@ -31,3 +31,20 @@ def test_continuous_usage_chunks_are_not_templated():
     plan = GenerationPlan(kind="completion", request_id="r", model="m", stream=True, continuous_usage=True)
     with pytest.raises(ValueError):
         R.TextEvents(plan, 0)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_counted_text_events_equal_the_continuous_usage_chunk_encoding(kind):
+    plan = GenerationPlan(kind=kind, request_id='cmpl-"1"', model="m/ü", stream=True, continuous_usage=True)
+    events = R.CountedTextEvents(plan, 1_700_000_000)
+    for n, text in enumerate(TEXTS):
+        for count in (0, n, 987_654_321, 10**15):
+            assert events.event(text, count) == R.sse(
+                R.chunk(plan, 1_700_000_000, text, completion_tokens=count)
+            )
+
+
+def test_counted_text_events_are_only_for_continuous_usage():
+    plan = GenerationPlan(kind="completion", request_id="r", model="m", stream=True)
+    with pytest.raises(ValueError):
+        R.CountedTextEvents(plan, 0)

@@ -1,0 +1,165 @@
+"""Where pdmesh's router CPU goes in the Dynamo side by side's configuration (py-spy).
+
+`bench/peers/dynamo/run.py` compares the router process's CPU with Dynamo's
+frontend (`cpu_front_ratio`) under its own configuration: 4 `sim` workers
+(dynamo-mocker profile), a WordLevel tokenizer folder, kv_aware, the HTTP door
+with continuous usage, token-id prompts of the Mooncake trace / 8 (~1,800
+tokens each, ~45 output tokens) at x4. bench/profile_front.py profiles a
+zero-cost fake at one token per message instead, where per-request work
+(parsing a long prompt, hashing and routing it, its KV events) is absent. This
+starts pdmesh exactly as run.py's `start_pdmesh` does (no Dynamo needed),
+sends `--requests` of that load through the HTTP door while py-spy samples the
+router, and prints the router's CPU per request and per output token, the
+functions with the most self samples, and the busy samples by what they
+serve (`CATEGORIES`: the first marker a stack contains decides). `--probe`
+profiles the near-zero-load probe instead (64-token prompts sent one at a time,
+as run.py's, through the HTTP door and over gRPC).
+
+Run: `python bench/profile_front_dynamo.py [--requests 500] [--probe] [--rate 250]`.
+Last line: `profile_front_dynamo router_ms_per_request=.. router_us_per_token=.. gc=.. kv_events=..`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen import build_workload, run_load
+from bench.peers.dynamo import run as D
+from bench.profile_front import cpu_model, idle, print_summary, start_profile, summarize
+from bench.routing import run_cpu_s
+from bench.traces import VocabRange
+
+# (category, marker in the stack), checked in order; the first match wins.
+CATEGORIES = (
+    ("gc", "gc_collect_main"),
+    ("kv events (_kv_loop: parse, prefix index)", "_kv_loop"),
+    ("worker polls (stats, health)", "_stats_loop"),
+    ("worker polls (stats, health)", "_probe_health"),
+    ("link: frames in (DecodeLink._read)", "DecodeLink._read"),
+    ("link: frames out (open, cancel)", "DecodeLink._write"),
+    ("flow: route (hash, match, rank, open)", "RequestFlow._launch"),
+    ("flow: validate (Generation.__init__)", "Generation.__init__"),
+    ("flow: admission", "RequestFlow._admit"),
+    ("http: parse body", "parse_completion"),
+    ("http: parse body", "parse_chat"),
+    ("flow: relay (detokenize, stop text, deltas)", "Generation._stream"),
+    ("http: SSE events (Gateway._events)", "Gateway._events"),
+    ("http: SSE writes (ASGI send)", "EventStream.__call__"),
+    ("http: request (Gateway._serve)", "Gateway._serve"),
+    ("http: starlette/uvicorn", "run_asgi"),
+    ("http: connections (httptools)", "httptools_impl"),
+    ("grpc door: Generate (its writes, headers)", "RouterServicer.Generate"),
+)
+
+
+def categories(raw: Path) -> dict[str, float]:
+    counts: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit() or idle(stack.rsplit(";", 1)[-1]):
+            continue
+        total += int(n)
+        for name, marker in CATEGORIES:
+            if marker in stack:
+                counts[name] += int(n)
+                break
+        else:
+            main_thread = "_run_module_as_main" in stack
+            counts["other, event-loop thread" if main_thread else "other threads (gRPC C-core)"] += int(n)
+    return {k: v / max(total, 1) for k, v in counts.most_common()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--probe", action="store_true", help="profile the near-zero-load probe instead")
+    p.add_argument("--seconds", type=float, default=20.0, help="--probe: seconds of probing")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-profile-dynamo-"))
+    folder = tmp / "model"
+    D.write_folder(folder, D.DEFAULT_VOCAB)
+    setup = D.Setup(4, 16, 16384, 1.0, 256, 8192, folder, Path("/nonexistent"))
+    print(f"cpu: {cpu_model()} x{os.cpu_count()}; load avg {os.getloadavg()[0]:.1f}")
+    dep = D.start_pdmesh(setup, "kv", tmp)
+    pid = dep.front_pids["router"]
+    results: dict[str, str] = {}
+    try:
+        if a.probe:
+            raw = out / "router_dynamo_probe.raw"
+            asyncio.run(D.probe(dep, 10, 0, 64, D.DEFAULT_VOCAB))  # warm connections and caches
+            cpu0, rounds = run_cpu_s(pid), []
+            prof = start_profile(pid, a.seconds + 1, a.rate, raw)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < a.seconds:
+                rounds.append(asyncio.run(D.probe(dep, 20, len(rounds) + 1, 64, D.DEFAULT_VOCAB)))
+            prof.wait()
+            n = len(rounds) * 25 * 3  # requests per probe round: (20 + 5 warm) per path, 3 paths
+            cpu = run_cpu_s(pid) - cpu0
+            for k in ("http", "router", "direct"):
+                vals = sorted(r[k] for r in rounds)
+                print(f"  {k:6s} TTFT p50 over rounds {vals[len(vals) // 2]:.2f} ms")
+            print(f"router CPU {cpu:.2f} s over ~{n} probe requests (a third of them bypass it)")
+            what = "near-zero-load probe"
+        else:
+            raw = out / "router_dynamo_load.raw"
+            items = build_workload(
+                "mooncake",
+                num_requests=a.requests,
+                max_duration_s=120.0,
+                length_factor=8.0,
+                time_factor=1 / 4,
+                seed=0,
+                vocab=VocabRange(D.FIRST_WORD_ID, D.DEFAULT_VOCAB),
+            )
+            items = [it for it in items if len(it.prompt_ids) + it.max_tokens <= 16384 * 16 // 2]
+            span, tokens = items[-1].arrival_s, sum(it.max_tokens for it in items)
+            print(f"{len(items)} requests over {span:.1f} s, {tokens} output tokens")
+            cpu0 = run_cpu_s(pid)
+            prof = start_profile(pid, span + 2, a.rate, raw)
+            client = D.HttpClient(dep.url, D.MODEL_NAME)
+            recs = asyncio.run(
+                run_load(items, client, max_requests=len(items), max_duration_s=span + 1.0, timeout_s=60)
+            )
+            cpu = run_cpu_s(pid) - cpu0
+            prof.wait()
+            errors = collections.Counter(f"{r.error_code}: {r.error_detail[:80]}" for r in recs if not r.ok)
+            for why, n in errors.most_common(3):
+                print(f"  {n} failed: {why}")
+            print(
+                f"ok {sum(r.ok for r in recs)}/{len(items)}; router CPU {cpu:.2f} s: "
+                f"{cpu / len(items) * 1e3:.2f} ms per request, {cpu / tokens * 1e6:.1f} us per output token; "
+                f"load avg {os.getloadavg()[0]:.1f}"
+            )
+            results["router_ms_per_request"] = f"{cpu / len(items) * 1e3:.2f}"
+            results["router_us_per_token"] = f"{cpu / tokens * 1e6:.1f}"
+            what = "load"
+    finally:
+        dep.stop()
+    print_summary(f"router ({what})", summarize(raw, 25), f"raw profile {raw}")
+    cats = categories(raw)
+    print("  busy samples by what they serve:")
+    for k, v in cats.items():
+        print(f"  {v * 100:9.1f}%  {k}")
+    results["gc"] = f"{cats.get('gc', 0):.3f}"
+    results["kv_events"] = f"{cats.get(CATEGORIES[1][0], 0):.3f}"
+    print("profile_front_dynamo " + " ".join(f"{k}={v}" for k, v in results.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
