@@ -18,10 +18,10 @@ drifting machine load hits both alike. Per arm it prints the overhead, the
 worker's CPU ms per probe request, and under load (each arm behind its own
 router from this tree over the multiplexed link, every 4th request of the
 Mooncake trace at the x4 rate: one worker's share of the Dynamo bench's x4 run)
-the worker's CPU us per output token and per request, its TTFT mean, and the
-sim runner's late time is not visible from outside, so the TTFT mean is the
-check that nothing got slower. `--profile SECONDS` samples B's worker with
-py-spy --native during its first load round and prints the top self entries.
+the worker's CPU us per output token and per request, and the TTFT mean at the
+client (the check that nothing got slower). `--profile SECONDS` samples B's
+worker with py-spy --native during its first load round and prints the top
+self entries.
 
 Prints the CPU model and the load average; last line `worker_overhead key=value ...`.
 """
@@ -56,7 +56,7 @@ PROFILE = "dynamo-mocker"
 PROMPT_LEN = 64
 
 
-def engine_flags(folder: Path, a: argparse.Namespace) -> tuple[str, ...]:
+def engine_flags(folder: Path) -> tuple[str, ...]:
     """bench/peers/dynamo/run.py's start_pdmesh engine flags (its defaults)."""
     return flags(
         engine_backend="sim",
@@ -74,26 +74,17 @@ def engine_flags(folder: Path, a: argparse.Namespace) -> tuple[str, ...]:
     )
 
 
-def start_worker(launcher: Launcher, name: str, tree: Path, folder: Path, a) -> object:
-    module, path = "services.decode.main", str(tree)
-    if os.environ.get("WKR_LATE_DIR"):  # scratch: a wrapper that dumps the sim runner's late time
-        module, path = "late_decode", f"{os.environ['WKR_LATE_DIR']}:{tree}"
+def start_worker(launcher: Launcher, name: str, tree: Path, folder: Path) -> object:
     return launcher.start_ready(
         ServiceSpec(
             name,
-            module,
-            flags(worker_id=name) + engine_flags(folder, a),
-            env={"PYTHONPATH": path, "LATE_OUT": f"/tmp/wkr/late-{name}.json", **_arm_env(name)},
+            "services.decode.main",
+            flags(worker_id=name) + engine_flags(folder),
+            env={"PYTHONPATH": str(tree)},
             ready_service="pdmesh.v1.DecodeService",
         ),
         180,
     )
-
-
-def _arm_env(name: str) -> dict[str, str]:
-    """Scratch experiments: WKR_ENV_<ARM>=K=V,K=V adds environment variables to one arm's worker."""
-    spec = os.environ.get(f"WKR_ENV_{name.rsplit('-', 1)[-1].upper()}", "")
-    return dict(kv.split("=", 1) for kv in spec.split(",") if kv)
 
 
 def start_router(launcher: Launcher, name: str, worker: str, folder: Path) -> object:
@@ -158,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         arms = a.arms.split(",")
         trees = {"A": a.base, "B": a.tree_b}
-        workers = {arm: start_worker(launcher, f"decode-{arm.lower()}", trees[arm], folder, a) for arm in arms}
+        workers = {arm: start_worker(launcher, f"decode-{arm.lower()}", trees[arm], folder) for arm in arms}
         for r in range(a.rounds):
             for k, arm in enumerate(arms if r % 2 == 0 else arms[::-1]):
                 w = workers[arm]
@@ -170,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             add("fake", "ttft", asyncio.run(probe(fake.address, a.probes, 99 + r)))
         load_avg_probes = os.getloadavg()[0]
         if a.load_rounds:
-            routers = {arm: start_router(launcher, f"router-{arm}", workers[arm].address, folder) for arm in arms}
+            routers = {
+                arm: start_router(launcher, f"router-{arm}", workers[arm].address, folder) for arm in arms
+            }
             items = build_workload(
                 "mooncake",
                 num_requests=a.load_requests,
@@ -183,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in arms if r % 2 == 0 else arms[::-1]:
                     # A different quarter of the trace per round (a fresh share for the prefix cache).
                     share = items[r % 4 :: 4]
-                    share = [type(it)(it.arrival_s - share[0].arrival_s, it.prompt_ids, it.max_tokens) for it in share]
+                    share = [
+                        type(it)(it.arrival_s - share[0].arrival_s, it.prompt_ids, it.max_tokens)
+                        for it in share
+                    ]
                     pid = workers[arm].proc.pid
                     prof = None
                     if a.profile and arm == "B" and r == 0:
@@ -223,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
 
     fake_p50 = statistics.median(res["fake"]["ttft"])
     out: dict[str, str] = {}
-    print(f"\nnear-zero load ({a.rounds} rounds x {a.probes} probes per arm; fake worker p50 {fake_p50:.2f} ms):")
+    print(
+        f"\nnear-zero load ({a.rounds} rounds x {a.probes} probes per arm; fake worker p50 {fake_p50:.2f} ms):"
+    )
     for arm in arms:
         d = res[arm]
         ovh = statistics.median(d["ttft"]) - modeled
