@@ -5,8 +5,8 @@ objects per token per request (outputs, events, futures, frames) and lives on a
 heap of ~200k objects from start-up (torch, the tokenizer, the block pool of
 16,384 blocks, gRPC). CPython's default gen0 threshold of 700 ran a young
 collection every ~100 tokens, and the older collections it triggers walk that
-start-up heap: in-process (bench/worker_overhead.py's core path, sim x1000,
-32 streams) 61-66 collections per 16k tokens, with the loop and the engine
+start-up heap: in-process (bench/worker_core.py: the core path, sim x1000,
+32 streams) 57-66 collections per 16k tokens, with the loop and the engine
 thread stopped for each. Almost nothing a request makes is a cycle (reference
 counting frees it), so collecting rarely costs little memory:
 
