@@ -77,7 +77,12 @@ def check_prompt(
         f"the prompt ({n} tokens) + max_tokens ({max_tokens}) exceed the model context of "
         f"{max_model_len} tokens; at most {max_model_len - n} output tokens fit",
     )
-    bad = next((t for t in token_ids if t >= vocab_size), None)
+    # max() in C first: the generator walks a long prompt in Python, once per request.
+    bad = (
+        next((t for t in token_ids if t >= vocab_size), None)
+        if max(token_ids, default=0) >= vocab_size
+        else None
+    )
     _check(bad is None, field, f"token {bad} is not in [0, {vocab_size}) (the vocabulary)")
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdmesh.v1 import decode_pb2_grpc
+from services.common.gc_tuning import tune_gc
 from services.decode.config import SECTIONS, DecodeSettings, make_parser, parse_settings
 from services.decode.disagg_policy import Candidate, DisaggregationPolicy
 from services.decode.metrics import DecodeMetrics
@@ -92,6 +93,7 @@ async def serve(settings: DecodeSettings) -> None:
     parts = wire(rt, settings)
     if parts.source is not None:
         parts.source.start()
+    tune_gc()  # start-up's heap frozen, collections rarer (services/common/gc_tuning.py)
     try:
         await rt.serve(parts.servicer.load)
     finally:

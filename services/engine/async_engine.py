@@ -19,6 +19,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ class TorchEngine:
         self._thread: threading.Thread | None = None
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Outputs] = {}
         self._prefills: dict[str, asyncio.Future] = {}
         self._held: set[str] = set()
         self._reserved: set[str] = set()
@@ -270,12 +271,12 @@ class TorchEngine:
 
     def _open_stream(self, rid: str, start: Callable[[LLMEngine], RequestOutput | None]):
         """Register the stream and submit `start` now (so an abort queued later finds the request)."""
-        q: asyncio.Queue = asyncio.Queue()
+        q = _Outputs()
         self._streams[rid] = q
         self._submit(lambda core: _start_stream(core, rid, start))
         return self._iterate(rid, q)
 
-    async def _iterate(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, rid: str, q: _Outputs) -> AsyncIterator[RequestOutput]:
         done = False
         try:
             while not done:
@@ -437,6 +438,35 @@ class TorchEngine:
     def _abort_on_thread(self, core: LLMEngine, rid: str) -> list[tuple[str, str, Any]]:
         self._prefill_ids.discard(rid)
         return [("abort", rid, _aborted(rid))] if core.abort(rid) else []
+
+
+class _Outputs:
+    """One stream's outputs, from the loop's delivery callback to its one consumer
+    (loop side only). asyncio.Queue did the same with an unfinished-task count, an
+    Event and waiter lists touched on every put and get: once per token per request
+    (issue 16 item 4)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled while waiting
+                    self._waiter = None
+        return self._items.popleft()
 
 
 def _start_stream(core: LLMEngine, rid: str, start: Callable[[LLMEngine], RequestOutput | None]):

@@ -14,17 +14,15 @@ across the mesh: `pdmesh_tokens_per_successful_request`.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
-from services.common.metrics import LATENCY_BUCKETS
+from services.common.metrics import LATENCY_BUCKETS, LoopHistogram
 
 
 class _StatsCollector(Collector):
@@ -114,44 +112,6 @@ class _WorkerCollector(Collector):
             for w in rows:
                 g.add_metric([w.worker_id, w.role], value(w))
             yield g
-
-
-class LoopHistogram(Collector):
-    """A Prometheus histogram that the event loop updates with plain list and float
-    arithmetic. The router observes an inter-token gap per relayed message, and
-    prometheus_client's Histogram.observe (a linear bucket scan, two locked value
-    increments, an observability check) was ~6% of the router's busy CPU per message
-    at 64 streams (bench/results/profile_front_tuned.txt). Only the loop writes; a
-    scrape from the metrics thread reads a copy (a count and the sum may be one
-    observation apart, as with prometheus_client's own separately locked values).
-    Exposed as the same histogram family (buckets, _count, _sum)."""
-
-    def __init__(self, name: str, doc: str, buckets: Iterable[float]):
-        bounds = [float(b) for b in buckets]
-        if bounds[-1] != float("inf"):
-            bounds.append(float("inf"))
-        self.name, self.doc = name, doc
-        self.bounds = tuple(bounds)
-        self.counts = [0] * len(bounds)  # per bucket, not cumulative
-        self.sum = 0.0
-
-    def observe(self, value: float, n: int = 1) -> None:
-        """`n` observations of `value` (le semantics: value <= bound)."""
-        self.counts[bisect_left(self.bounds, value)] += n
-        self.sum += value * n
-
-    def snapshot(self) -> tuple[tuple[float, ...], tuple[int, ...], float]:
-        """(upper bounds with +Inf last, cumulative counts, sum)."""
-        total, cumulative = 0, []
-        for c in list(self.counts):
-            total += c
-            cumulative.append(total)
-        return self.bounds, tuple(cumulative), self.sum
-
-    def collect(self) -> Iterable[Any]:
-        bounds, counts, total = self.snapshot()
-        buckets = [(floatToGoString(b), c) for b, c in zip(bounds, counts, strict=True)]
-        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
 
 
 class RouterMetrics:
