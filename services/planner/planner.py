@@ -51,6 +51,7 @@ from services.planner.sizing import (
     prefill_shape,
     size_pools,
 )
+from services.planner.split_table import Split, SplitTable
 
 QUEUE_MODELS = ("pooled", "single")
 DECODE_MARGINS = ("quantile", "headroom")
@@ -98,6 +99,12 @@ class PlannerConfig:
         0.98,
         "planner: with a capacity table, size so the forecast demand is at most this share of the measured capacity",
     )
+    split_prior: str = setting(
+        "",
+        "planner: profile/link/workload of the disaggregation study's best P:D split "
+        "(services/planner/split_table.json) to split the budget by when both pools' wishes exceed it "
+        'and no rates are measured yet ("" = in proportion to the wishes)',
+    )
     decode_margin: str = setting(
         "quantile",
         f"planner: decode's margin, one of {DECODE_MARGINS}: the batch at the SLO quantile within the ITL "
@@ -114,6 +121,10 @@ class PlannerConfig:
         require(self.startup_s >= 0, "startup_s must be >= 0")
         require(self.error_window >= 0, "error_window must be >= 0")
         require(0 < self.table_margin <= 1, "table_margin must be in (0, 1]")
+        require(
+            not self.split_prior or self.split_prior.count("/") == 2,
+            f"split_prior must be profile/link/workload, got {self.split_prior!r}",
+        )
         require(0 < self.error_quantile < 1, "error_quantile must be in (0, 1)")
         require(0 < self.headroom <= 1, "headroom must be in (0, 1]")
         require(self.max_prefill >= -1 and self.max_decode >= -1, "max_prefill/max_decode must be >= -1")
@@ -163,6 +174,10 @@ class Planner:
         if capacity is None and config.capacity_table:
             capacity = CapacityTable.load(config.capacity_table)
         self.capacity = capacity
+        self.split: Split | None = None
+        if config.split_prior:
+            profile, link, workload = config.split_prior.split("/")
+            self.split = SplitTable.load().best(profile, link, workload)
         self.slo = Slo(config.ttft_slo_s, config.itl_slo_s, config.slo_quantile)
         h = config.headroom
         self._target = Slo(config.ttft_slo_s * h, config.itl_slo_s * h, config.slo_quantile)
@@ -253,6 +268,17 @@ class Planner:
             sizing = self._table_sizing(prefill_load, decode_load, budget, sizing)
         want_p, want_d = (0, sizing.decode) if decode_only else (sizing.prefill, sizing.decode)
         reasons = [sizing.reason]
+        if (
+            "budget" in sizing.reason
+            and self.split is not None
+            and not getattr(self.model, "measured", False)
+        ):
+            # The wishes do not fit: with no rates of its own measured, the planner trusts the
+            # disaggregation study's best split of a fleet this size over its prior's proportions.
+            want_p, want_d = self.split.scaled(budget.max_workers)
+            want_p, want_d = max(want_p, budget.min_prefill), max(want_d, budget.min_decode)
+            want_p = min(want_p, budget.max_workers - want_d)
+            reasons.append(f"split_prior:{self.split.prefill}:{self.split.decode}")
         # A breach while workers of that role are still starting is the capacity already on its
         # way not being there yet: adding one more for it over-shoots (and stays, for the
         # scale-down streak) what the load needs.

@@ -10,7 +10,7 @@ from statistics import NormalDist
 import pytest
 
 from services.model.timing import load_profile
-from services.planner.capacity import ProfileModel, decode_batch
+from services.planner.capacity import MeasuredModel, ProfileModel, decode_batch
 from services.planner.capacity_table import CapacityTable, CapacityTableError
 from services.planner.hysteresis import HysteresisConfig
 from services.planner.planner import Observation, Planner, PlannerConfig
@@ -123,3 +123,25 @@ def test_decode_is_sized_for_its_batch_at_the_slo_quantile():
     z = NormalDist().inv_cdf(0.9)
     assert b + z * math.sqrt(b) <= limit < (b + 1) + z * math.sqrt(b + 1)
     assert decode_batch(H100, 1260, 0.05 * 0.85) < b < limit
+
+
+def test_a_budget_too_small_for_both_wishes_is_split_by_the_split_tables_prior_until_rates_are_measured():
+    """split_table.json's best split for this profile on Azure lengths is 5:3 of 8; the proportional
+    cut of the wishes is what the planner does without the prior, or once it measures its own rates."""
+    cfg = dict(interval_s=10, startup_s=0, max_workers=8, hysteresis=NO_HYSTERESIS)
+    load = _obs(600, 4, 4, isl=1155, osl=211)  # 60 requests/s: both pools want far more than 8
+    prior = Planner(PlannerConfig(split_prior="splitwise-h100-llama70b/nvlink/azure", **cfg), H100)
+    dec = prior.tick(load, now=0)
+    assert (dec.prefill, dec.decode) == (5, 3) and "split_prior:5:3" in dec.reason
+    plain = Planner(PlannerConfig(**cfg), H100).tick(load, now=0)
+    assert plain.prefill + plain.decode == 8 and "split_prior" not in plain.reason
+    measured = MeasuredModel(H100, min_samples=1)
+    measured.observe_prefill(8192, 0.99)
+    measured.observe_decode(64, 64 * 1200, 0.044)
+    assert measured.measured
+    dec = Planner(PlannerConfig(split_prior="splitwise-h100-llama70b/nvlink/azure", **cfg), measured).tick(
+        load, now=0
+    )
+    assert "split_prior" not in dec.reason  # measured rates win
+    with pytest.raises(ValueError, match="profile/link/workload"):
+        PlannerConfig(split_prior="azure")
