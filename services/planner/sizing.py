@@ -198,8 +198,10 @@ def quantile_decode_batch(model: WorkerModel, ctx: float, slo: Slo) -> int:
     limit = decode_batch(model, ctx, slo.itl_s)
     z = NormalDist().inv_cdf(slo.quantile)
     b = limit
-    while b > 0 and b + z * math.sqrt(b) > limit:
+    while b > 1 and b + z * math.sqrt(b) > limit:
         b -= 1
+    # a small limit (a slow worker: 2 sequences within the ITL) leaves no room for the margin; one
+    # sequence at a time is still within the SLO, and 0 would read as "the SLO is infeasible"
     return b
 
 

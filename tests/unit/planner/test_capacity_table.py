@@ -145,3 +145,17 @@ def test_a_budget_too_small_for_both_wishes_is_split_by_the_split_tables_prior_u
     assert "split_prior" not in dec.reason  # measured rates win
     with pytest.raises(ValueError, match="profile/link/workload"):
         PlannerConfig(split_prior="azure")
+
+
+def test_a_slow_worker_whose_slo_batch_is_tiny_still_decodes_one_sequence():
+    """With 2 sequences within the ITL there is no room for the quantile margin; the rule must say 1,
+    not 0 (which reads as 'the ITL SLO is infeasible' and asks for the whole budget: the
+    `pdmesh up --planner` e2e never scaled back down to 1 decode worker)."""
+    slo = Slo(1.0, 0.05, 0.9)
+    ctx = 1260
+    limit_itl = next(t / 1000 for t in range(30, 200) if decode_batch(H100, ctx, t / 1000) == 2)
+    tight = Slo(1.0, limit_itl, 0.9)
+    assert decode_batch(H100, ctx, tight.itl_s) == 2
+    assert quantile_decode_batch(H100, ctx, tight) == 1
+    assert quantile_decode_batch(H100, ctx, Slo(1.0, 0.029, 0.9)) == 0  # infeasible stays infeasible
+    assert quantile_decode_batch(H100, ctx, slo) > 1
