@@ -217,15 +217,21 @@ def run_policy(
     elif name == "first_burst_reactive":
         # Not a policy: the best a policy can do that has not seen a burst yet. It runs the
         # planner's first pools until the first interval whose rate is over `burst_ratio` x the
-        # first interval's, then the static-peak pools (the right ones, at once) for good.
+        # first interval's, then the whole budget (split as static peak's pools are) for good:
+        # the most capacity, as early as anything that reacts to the burst can have it. (The
+        # static-peak pools themselves drain the first burst's backlog slower than the planner's
+        # bigger reaction: 0.896 against its 0.910.)
         start = static(len([r for r in reqs if r.arrival_s < iv]) / iv)
         base = max(len([r for r in reqs if r.arrival_s < iv]) / iv, 1e-9)
         seen = {"burst": False}
+        p0, d0 = learned["static_peak"]
+        p_all = max(1, min(a.max_workers - 1, round(a.max_workers * p0 / (p0 + d0))))
+        everything = (p_all, a.max_workers - p_all)
 
         def policy(obs: Observation, now: float) -> tuple[int, int]:
             if obs.requests / iv > cfg.burst_ratio * base:
                 seen["burst"] = True
-            return learned["static_peak"] if seen["burst"] else start
+            return everything if seen["burst"] else start
 
         initial = start
     elif name in ("static_peak", "static_mean"):
@@ -485,7 +491,7 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
         fb = run_policy("first_burst_reactive", reqs, a, learned)
         row("first_burst", fb, time.perf_counter() - t0)
         print(
-            f"first burst answered at once (the static-peak pools from the first interval that shows it, "
+            f"first burst answered at once (the whole budget from the first interval that shows it, "
             f"kept): attainment {fb.attainment(a.ttft_slo, a.itl_slo):.3f}; the most a policy that has not "
             f"seen a burst before can reach here"
         )
