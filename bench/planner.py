@@ -21,8 +21,15 @@ process whose rate follows one of two shapes:
 - `bursty`: a base rate with bursts of 5x for 30 s every 300 s.
 
 Policies, each on the same arrivals:
-- `planner`: services/planner (Holt forecast over the start-up horizon, joint
-  M/M/1-headroom sizing, measured-SLO correction, hysteresis);
+- `planner`: services/planner (Holt forecast over the start-up horizon, both
+  pools sized from a measured capacity table, lengths fast-up, measured-SLO
+  correction, hysteresis); the table (services/planner/capacity_table.py) is
+  each role's highest stationary load per pool size with `--table-goal` of the
+  requests within its SLO, measured here on the fleet simulation (bisection,
+  `--table-s` runs, lengths drawn at random from the trace, the other role
+  ample) and cached in bench/results/planner_capacity.json with its settings;
+  `planner_formulas`: the same planner sized by the pooled queueing formulas
+  (services/planner/sizing.py) instead;
 - `dynamo_formula`: NVIDIA Dynamo's throughput-mode formula (docs,
   design-docs/planner-design.md: prefill = ceil(requests x ISL / interval /
   prefill throughput per GPU), decode = ceil(requests x OSL / interval /
@@ -38,7 +45,12 @@ Policies, each on the same arrivals:
   `static_mean`: pdmesh's sizing at the run's mean rate, fixed;
 - `oracle` (a reference, not a policy anyone can run): the static_peak pools
   scaled by the workload's true rate, read ahead over the next interval and a
-  start-up; a bound on what any load-tracking policy can save on this fleet.
+  start-up (a reference, not a bound);
+- the stationary bound (computed, not a run): the table's pools for the true
+  rate at every second, read ahead over an interval plus a start-up;
+- `first_burst` (bursty only, a reference): the run's first pools until the
+  first interval that shows a burst, then the whole budget: the most a policy
+  that sizes for the load it has seen can attain there.
 
 Reported per policy: worker-seconds, SLO attainment (TTFT <= --ttft-slo and
 mean ITL <= --itl-slo), worker-seconds per successful request (the cost per
