@@ -21,8 +21,15 @@ process whose rate follows one of two shapes:
 - `bursty`: a base rate with bursts of 5x for 30 s every 300 s.
 
 Policies, each on the same arrivals:
-- `planner`: services/planner (Holt forecast over the start-up horizon, joint
-  M/M/1-headroom sizing, measured-SLO correction, hysteresis);
+- `planner`: services/planner (Holt forecast over the start-up horizon, both
+  pools sized from a measured capacity table, lengths fast-up, measured-SLO
+  correction, hysteresis); the table (services/planner/capacity_table.py) is
+  each role's highest stationary load per pool size with `--table-goal` of the
+  requests within its SLO, measured here on the fleet simulation (bisection,
+  `--table-s` runs, lengths drawn at random from the trace, the other role
+  ample) and cached in bench/results/planner_capacity.json with its settings;
+  `planner_formulas`: the same planner sized by the pooled queueing formulas
+  (services/planner/sizing.py) instead;
 - `dynamo_formula`: NVIDIA Dynamo's throughput-mode formula (docs,
   design-docs/planner-design.md: prefill = ceil(requests x ISL / interval /
   prefill throughput per GPU), decode = ceil(requests x OSL / interval /
@@ -38,7 +45,12 @@ Policies, each on the same arrivals:
   `static_mean`: pdmesh's sizing at the run's mean rate, fixed;
 - `oracle` (a reference, not a policy anyone can run): the static_peak pools
   scaled by the workload's true rate, read ahead over the next interval and a
-  start-up; a bound on what any load-tracking policy can save on this fleet.
+  start-up (a reference, not a bound);
+- the stationary bound (computed, not a run): the table's pools for the true
+  rate at every second, read ahead over an interval plus a start-up;
+- `first_burst` (bursty only, a reference): the run's first pools until the
+  first interval that shows a burst, then the whole budget: the most a policy
+  that sizes for the load it has seen can attain there.
 
 Reported per policy: worker-seconds, SLO attainment (TTFT <= --ttft-slo and
 mean ITL <= --itl-slo), worker-seconds per successful request (the cost per
@@ -58,6 +70,7 @@ Dynamo formula's worker-seconds at equal or better attainment; 0 failed.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -73,10 +86,11 @@ import numpy as np
 from bench.fleet_sim import FleetSim, SimRequest, SimResult
 from bench.traces import default_trace_path, load_azure
 from services.model.timing import load_profile
-from services.planner.capacity import ProfileModel
+from services.planner.capacity import ProfileModel, decode_batch
+from services.planner.capacity_table import CapacityTable
 from services.planner.hysteresis import HysteresisConfig
 from services.planner.planner import Observation, Planner, PlannerConfig
-from services.planner.sizing import Budget, Load, Slo, dynamo_throughput_sizing, size_pools
+from services.planner.sizing import Budget, Load, Slo, dynamo_throughput_sizing, prefill_shape, size_pools
 
 PROFILE = "splitwise-h100-llama70b"
 # The full study's control-loop time constants, for its 3,600-s day; a shorter day (--quick: 1,200 s)
@@ -175,8 +189,10 @@ def run_policy(
         s = size_pools(Load(rate, isl, osl), model, target, budget)
         return s.prefill, s.decode
 
-    if name == "planner":
-        planner = Planner(cfg, model)
+    if name in ("planner", "planner_formulas"):
+        # planner: sized from the measured capacity table; planner_formulas: the same loop sized
+        # from the queueing formulas alone (no table), the planner as it was before the table
+        planner = Planner(cfg, model, capacity=learned.get("capacity") if name == "planner" else None)
         learned["planner"] = planner
 
         def policy(obs: Observation, now: float) -> tuple[int, int]:
@@ -210,6 +226,26 @@ def run_policy(
             return max(1, math.ceil(p0 * r / top - 1e-9)), max(1, math.ceil(d0 * r / top - 1e-9))
 
         initial = policy(None, 0.0)  # type: ignore[arg-type]
+    elif name == "first_burst_reactive":
+        # Not a policy: the best a policy can do that has not seen a burst yet. It runs the
+        # planner's first pools until the first interval whose rate is over `burst_ratio` x the
+        # first interval's, then the whole budget (split as static peak's pools are) for good:
+        # the most capacity, as early as anything that reacts to the burst can have it. (The
+        # static-peak pools themselves drain the first burst's backlog slower than the planner's
+        # bigger reaction: 0.896 against its 0.910.)
+        start = static(len([r for r in reqs if r.arrival_s < iv]) / iv)
+        base = max(len([r for r in reqs if r.arrival_s < iv]) / iv, 1e-9)
+        seen = {"burst": False}
+        p0, d0 = learned["static_peak"]
+        p_all = max(1, min(a.max_workers - 1, round(a.max_workers * p0 / (p0 + d0))))
+        everything = (p_all, a.max_workers - p_all)
+
+        def policy(obs: Observation, now: float) -> tuple[int, int]:
+            if obs.requests / iv > cfg.burst_ratio * base:
+                seen["burst"] = True
+            return everything if seen["burst"] else start
+
+        initial = start
     elif name in ("static_peak", "static_mean"):
         fixed = learned["static_peak"] if name == "static_peak" else static(mean_rate)
 
@@ -262,7 +298,113 @@ def smallest_static(reqs: list[SimRequest], a: argparse.Namespace, goal: float =
     return p, d
 
 
-POLICIES = ("planner", "dynamo_formula", "static_peak", "static_mean", "oracle")
+# ---- the measured capacity table and the stationary bound -------------------------------
+
+
+def stationary_ok(
+    prof, lengths: list[tuple[int, int]], rate: float, p: int, d: int, a: argparse.Namespace, seed: int
+) -> tuple[float, float]:
+    """(share within the TTFT SLO, share within the ITL SLO) of fixed pools (p, d) at a constant Poisson
+    `rate`: lengths drawn at random from the trace, `--table-s` seconds, the first 20% cut (warm-up)."""
+    rng = np.random.default_rng(seed)
+    dur = a.table_s
+    times = poisson(lambda t: rate, dur, rate, rng)
+    picks = rng.integers(0, len(lengths), len(times))
+    reqs = [SimRequest(t, *lengths[k]) for t, k in zip(times, picks, strict=True)]
+    r = FleetSim(prof, initial=(p, d), startup_s=a.startup_s, interval_s=a.interval_s).run(
+        reqs, lambda obs, now: (p, d)
+    )
+    outs = [o for o in r.outcomes if o.req.arrival_s >= 0.2 * dur]
+    n = max(len(outs), 1)
+    return (
+        sum(o.ttft_s <= a.ttft_slo for o in outs) / n,
+        sum(o.itl_s <= a.itl_slo for o in outs) / n,
+    )
+
+
+def measure_capacity(a: argparse.Namespace, goal: float) -> CapacityTable:
+    """Each role's capacity per pool size on the fleet simulation: the highest constant rate (bisection,
+    6 steps between the size below's rate and the pool's fluid limit) at which c workers of the role,
+    the other role ample, keep `goal` of the requests within its SLO; as demand (tokens/s)."""
+    model = ProfileModel(load_profile(PROFILE))
+    lengths = [(r.input_len, r.output_len) for r in load_azure(default_trace_path("azure"))]
+    isl = float(np.mean([x[0] for x in lengths]))
+    osl = float(np.mean([x[1] for x in lengths]))
+    ample = a.max_workers
+    # the fluid limits: one prefill worker's tokens/s at full passes; one decode worker's output
+    # tokens/s at the ITL SLO's batch
+    _, _, p_tps = prefill_shape(model, isl)
+    batch = decode_batch(model, isl + osl / 2, a.itl_slo)
+    d_tps = batch / model.decode_step_s(batch, int(batch * (isl + osl / 2)))
+    top = 1.5 * a.peak_rate
+    out: dict[str, list[float]] = {}
+    for role, per_len, fluid in (("prefill", isl, p_tps), ("decode", osl, d_tps)):
+        caps: list[float] = []
+        lo = 0.0
+        c = 0
+        while not caps or caps[-1] < top * per_len:
+            c += 1
+            hi = c * fluid / per_len  # requests/s: the pool's fluid limit
+            lo_c = lo
+            for _ in range(6):
+                mid = (lo_c + hi) / 2
+                p, d = (c, ample) if role == "prefill" else (ample, c)
+                ok = stationary_ok(model.profile, lengths, mid, p, d, a, a.seed + 1000)[role == "decode"]
+                lo_c, hi = (mid, hi) if ok >= goal else (lo_c, mid)
+            lo = max(lo_c, lo)
+            caps.append(max(lo, 1e-3) * per_len)
+        out[role] = caps
+    return CapacityTable(
+        tuple(out["prefill"]),
+        tuple(out["decode"]),
+        goal,
+        f"bench/planner.py: {PROFILE}, Azure conversation lengths drawn at random, constant Poisson "
+        f"rates, {a.table_s:.0f} s each, TTFT <= {a.ttft_slo} s / mean ITL <= {a.itl_slo} s",
+    )
+
+
+def capacity_table(a: argparse.Namespace) -> tuple[CapacityTable, str]:
+    """The measured capacity table: bench/results/planner_capacity.json when it was measured with
+    these settings, else measured now (minutes) and written there."""
+    key = {
+        "profile": PROFILE,
+        "ttft_slo": a.ttft_slo,
+        "itl_slo": a.itl_slo,
+        "table_s": a.table_s,
+        "goal": a.table_goal,
+        "seed": a.seed + 1000,
+        "ample": a.max_workers,
+        "top_rate": 1.5 * a.peak_rate,
+    }
+    path = RESULTS / "planner_capacity.json"
+    if path.exists() and not a.remeasure_table:
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            return CapacityTable.from_doc(doc), f"{path} (measured earlier with these settings)"
+    t0 = time.perf_counter()
+    table = measure_capacity(a, a.table_goal)
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps({**table.to_doc(), "key": key}, indent=1) + "\n")
+    return table, f"measured now in {time.perf_counter() - t0:.0f} s, written to {path}"
+
+
+def stationary_bound(
+    table: CapacityTable, a: argparse.Namespace, isl: float, osl: float, lead_s: float
+) -> float:
+    """Worker-seconds of running, at every second, exactly the table's pools for the busiest true rate
+    of the next `lead_s` seconds (a policy that knows the future and whose pools are always
+    stationary-sized): what the 'perfect-foresight bound' of the study is."""
+    rate_at = rate_function(a.kind, a.day_s, a.peak_rate)
+    rates = np.array([rate_at(t + 0.5) for t in np.arange(0.0, a.day_s, 1.0)])
+    ws = 0.0
+    k = round(lead_s)
+    for i in range(len(rates)):
+        r = float(rates[i : i + k + 1].max())
+        ws += max(table.workers("prefill", r * isl), 1) + max(table.workers("decode", r * osl), 1)
+    return ws
+
+
+POLICIES = ("planner", "planner_formulas", "dynamo_formula", "static_peak", "static_mean", "oracle")
 
 
 def plot(kind: str, results: dict[str, SimResult]) -> Path:
@@ -304,7 +446,7 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
     )
     results: dict[str, SimResult] = {}
     t0 = time.perf_counter()
-    learned = {"static_peak": smallest_static(reqs, a)}
+    learned = {"static_peak": smallest_static(reqs, a), "capacity": a.capacity}
     print(
         f"static_peak = the smallest fixed pools attaining 0.95 here, found with hindsight: "
         f"{learned['static_peak']} ({time.perf_counter() - t0:.0f} s to search)"
@@ -343,6 +485,30 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
         f"oracle (knows the future rate; not a real policy): {oracle.worker_s / peak.worker_s:.2f}x static "
         f"peak's worker-seconds at attainment {oracle.attainment(a.ttft_slo, a.itl_slo):.3f}"
     )
+    # The perfect-foresight bound, computed (session 5 quoted 0.688x from a scratch script: pools
+    # searched jointly at a 4/s grid of rates, each rate's need taken at the grid point above).
+    isl = float(np.mean([r.isl for r in reqs]))
+    osl = float(np.mean([r.osl for r in reqs]))
+    lead = a.interval_s + a.startup_s
+    b0 = stationary_bound(a.capacity, a, isl, osl, 0.0) / peak.worker_s
+    b1 = stationary_bound(a.capacity, a, isl, osl, lead) / peak.worker_s
+    print(
+        f"stationary bound (the capacity table's pools for the true rate at every second, each role at "
+        f"{a.capacity.goal:.0%} within its SLO): {b0:.3f}x static peak with no lead, {b1:.3f}x with the "
+        f"{lead:.0f}-s lead (interval + start-up)"
+    )
+    extra = {"bound_vs_peak": f"{b1:.3f}"}
+    if kind == "bursty":
+        t0 = time.perf_counter()
+        fb = run_policy("first_burst_reactive", reqs, a, learned)
+        row("first_burst", fb, time.perf_counter() - t0)
+        print(
+            f"first burst answered at once (the whole budget from the first interval that shows it, "
+            f"kept): attainment {fb.attainment(a.ttft_slo, a.itl_slo):.3f}; the most a policy that has not "
+            f"seen a burst before can reach here"
+        )
+        extra["attainment_first_burst_reactive"] = f"{fb.attainment(a.ttft_slo, a.itl_slo):.3f}"
+    pf = results["planner_formulas"]
     return {
         "attainment": f"{p.attainment(a.ttft_slo, a.itl_slo):.3f}",
         "worker_s_vs_peak": f"{p.worker_s / peak.worker_s:.2f}",
@@ -354,6 +520,9 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
         "failed_scaling": str(p.failed_scaling),
         "oracle_worker_s_vs_peak": f"{oracle.worker_s / peak.worker_s:.2f}",
         "oracle_attainment": f"{oracle.attainment(a.ttft_slo, a.itl_slo):.3f}",
+        "attainment_planner_formulas": f"{pf.attainment(a.ttft_slo, a.itl_slo):.3f}",
+        "worker_s_vs_peak_planner_formulas": f"{pf.worker_s / peak.worker_s:.2f}",
+        **extra,
     }
 
 
@@ -378,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-workers", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--table-s", type=float, default=150.0, help="seconds of each capacity-table measurement")
+    ap.add_argument(
+        "--remeasure-table", action="store_true", help="measure the capacity table even if cached"
+    )
+    ap.add_argument(
+        "--table-goal", type=float, default=0.95, help="per-role SLO share the capacity table is for"
+    )
     a = ap.parse_args(argv)
     a.day_s = a.day_s or (1200.0 if a.quick else FULL_DAY_S)
     # The day is compressed; so are the control loop's time constants, by the same factor. What
@@ -392,6 +568,11 @@ def main(argv: list[str] | None = None) -> int:
         f"profile {PROFILE}; SLO TTFT <= {a.ttft_slo} s and mean ITL <= {a.itl_slo * 1000:.0f} ms; "
         f"start-up {a.startup_s:.0f} s; interval {a.interval_s:.0f} s; budget {a.max_workers} workers"
     )
+    table, where = capacity_table(a)
+    a.capacity = table
+    print(f"capacity table (per role, pool size 1..n; tokens/s within the SLO for {table.goal:.0%}): {where}")
+    print(f"  prefill uncached tokens/s: {[round(x) for x in table.prefill]}")
+    print(f"  decode output tokens/s:    {[round(x) for x in table.decode]}")
     head = study("diurnal", a)
     bursty = study("bursty", a)
     line = " ".join(f"{k}={v}" for k, v in head.items())

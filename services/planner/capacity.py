@@ -122,6 +122,11 @@ class MeasuredModel:
         ]
         self._coef = _solve3(xtx, self._xty)
 
+    @property
+    def measured(self) -> bool:
+        """Both roles' rates are measured (not the prior's)."""
+        return self._prefill_n >= self.min_samples and self._decode_n >= self.min_samples
+
     def prefill_s(self, tokens: int) -> float:
         if self._prefill_n < self.min_samples or not self._prefill_tps:
             return self.prior.prefill_s(tokens)

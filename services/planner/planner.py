@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.common.config import require, setting
 from services.planner.capacity import WorkerModel
+from services.planner.capacity_table import CapacityTable
 from services.planner.forecast import FORECASTERS, Forecaster, make_forecaster
 from services.planner.hysteresis import Hysteresis, HysteresisConfig
 from services.planner.sizing import (
@@ -45,12 +46,15 @@ from services.planner.sizing import (
     Sizing,
     Slo,
     default_wait_coeff,
+    fit_budget,
     pooled_wait_q,
     prefill_shape,
     size_pools,
 )
+from services.planner.split_table import Split, SplitTable
 
 QUEUE_MODELS = ("pooled", "single")
+DECODE_MARGINS = ("quantile", "headroom")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,36 @@ class PlannerConfig:
     queue_model: str = setting(
         "pooled", f"planner: prefill queueing model, one of {QUEUE_MODELS} (services/planner/sizing.py)"
     )
+    error_window: int = setting(
+        0,
+        "planner: intervals of forecast error kept; each role's demand is sized x the SLO quantile of "
+        "(actual / forecast) over them (0 = no forecast-error margin)",
+    )
+    length_window: int = setting(
+        60,
+        "planner: intervals of the long-run mean ISL/OSL (lengths are sized for the longer of it and the recent mean)",
+    )
+    error_quantile: float = setting(0.5, "planner: the quantile of the forecast-error window sized for")
+    capacity_table: str = setting(
+        "",
+        "planner: JSON file of measured pool capacities per size (services/planner/capacity_table.py; "
+        "bench/planner.py writes one); sizes from it instead of the queueing formulas when set",
+    )
+    table_margin: float = setting(
+        0.98,
+        "planner: with a capacity table, size so the forecast demand is at most this share of the measured capacity",
+    )
+    split_prior: str = setting(
+        "",
+        "planner: profile/link/workload of the disaggregation study's best P:D split "
+        "(services/planner/split_table.json) to split the budget by when both pools' wishes exceed it "
+        'and no rates are measured yet ("" = in proportion to the wishes)',
+    )
+    decode_margin: str = setting(
+        "quantile",
+        f"planner: decode's margin, one of {DECODE_MARGINS}: the batch at the SLO quantile within the ITL "
+        "SLO (quantile) or `headroom` x the ITL SLO (headroom)",
+    )
 
     hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig, metadata={"cli": False})
 
@@ -83,7 +117,15 @@ class PlannerConfig:
         require(self.interval_s > 0, "interval_s must be > 0")
         require(self.forecaster in FORECASTERS, f"forecaster must be one of {FORECASTERS}")
         require(self.queue_model in QUEUE_MODELS, f"queue_model must be one of {QUEUE_MODELS}")
+        require(self.decode_margin in DECODE_MARGINS, f"decode_margin must be one of {DECODE_MARGINS}")
         require(self.startup_s >= 0, "startup_s must be >= 0")
+        require(self.error_window >= 0, "error_window must be >= 0")
+        require(0 < self.table_margin <= 1, "table_margin must be in (0, 1]")
+        require(
+            not self.split_prior or self.split_prior.count("/") == 2,
+            f"split_prior must be profile/link/workload, got {self.split_prior!r}",
+        )
+        require(0 < self.error_quantile < 1, "error_quantile must be in (0, 1)")
         require(0 < self.headroom <= 1, "headroom must be in (0, 1]")
         require(self.max_prefill >= -1 and self.max_decode >= -1, "max_prefill/max_decode must be >= -1")
         require(self.max_decode != 0, "max_decode must not be 0 (at least one decode worker)")
@@ -119,24 +161,53 @@ class Decision:
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, model: WorkerModel, *, history: int = 256):
+    def __init__(
+        self,
+        config: PlannerConfig,
+        model: WorkerModel,
+        *,
+        history: int = 256,
+        capacity: CapacityTable | None = None,
+    ):
         self.config = config
         self.model = model
+        if capacity is None and config.capacity_table:
+            capacity = CapacityTable.load(config.capacity_table)
+        self.capacity = capacity
+        self.split: Split | None = None
+        if config.split_prior:
+            profile, link, workload = config.split_prior.split("/")
+            self.split = SplitTable.load().best(profile, link, workload)
         self.slo = Slo(config.ttft_slo_s, config.itl_slo_s, config.slo_quantile)
         h = config.headroom
         self._target = Slo(config.ttft_slo_s * h, config.itl_slo_s * h, config.slo_quantile)
         self._pooled = config.queue_model == "pooled"
+        self._decode_slo = self.slo if config.decode_margin == "quantile" else None
         self.budget = Budget(config.max_workers, config.min_prefill, config.min_decode)
         self.hysteresis = Hysteresis(config.hysteresis)
         # the arrival rate trends (the configured forecaster); lengths and hit rate only drift (averaged)
         self._signals: dict[str, Forecaster] = {"rate": make_forecaster(config.forecaster)}
         self._signals.update({k: make_forecaster("moving_average") for k in ("isl", "osl", "hit")})
+        # Lengths drift along a trace (the Azure conversations' mean output length moves 130 <-> 270
+        # over minutes) faster than a worker starts: size for the longer of the recent and the
+        # long-run mean, so a stretch of short requests does not shed the workers the next long
+        # stretch needs (fast up, slow down).
+        n_long = max(1, config.length_window)
+        self._long = {k: make_forecaster("moving_average", window=n_long) for k in ("isl", "osl")}
+        self._last_len = (0.0, 0.0)  # the last interval's mean lengths: a jump is sized for at once
         self.wait_coeff: float | None = None  # refit from measured TTFT (sizing's A); None = its prior
         self.startup_s = config.startup_s
         self.decisions: deque[Decision] = deque(maxlen=history)
         self._recent_rates: deque[float] = deque(
             maxlen=max(1, math.ceil(config.peak_window_s / config.interval_s))
         )
+        # Forecast error per role: each tick's demand forecast (requests/s x tokens) is kept until the
+        # interval it was made for comes; then actual / forecast joins the role's error window.
+        self._made: deque[tuple[float, float]] = deque()  # (prefill, decode) demand forecasts, oldest first
+        self._actual: deque[tuple[float, float]] = deque()  # and the demands seen since
+        self._errors: dict[str, deque[float]] = {
+            r: deque(maxlen=max(config.error_window, 1)) for r in ("prefill", "decode")
+        }
 
     def observe_startup(self, seconds: float) -> None:
         """A worker took `seconds` from start to ready: the forecast horizon follows the slowest seen lately."""
@@ -156,14 +227,24 @@ class Planner:
             sig["isl"].observe(obs.mean_isl)
             sig["osl"].observe(obs.mean_osl)
             sig["hit"].observe(obs.hit_rate)
+            self._long["isl"].observe(obs.mean_isl)
+            self._long["osl"].observe(obs.mean_osl)
+            self._last_len = (obs.mean_isl, obs.mean_osl)
         lead = self.lead
+        burst = self._burst_rate()
+        # In a bursty window the trend is the bursts' own steps (Holt extrapolates a 5x step to 7x
+        # and holds it through the scale-down streak): size for the busiest interval seen instead.
+        trend = sig["rate"].predict(lead) if not burst else 0.0
         forecast = Load(
-            rate=max(sig["rate"].predict(lead), rate_now, self._burst_rate()),
-            isl=sig["isl"].predict(lead),
-            osl=sig["osl"].predict(lead),
+            rate=max(trend, rate_now, burst),
+            isl=max(sig["isl"].predict(lead), self._long["isl"].predict(lead), self._last_len[0]),
+            osl=max(sig["osl"].predict(lead), self._long["osl"].predict(lead), self._last_len[1]),
             hit_rate=min(max(sig["hit"].predict(1), 0.0), 1.0),
         )
-        bursty = self._burst_rate() > 0
+        m_p, m_d = self._error_margins(obs, rate_now, lead, forecast)
+        prefill_load = replace(forecast, rate=forecast.rate * m_p)
+        decode_load = replace(forecast, rate=forecast.rate * m_d)
+        bursty = burst > 0
         if not bursty:  # a burst's queue is a transient, not the steady state the coefficient is of
             self._refit_wait(obs, rate_now)
         decode_only = self.config.max_prefill == 0
@@ -172,9 +253,32 @@ class Planner:
         budget = (
             Budget(2 * self.budget.max_workers, 0, self.budget.min_decode) if decode_only else self.budget
         )
-        sizing = size_pools(forecast, self.model, self._target, budget, self.wait_coeff, pooled=self._pooled)
+        sizing = size_pools(
+            prefill_load,
+            self.model,
+            self._target,
+            budget,
+            self.wait_coeff,
+            pooled=self._pooled,
+            decode_slo=self._decode_slo,
+            decode_load=decode_load,
+        )
+        sizing.inputs.update(forecast_margin_prefill=m_p, forecast_margin_decode=m_d)
+        if self.capacity is not None:
+            sizing = self._table_sizing(prefill_load, decode_load, budget, sizing)
         want_p, want_d = (0, sizing.decode) if decode_only else (sizing.prefill, sizing.decode)
         reasons = [sizing.reason]
+        if (
+            "budget" in sizing.reason
+            and self.split is not None
+            and not getattr(self.model, "measured", False)
+        ):
+            # The wishes do not fit: with no rates of its own measured, the planner trusts the
+            # disaggregation study's best split of a fleet this size over its prior's proportions.
+            want_p, want_d = self.split.scaled(budget.max_workers)
+            want_p, want_d = max(want_p, budget.min_prefill), max(want_d, budget.min_decode)
+            want_p = min(want_p, budget.max_workers - want_d)
+            reasons.append(f"split_prior:{self.split.prefill}:{self.split.decode}")
         # A breach while workers of that role are still starting is the capacity already on its
         # way not being there yet: adding one more for it over-shoots (and stays, for the
         # scale-down streak) what the load needs.
@@ -206,6 +310,58 @@ class Planner:
         decision = Decision(now, p, d, changed, " ".join(reasons), sizing, forecast)
         self.decisions.append(decision)
         return decision
+
+    def _table_sizing(self, prefill_load: Load, decode_load: Load, budget: Budget, model: Sizing) -> Sizing:
+        """Both pools from the measured capacity table (the formulas' sizing stays in the inputs)."""
+        table = self.capacity
+        assert table is not None
+        p_demand = prefill_load.rate * prefill_load.uncached_isl / self.config.table_margin
+        d_demand = decode_load.rate * decode_load.osl / self.config.table_margin
+        p = max(table.workers("prefill", p_demand), budget.min_prefill)
+        d = max(table.workers("decode", d_demand), budget.min_decode)
+        inputs = dict(model.inputs)
+        inputs.update(
+            table_prefill_demand=p_demand,
+            table_decode_demand=d_demand,
+            model_prefill=float(model.prefill),
+            model_decode=float(model.decode),
+        )
+        reason = "prefill:table decode:table"
+        if p + d > budget.max_workers:
+            p, d = fit_budget(p, d, budget)
+            reason += " budget"
+        return Sizing(p, d, reason, inputs)
+
+    def _error_margins(self, obs: Observation, rate: float, lead: int, forecast: Load) -> tuple[float, float]:
+        """Each role's forecast-error margin: the SLO quantile of (actual / forecast) demand, at least 1.
+
+        Demand is prefill's uncached tokens/s and decode's output tokens/s; the forecast made `lead`
+        ticks ago (what the capacity now serving was decided on) is compared with the mean demand
+        of the `lead` intervals since (the window it was for: one interval's Poisson and length
+        noise is the queueing model's business, not the forecast's). Growth the forecast did not see (a ramp steeper than its trend,
+        lengths drifting along the trace) then widens the margin, and a forecast that keeps up
+        needs none: a headroom that follows the error measured instead of a fixed one.
+        """
+        if self.config.error_window == 0:
+            return 1.0, 1.0
+        self._actual.append((rate * obs.mean_isl * (1 - obs.hit_rate), rate * obs.mean_osl))
+        while len(self._actual) > lead:
+            self._actual.popleft()
+        if len(self._made) >= lead and len(self._actual) == lead:
+            made = self._made[-lead]
+            for i, role in enumerate(("prefill", "decode")):
+                mean = sum(a[i] for a in self._actual) / lead
+                if made[i] > 0:
+                    self._errors[role].append(mean / made[i])
+        self._made.append((forecast.rate * forecast.uncached_isl, forecast.rate * forecast.osl))
+        while len(self._made) > lead:
+            self._made.popleft()
+        q = self.config.error_quantile
+        out = []
+        for role in ("prefill", "decode"):
+            errs = sorted(self._errors[role])
+            out.append(min(max(errs[min(int(q * len(errs)), len(errs) - 1)], 1.0), 2.0) if errs else 1.0)
+        return out[0], out[1]
 
     def _burst_rate(self) -> float:
         """The busiest recent interval's rate when the window is bursty (its peak > `burst_ratio` x its median)."""

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from services.planner.capacity import WorkerModel, decode_batch, prefill_rate
 
@@ -185,9 +186,30 @@ def prefill_workers(
     return min(n, cap), "ttft", info
 
 
-def decode_workers(load: Load, model: WorkerModel, slo: Slo, cap: int) -> tuple[int, str, dict[str, float]]:
+def quantile_decode_batch(model: WorkerModel, ctx: float, slo: Slo) -> int:
+    """The mean batch a worker may run so that its batch at the SLO quantile keeps steps <= the ITL SLO.
+
+    A worker's batch is the count of sequences the router gave it that have not finished: it
+    moves like a Poisson count around its mean B (sd ~ sqrt(B)), and a sequence's mean ITL is
+    the step time at the batches it lived through. So size for B + z sqrt(B) <= the ITL SLO's
+    batch, z the normal quantile of the SLO's share, instead of a flat share of the SLO's time
+    (which at this step-time curve left 1/3 of each worker's batch unused).
+    """
+    limit = decode_batch(model, ctx, slo.itl_s)
+    z = NormalDist().inv_cdf(slo.quantile)
+    b = limit
+    while b > 1 and b + z * math.sqrt(b) > limit:
+        b -= 1
+    # a small limit (a slow worker: 2 sequences within the ITL) leaves no room for the margin; one
+    # sequence at a time is still within the SLO, and 0 would read as "the SLO is infeasible"
+    return b
+
+
+def decode_workers(
+    load: Load, model: WorkerModel, slo: Slo, cap: int, *, quantile_margin: bool = False
+) -> tuple[int, str, dict[str, float]]:
     ctx = load.isl + load.osl / 2
-    batch = decode_batch(model, ctx, slo.itl_s)
+    batch = quantile_decode_batch(model, ctx, slo) if quantile_margin else decode_batch(model, ctx, slo.itl_s)
     info = {"decode_batch": float(batch)}
     if batch == 0:
         return cap, "itl_infeasible", info
@@ -207,11 +229,20 @@ def size_pools(
     wait_coeff: float | None = None,
     *,
     pooled: bool = False,
+    decode_slo: Slo | None = None,
+    decode_load: Load | None = None,
 ) -> Sizing:
+    """`decode_slo`: size decode for this SLO with the quantile batch margin (`quantile_decode_batch`)
+    instead of for `slo`'s ITL as a flat target. `decode_load`: the load decode is sized for, when its
+    forecast differs from prefill's (each role's own forecast-error margin)."""
     cap = budget.max_workers
     prefill_rule = pooled_prefill_workers if pooled else prefill_workers
     p, p_why, p_info = prefill_rule(load, model, slo, cap, wait_coeff)
-    d, d_why, d_info = decode_workers(load, model, slo, cap)
+    dl = load if decode_load is None else decode_load
+    if decode_slo is None:
+        d, d_why, d_info = decode_workers(dl, model, slo, cap)
+    else:
+        d, d_why, d_info = decode_workers(dl, model, decode_slo, cap, quantile_margin=True)
     p, d = max(p, budget.min_prefill), max(d, budget.min_decode)
     inputs = {"rate": load.rate, "isl": load.isl, "osl": load.osl, "hit_rate": load.hit_rate}
     inputs.update({f"p_{k}": v for k, v in p_info.items()})
@@ -219,12 +250,12 @@ def size_pools(
     inputs.update(want_prefill=float(p), want_decode=float(d))
     reason = f"prefill:{p_why} decode:{d_why}"
     if p + d > cap:
-        p, d = _fit(p, d, budget)
+        p, d = fit_budget(p, d, budget)
         reason += " budget"
     return Sizing(p, d, reason, inputs)
 
 
-def _fit(p: int, d: int, budget: Budget) -> tuple[int, int]:
+def fit_budget(p: int, d: int, budget: Budget) -> tuple[int, int]:
     """Cut (p, d) in proportion to fit max_workers, each at least its minimum."""
     spare = budget.max_workers - budget.min_prefill - budget.min_decode
     extra_p, extra_d = p - budget.min_prefill, d - budget.min_decode
@@ -249,6 +280,6 @@ def dynamo_throughput_sizing(load: Load, model: WorkerModel, slo: Slo, budget: B
     d = max(math.ceil(load.rate * load.osl / decode_tps - 1e-9), budget.min_decode)
     reason = "dynamo_throughput"
     if p + d > budget.max_workers:
-        p, d = _fit(p, d, budget)
+        p, d = fit_budget(p, d, budget)
         reason += " budget"
     return Sizing(p, d, reason, {"prefill_tps": prefill_tps, "decode_tps": decode_tps})
