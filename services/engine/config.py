@@ -17,7 +17,7 @@ from services.model.model_config import PRESETS
 BACKENDS = ("torch", "sim", "trtllm")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_SCHEMES = ("fp", "int8", "int4")  # services/engine/quantize.py
-KV_SCHEMES = ("none", "int8")  # kvtransfer/layout.py KV_QUANT
+KV_SCHEMES = ("none", "int8", "fp8")  # kvtransfer/layout.py KV_QUANT
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class EngineConfig:
         f"linear weights, one of {WEIGHT_SCHEMES}: fp = dtype; int8 / int4 = weight-only quantized (CPU)",
     )
     kv_cache_quant: str = setting(
-        "none", f"KV pool scheme, one of {KV_SCHEMES}: int8 = int8 blocks with per-block, per-head scales"
+        "none",
+        f"KV pool scheme, one of {KV_SCHEMES}: int8 / fp8 (e4m3) = 1-byte K/V with per-block, per-head scales",
     )
     pack_weights: bool = setting(True, "prepack linear weights with oneDNN on CPU (faster small batches)")
     seed: int = setting(0, "seed of the built-in model's random weights")
