@@ -69,6 +69,11 @@ class EngineConfig:
         "host KV tier behind the pool, in bytes (0 = off): evicted cached blocks are kept there and "
         "restored on a prefix hit when that beats recomputing; the sim backend counts its profile's bytes",
     )
+    host_tier_quant: str = setting(
+        "none",
+        "host tier storage for a full-precision pool (torch backend): none, or int8 / fp8 = 1-byte "
+        "K/V with per-block, per-head scales, quantized on offload and dequantized on restore",
+    )
     sim_profile: str = setting("dynamo-mocker", "sim backend: timing profile in services/model/profiles.json")
     sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
 
@@ -84,6 +89,7 @@ class EngineConfig:
         for name, allowed in (
             ("weights", WEIGHT_SCHEMES),
             ("kv_cache_quant", KV_SCHEMES),
+            ("host_tier_quant", KV_SCHEMES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
