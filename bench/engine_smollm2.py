@@ -175,6 +175,7 @@ def main(args) -> None:
         dtype=dtype,
         weights=weights,
         num_threads=args.threads,
+        adapt_threads=True,  # thread_tuner.py: small steps on 1 thread when 2 measure slower
         num_blocks=1024,
         max_num_seqs=max(streams),
         max_num_batched_tokens=2048,

@@ -45,9 +45,10 @@ class EngineConfig:
     max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
     num_threads: int = setting(0, "torch intra-op threads of the step loop; 0 = torch's default")
     adapt_threads: bool = setting(
-        True,
+        False,
         "steps of <= 8 tokens run on 1 thread or all, whichever measures faster (thread_tuner.py: on a "
-        "shared CPU the per-op OpenMP barrier makes small steps slower on 2 threads)",
+        "shared CPU the per-op OpenMP barrier makes small steps slower on 2 threads); off by default "
+        "because bfloat16 results differ by thread count, so outputs would depend on timing",
     )
     weights: str = setting(
         "fp",

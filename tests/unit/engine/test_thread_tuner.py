@@ -63,7 +63,7 @@ def test_single_thread_engine_is_not_tuned():
 def test_engine_steps_feed_the_tuner_and_big_steps_run_on_every_thread():
     before = torch.get_num_threads()
     try:
-        engine = LLMEngine(EngineConfig(preset="tiny", num_threads=2, num_blocks=64))
+        engine = LLMEngine(EngineConfig(preset="tiny", num_threads=2, num_blocks=64, adapt_threads=True))
         runner = engine.runner
         free = engine.stats().free_blocks
         engine.add_request(
