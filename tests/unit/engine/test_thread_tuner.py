@@ -84,3 +84,11 @@ def test_engine_steps_feed_the_tuner_and_big_steps_run_on_every_thread():
         assert off.thread_tuner is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_far_slower_arm_is_sampled_once_before_the_budget_governs():
+    # bench/engine.py, 2 threads, load ~15: 3.8 s a step on 2 threads, 0.17 s on 1; three
+    # samples of the slow arm spent a quarter of a short run exploring.
+    tuner = ThreadTuner(TunerConfig(max_threads=2, explore_share=0.03))
+    chosen = drive(tuner, {1: 0.17, 2: 3.8}, 40)
+    assert chosen.count(2) == 1
