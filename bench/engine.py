@@ -185,7 +185,15 @@ def main(argv: list[str] | None = None) -> None:
         choices=("bfloat16", "float32"),
         help="default: bfloat16 for small; for smollm2 bfloat16 only where the CPU has native bf16",
     )
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--threads",
+        default="1",
+        help="intra-op threads; smollm2 takes a list (1,2): each count is run in turn, llama.cpp "
+        "after ours at each, so one run gives both (issue 22's benchmark)",
+    )
+    ap.add_argument(
+        "--skip-hf", action="store_true", help="smollm2: skip transformers (issue 22 compares llama.cpp only)"
+    )
     ap.add_argument(
         "--weights",
         default="fp",
@@ -195,11 +203,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    threads = [int(t) for t in str(args.threads).split(",")]
     if args.model == "smollm2":
         from bench.engine_smollm2 import main as smollm2_main
 
-        smollm2_main(args)
+        for t in threads:
+            args.threads = t
+            smollm2_main(args)
         return
+    if len(threads) != 1:
+        ap.error("--threads takes a list with --model smollm2 only")
+    args.threads = threads[0]
     if args.weights != "fp":  # the small run compares against transformers on the same fp weights
         ap.error("--weights applies to --model smollm2 (bench/quant_accuracy.py covers `small`)")
     args.dtype = args.dtype or "bfloat16"

@@ -175,6 +175,7 @@ def main(args) -> None:
         dtype=dtype,
         weights=weights,
         num_threads=args.threads,
+        adapt_threads=True,  # thread_tuner.py: small steps on 1 thread when 2 measure slower
         num_blocks=1024,
         max_num_seqs=max(streams),
         max_num_batched_tokens=2048,
@@ -191,9 +192,10 @@ def main(args) -> None:
     t0 = time.perf_counter()
     # transformers keeps GGUF weights packed and computes in float32 (it warns that any other
     # dtype casts every matmul): float32 is its fastest setting, so it runs in that.
-    hf = HfRunner(path, torch.float32)
-    print(f"transformers: loaded in {time.perf_counter() - t0:.1f} s")
-    hf.generate(prompts[0][:16], 4)
+    hf = None if getattr(args, "skip_hf", False) else HfRunner(path, torch.float32)
+    if hf is not None:
+        print(f"transformers: loaded in {time.perf_counter() - t0:.1f} s")
+        hf.generate(prompts[0][:16], 4)
 
     # Batch 1, alternating request by request so that both see the same machine load.
     ours_s, hf_s, ours_ttft, hf_ttft, match = 0.0, 0.0, [], [], 0
@@ -202,18 +204,22 @@ def main(args) -> None:
         w, t, out = run_ours(engine, [p], n, f"b1-{i}-")
         ours_s += w
         ours_ttft += t
+        if hf is None:
+            continue
         hf_w, hf_out = hf.generate(p, n)
         hf_s += hf_w
         hf_ttft.append(hf.generate(p, 1)[0])
         match += out[f"b1-{i}-0"] == hf_out
-    ours_b1, hf_b1 = b1 * n / ours_s, b1 * n / hf_s
+    ours_b1, hf_b1 = b1 * n / ours_s, (b1 * n / hf_s if hf_s else float("nan"))
     print(
         f"batch 1 ({b1} requests): ours {ours_b1:.1f} tok/s, TTFT median {statistics.median(ours_ttft) * 1e3:.0f} ms"
     )
-    print(
-        f"batch 1 ({b1} requests): transformers {hf_b1:.1f} tok/s, TTFT median {statistics.median(hf_ttft) * 1e3:.0f} ms"
-    )
-    print(f"  transformers (float32) greedy == ours ({dtype}) for {match}/{b1} requests")
+    if hf is not None:
+        print(
+            f"batch 1 ({b1} requests): transformers {hf_b1:.1f} tok/s, "
+            f"TTFT median {statistics.median(hf_ttft) * 1e3:.0f} ms"
+        )
+        print(f"  transformers (float32) greedy == ours ({dtype}) for {match}/{b1} requests")
     del hf
 
     ours_n: dict[int, tuple[float, float]] = {}
@@ -225,7 +231,17 @@ def main(args) -> None:
             f"{k} streams: ours {ours_n[k][0]:.1f} tok/s aggregate, TTFT median {ours_n[k][1] * 1e3:.0f} ms"
         )
 
+    tuner = getattr(engine.runner, "thread_tuner", None)
+    if tuner is not None:  # services/engine/thread_tuner.py: both arms' small-step times, this run
+        st = tuner.stats()
+        print(
+            f"thread tuner: small steps on {st['best_threads']} thread(s); EWMA step 1 thread "
+            f"{st['one_thread_ms']:.1f} ms, {args.threads} threads {st['all_threads_ms']:.1f} ms; "
+            f"explored {st['explore_share']:.1%}"
+        )
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     lc = run_llamacpp(path, prompts, n, [1, *streams], args.threads, b1)
+    print(f"load average after llama.cpp {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     summary = {
         "cpu": f'"{cpu_model()}"',
         "dtype": dtype,
@@ -233,9 +249,9 @@ def main(args) -> None:
         "threads": args.threads,
         "ours_b1_tok_s": f"{ours_b1:.1f}",
         "hf_b1_tok_s": f"{hf_b1:.1f}",
-        "vs_hf_b1": f"{hf_s / ours_s:.2f}",
+        "vs_hf_b1": f"{hf_s / ours_s:.2f}" if hf_s else "nan",
         "ours_b1_ttft_ms": f"{statistics.median(ours_ttft) * 1e3:.0f}",
-        "hf_b1_ttft_ms": f"{statistics.median(hf_ttft) * 1e3:.0f}",
+        "hf_b1_ttft_ms": f"{statistics.median(hf_ttft) * 1e3:.0f}" if hf_ttft else "nan",
         "hf_match": f"{match}/{b1}",
     }
     for k in streams:

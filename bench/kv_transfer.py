@@ -339,7 +339,8 @@ async def run(args: argparse.Namespace) -> None:
     print(
         f"kv_transfer nixl_gbps={nixl:.2f} grpc_gbps={grpc_:.2f} memcpy_gbps={mem:.2f} "
         f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f} digest_vs_handoff={digest_ratio:.2f} "
-        f"int8_bytes_ratio={bytes_ratio:.3f} int8_handoff_vs_fp32={time_ratio:.2f}"
+        f"int8_bytes_ratio={bytes_ratio:.3f} int8_handoff_vs_fp32={time_ratio:.2f} "
+        f"fp8_bytes_ratio={schemes['fp8'][0] / fp32[0]:.3f} fp8_handoff_vs_fp32={schemes['fp8'][1] / fp32[1]:.2f}"
     )
 
 
@@ -352,6 +353,7 @@ async def handoff_by_scheme(args: argparse.Namespace, tmp: Path, kv_address: str
         ("float32", {"dtype": "float32"}),
         ("bfloat16", {"dtype": "bfloat16"}),
         ("int8", {"dtype": "float32", "kv_cache_quant": "int8"}),
+        ("fp8", {"dtype": "float32", "kv_cache_quant": "fp8"}),  # e4m3 values: int8's bytes
     ):
         layout = small_layout(**overrides)
         n = PROMPT_TOKENS // layout.block_size

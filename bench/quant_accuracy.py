@@ -37,7 +37,12 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.model_runner import scratch_sequence
 
 MAX_CHANGED = 0.10  # a mode that flips more than this share of greedy tokens is reported as such
-MODES = {"w-int8": {"weights": "int8"}, "w-int4": {"weights": "int4"}, "kv-int8": {"kv_cache_quant": "int8"}}
+MODES = {
+    "w-int8": {"weights": "int8"},
+    "w-int4": {"weights": "int4"},
+    "kv-int8": {"kv_cache_quant": "int8"},
+    "kv-fp8": {"kv_cache_quant": "fp8"},  # float8_e4m3fn values, int8's scales (kvtransfer/layout.py)
+}
 
 
 def forced_logits(engine: LLMEngine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="small,smollm2,hf-llama")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     k = 1 if args.quick else 3
@@ -131,10 +137,11 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_batched_tokens": 512,
     }
     summary: dict[str, str] = {}
+    modes = {m: MODES[m] for m in args.modes.split(",")}
     for model in args.models.split(","):
         if model == "small":
             summary |= evaluate(
-                "small", {"preset": "small", **common}, byte_prompts(k, 48, 256), args.tokens, MODES
+                "small", {"preset": "small", **common}, byte_prompts(k, 48, 256), args.tokens, modes
             )
         elif model == "smollm2":
             from services.engine.engine_spec import EngineSpec
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 "Write a short poem about the sea and the wind.",
                 "Explain how a hash table works to a new programmer.",
             ][:k]
-            summary |= evaluate("smollm2", base, [tok.encode(t) for t in texts], args.tokens, MODES)
+            summary |= evaluate("smollm2", base, [tok.encode(t) for t in texts], args.tokens, modes)
         elif model == "hf-llama":
             from tests.unit.engine.conftest import make_hf_checkpoint, train_tokenizer_json
 
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                     folder = Path(tmp) / label
                     make_hf_checkpoint(folder, "llama", tok, **overrides)
                     base = {"model_path": str(folder), **common}
-                    summary |= evaluate(label, base, byte_prompts(k, 24, 512), args.tokens, MODES)
+                    summary |= evaluate(label, base, byte_prompts(k, 24, 512), args.tokens, modes)
         else:
             raise SystemExit(f"unknown model {model!r}")
     print("quant_accuracy " + " ".join(f"{a}={b}" for a, b in summary.items()))

@@ -6,7 +6,7 @@ so the KV of one block (all layers) is one contiguous region of `block_bytes`
 bytes at `base + block_id * block_bytes`. A transfer moves whole blocks; block
 lists need not be contiguous. Both sides check the layout before moving bytes.
 
-Quantized KV (`quant="int8"`): a block is raw bytes, the int8 K/V
+Quantized KV (`quant="int8"` or `"fp8"`): a block is raw bytes, the int8 (or float8_e4m3fn) K/V
 [num_layers, 2, block_size, num_kv_heads, head_dim] followed by their float32
 scales [num_layers, 2, num_kv_heads] (one per block, layer, K/V and head:
 `scale_layout`). The scales live inside the block, so every transport moves
@@ -33,8 +33,12 @@ if TYPE_CHECKING:  # torch is imported lazily so the router never loads it
 
 # dtype name -> bytes per element
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# KV quantization scheme -> its scale layout (what one scale covers, and its type)
-KV_QUANT = {"none": "", "int8": "float32[layer,kv,head]/block"}
+# KV quantization scheme -> its scale layout (what one scale covers, and its type). fp8 is
+# float8_e4m3fn values (torch 2.13 casts and indexes them on CPU) with the same scales as int8:
+# the same bytes, another rounding (relative, not absolute: small values keep more precision).
+KV_QUANT = {"none": "", "int8": "float32[layer,kv,head]/block", "fp8": "float32[layer,kv,head]/block"}
+# The values' torch dtype name and the largest magnitude a scale maps to, per quantized scheme.
+KV_QUANT_VALUES = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
 
 
 class LayoutMismatch(ValueError):
@@ -108,7 +112,8 @@ class KvLayout:
         if self.quant == "none":
             return pool, None
         n = pool.shape[0]
-        data = pool[:, : self.data_bytes].view(torch.int8).view(n, *self.kv_shape)
+        values = getattr(torch, KV_QUANT_VALUES[self.quant][0])
+        data = pool[:, : self.data_bytes].view(values).view(n, *self.kv_shape)
         scales = pool[:, self.data_bytes :].view(torch.float32).view(n, *self.scale_shape)
         return data, scales
 

@@ -15,10 +15,10 @@ K/V into the pool at (block, offset) slots, then attends:
   so GQA needs no copy of K/V per query head.
 ModelRunner builds the AttentionMetadata; the model passes it to every layer.
 
-With int8 KV (KvLayout quant="int8") a layer's cache is a QuantKvLayer: int8
+With int8 or fp8 KV (KvLayout quant "int8" / "fp8") a layer's cache is a QuantKvLayer: 1-byte
 values plus one float32 scale per (block, K/V, head). A write that raises a
 block's absmax rescales what the block already holds (a block fills a token at
-a time in decode), so a block's scale is always its own absmax / 127; a block
+a time in decode), so a block's scale is always its own absmax / 127 (448 for fp8); a block
 written from offset 0 starts afresh (a reused block keeps its old scale
 otherwise). Gathers dequantize into the compute dtype.
 """
@@ -48,7 +48,7 @@ class DecodeGroup:
 
 @dataclass
 class QuantKvLayer:
-    data: torch.Tensor  # [N, 2, bs, Hkv, Dh] int8
+    data: torch.Tensor  # [N, 2, bs, Hkv, Dh] int8 or float8_e4m3fn
     scales: torch.Tensor  # [N, 2, Hkv] float32
 
 
@@ -146,16 +146,31 @@ def _gather_kv(
     )
 
 
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., Dh] float, scale broadcastable to x[..., :1] -> int8 round(x / scale) in [-127, 127]."""
-    return torch.round(x.float() / scale.clamp(min=1e-12)).clamp(-127, 127).to(torch.int8)
+def kv_qmax(dtype: torch.dtype) -> float:
+    """The magnitude a block's absmax maps to: 127 for int8, 448 (e4m3's largest) for fp8."""
+    return 127.0 if dtype == torch.int8 else 448.0
+
+
+def _to_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x already divided by its scale -> the stored values (int8 rounds, fp8 casts)."""
+    if dtype == torch.int8:
+        return torch.round(x).clamp(-127, 127).to(torch.int8)
+    return x.clamp(-448.0, 448.0).to(dtype)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """x [..., Dh] float, scale broadcastable to x[..., :1] -> x / scale as int8 in [-127, 127]
+    (rounded) or float8_e4m3fn in [-448, 448]."""
+    return _to_values(x.float() / scale.clamp(min=1e-12), dtype)
 
 
 def write_quantized(
     layer: QuantKvLayer, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """Write new K/V [T, Hkv, Dh] at (block, offset) slots, keeping each touched block's
-    scale = max(its absmax so far, the new tokens' absmax) / 127."""
+    scale = max(its absmax so far, the new tokens' absmax) / 127 (int8) or / 448 (fp8)."""
+    vdt = layer.data.dtype
+    qmax = kv_qmax(vdt)
     new = torch.stack([k, v], dim=1).float()  # [T, 2, Hkv, Dh]
     amax = new.abs().amax(dim=-1)  # [T, 2, Hkv]
     touched, inv = torch.unique(blocks, return_inverse=True)
@@ -163,15 +178,15 @@ def write_quantized(
     fresh[inv[offsets == 0]] = True
     old = layer.scales.index_select(0, touched)  # [U, 2, Hkv]
     old = torch.where(fresh[:, None, None], torch.zeros_like(old), old)
-    need = torch.zeros_like(old).scatter_reduce_(0, inv[:, None, None].expand_as(amax), amax / 127, "amax")
+    need = torch.zeros_like(old).scatter_reduce_(0, inv[:, None, None].expand_as(amax), amax / qmax, "amax")
     scale = torch.maximum(old, need)
     grown = (scale > old) & (old > 0)
     if bool(grown.any()):
         # Requantize what the block already holds to the larger scale (at most half a step of error each time).
         ratio = torch.where(grown, old / scale, torch.ones_like(old))[:, :, None, :, None]
         held = layer.data.index_select(0, touched).float() * ratio
-        layer.data[touched] = torch.round(held).clamp(-127, 127).to(torch.int8)
+        layer.data[touched] = _to_values(held, vdt)
     layer.scales[touched] = scale
-    q = quantize_kv(new, scale.index_select(0, inv)[..., None])  # [T, 2, Hkv, Dh]
+    q = quantize_kv(new, scale.index_select(0, inv)[..., None], vdt)  # [T, 2, Hkv, Dh]
     layer.data[blocks, 0, offsets] = q[:, 0]
     layer.data[blocks, 1, offsets] = q[:, 1]

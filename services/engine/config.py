@@ -17,7 +17,7 @@ from services.model.model_config import PRESETS
 BACKENDS = ("torch", "sim", "trtllm")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_SCHEMES = ("fp", "int8", "int4")  # services/engine/quantize.py
-KV_SCHEMES = ("none", "int8")  # kvtransfer/layout.py KV_QUANT
+KV_SCHEMES = ("none", "int8", "fp8")  # kvtransfer/layout.py KV_QUANT
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,19 @@ class EngineConfig:
     )
     max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
     num_threads: int = setting(0, "torch intra-op threads of the step loop; 0 = torch's default")
+    adapt_threads: bool = setting(
+        False,
+        "steps of <= 8 tokens run on 1 thread or all, whichever measures faster (thread_tuner.py: on a "
+        "shared CPU the per-op OpenMP barrier makes small steps slower on 2 threads); off by default "
+        "because bfloat16 results differ by thread count, so outputs would depend on timing",
+    )
     weights: str = setting(
         "fp",
         f"linear weights, one of {WEIGHT_SCHEMES}: fp = dtype; int8 / int4 = weight-only quantized (CPU)",
     )
     kv_cache_quant: str = setting(
-        "none", f"KV pool scheme, one of {KV_SCHEMES}: int8 = int8 blocks with per-block, per-head scales"
+        "none",
+        f"KV pool scheme, one of {KV_SCHEMES}: int8 / fp8 (e4m3) = 1-byte K/V with per-block, per-head scales",
     )
     pack_weights: bool = setting(True, "prepack linear weights with oneDNN on CPU (faster small batches)")
     seed: int = setting(0, "seed of the built-in model's random weights")
@@ -62,6 +69,11 @@ class EngineConfig:
         0,
         "host KV tier behind the pool, in bytes (0 = off): evicted cached blocks are kept there and "
         "restored on a prefix hit when that beats recomputing; the sim backend counts its profile's bytes",
+    )
+    host_tier_quant: str = setting(
+        "none",
+        "host tier storage for a full-precision pool (torch backend): none, or int8 / fp8 = 1-byte "
+        "K/V with per-block, per-head scales, quantized on offload and dequantized on restore",
     )
     sim_profile: str = setting("dynamo-mocker", "sim backend: timing profile in services/model/profiles.json")
     sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
@@ -78,6 +90,7 @@ class EngineConfig:
         for name, allowed in (
             ("weights", WEIGHT_SCHEMES),
             ("kv_cache_quant", KV_SCHEMES),
+            ("host_tier_quant", KV_SCHEMES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

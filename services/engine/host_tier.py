@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.attention import kv_qmax, quantize_kv
+
 
 @dataclass(frozen=True)
 class HostTierStats:
@@ -45,14 +47,40 @@ class HostTierStats:
 
 
 class HostTier:
+    """`quant="int8"` / `"fp8"` (a full-precision pool's blocks, [L, 2, bs, Hkv, Dh]): the tier
+    stores 1-byte values with one float32 scale per block, layer, K/V and head (absmax / 127 or
+    / 448, the pool's own int8 / fp8 scheme: attention.quantize_kv) and dequantizes on restore,
+    so the same bytes hold 2x (bf16) or ~4x (float32) the blocks; `block_bytes` is then the
+    quantized block's. A restored block is not bit-identical to the one offloaded: its error is
+    the pool scheme's (bench/quant_accuracy.py kv-int8 / kv-fp8)."""
+
     def __init__(
-        self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, block_bytes: int
+        self,
+        capacity_blocks: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        block_bytes: int,
+        quant: str = "none",
     ):
         if capacity_blocks <= 0:
             raise ValueError(f"HostTier capacity_blocks must be positive, got {capacity_blocks}")
+        if quant not in ("none", "int8", "fp8"):
+            raise ValueError(f"HostTier quant must be none, int8 or fp8, got {quant!r}")
+        if quant != "none" and (len(block_shape) != 5 or not dtype.is_floating_point):
+            raise ValueError(
+                "a quantized host tier needs a full-precision pool of [L, 2, bs, Hkv, Dh] blocks"
+            )
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
-        self.pool = torch.empty((capacity_blocks, *block_shape), dtype=dtype)
+        self.quant, self.dtype = quant, dtype
+        if quant == "none":
+            self.pool = torch.empty((capacity_blocks, *block_shape), dtype=dtype)
+        else:
+            # fp8 values are kept as their bytes: torch's CPU index_copy_ has no float8 kernel
+            self.values_dtype = torch.int8 if quant == "int8" else torch.float8_e4m3fn
+            self.pool = torch.empty((capacity_blocks, *block_shape), dtype=torch.int8)
+            layers, kv, _, heads, _ = block_shape
+            self.scales = torch.empty((capacity_blocks, layers, kv, heads), dtype=torch.float32)
         # hash -> (slot, parent hash); order = LRU (oldest first).
         self._entries: OrderedDict[int, tuple[int, int | None]] = OrderedDict()
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
@@ -119,8 +147,20 @@ class HostTier:
                 if rows == list(range(len(blocks)))
                 else data.index_select(0, torch.tensor(rows, dtype=torch.long))
             )
-            self.pool.index_copy_(0, torch.tensor(slots, dtype=torch.long), src)
+            idx = torch.tensor(slots, dtype=torch.long)
+            if self.quant == "none":
+                self.pool.index_copy_(0, idx, src)
+            else:
+                values, scales = self._quantize(src)
+                self.pool.index_copy_(0, idx, values.view(torch.int8))
+                self.scales.index_copy_(0, idx, scales)
         return list(stored), evicted
+
+    def _quantize(self, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = data.float()  # [n, L, 2, bs, Hkv, Dh]
+        qmax = kv_qmax(self.values_dtype)
+        scales = (x.abs().amax(dim=(3, 5)) / qmax).clamp(min=1e-12)  # [n, L, 2, Hkv]
+        return quantize_kv(x, scales[:, :, :, None, :, None], self.values_dtype), scales
 
     # ---- restore ---------------------------------------------------------------
 
@@ -147,7 +187,12 @@ class HostTier:
             self._entries.move_to_end(h)
             slots.append(slot)
         self.restored_blocks += len(slots)
-        return self.pool.index_select(0, torch.tensor(slots, dtype=torch.long))
+        idx = torch.tensor(slots, dtype=torch.long)
+        if self.quant == "none":
+            return self.pool.index_select(0, idx)
+        scales = self.scales.index_select(0, idx)[:, :, :, None, :, None]
+        values = self.pool.index_select(0, idx).view(self.values_dtype)
+        return (values.float() * scales).to(self.dtype)
 
     def pairs(self) -> list[tuple[int | None, int]]:
         """(parent, hash) of every block held."""

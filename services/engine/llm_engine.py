@@ -16,6 +16,7 @@ Request paths (api.py has the lifecycle):
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -114,12 +115,20 @@ class LLMEngine:
         else:
             block_bytes = self.spec.layout.block_bytes
             cost = TierCost(config.block_size)
+        quant = config.host_tier_quant
+        if quant != "none":
+            if profile is not None or self.spec.layout.quant != "none":
+                raise ValueError(
+                    "EngineConfig.host_tier_quant needs the torch backend and a full-precision pool "
+                    "(kv_cache_quant none: a quantized pool's blocks are stored as they are)"
+                )
+            block_bytes = dataclasses.replace(self.spec.layout, quant=quant).block_bytes
         capacity = config.host_tier_bytes // block_bytes
         if capacity <= 0:
             raise ValueError(
                 f"EngineConfig.host_tier_bytes {config.host_tier_bytes} holds no block of {block_bytes} bytes"
             )
-        tier = HostTier(capacity, tuple(pool.shape[1:]), pool.dtype, block_bytes)
+        tier = HostTier(capacity, tuple(pool.shape[1:]), pool.dtype, block_bytes, quant)
         write = getattr(self.runner, "restore_blocks", self.runner.import_blocks)
         block_manager.attach_host_tier(tier, cost, self.runner.export_blocks, write)
 

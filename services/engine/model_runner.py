@@ -10,6 +10,7 @@ register its memory. On CPU the linear weights are prepacked (packing.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from services.engine.packing import PackedLinear, can_pack, pack_linears
 from services.engine.quantize import MAX_QUANT_ROWS, quantize_linears
 from services.engine.sampler import Sampler, SampleRow
 from services.engine.sequence import Sequence
+from services.engine.thread_tuner import ThreadTuner, TunerConfig
 
 
 @dataclass
@@ -60,10 +62,28 @@ class ModelRunner:
         else:
             self.kv_layers = [QuantKvLayer(data[:, i], scales[:, i]) for i in range(spec.model.num_layers)]
         self.sampler = Sampler()
+        # Threads per step (thread_tuner.py): on CPU only; a CUDA step's host threads do not matter.
+        self._max_threads = cfg.num_threads or torch.get_num_threads()
+        self._threads = self._max_threads
+        self.thread_tuner = (
+            ThreadTuner(TunerConfig(self._max_threads))
+            if cfg.adapt_threads and self.device.type == "cpu" and self._max_threads > 1
+            else None
+        )
+
+    def _use_threads(self, n: int) -> None:
+        if n != self._threads:
+            torch.set_num_threads(n)
+            self._threads = n
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """Compute the scheduled tokens; return the sampled token per entry (None mid-prompt)."""
+        rows = sum(n for _, n in scheduled)
+        tuner = self.thread_tuner
+        threads = self._max_threads if tuner is None else tuner.threads_for(rows)
+        self._use_threads(threads)
+        start = time.perf_counter()
         # Prompt chunks first, then single-token (decode) entries: see attention.py.
         order = [i for i, (_, n) in enumerate(scheduled) if n > 1]
         order += [i for i, (_, n) in enumerate(scheduled) if n == 1]
@@ -75,11 +95,14 @@ class ModelRunner:
             tokens = self.sampler(logits, inputs.sample_rows)
             for item, token in zip(inputs.sample_items, tokens, strict=True):
                 results[order[item]] = token
+        if tuner is not None:
+            tuner.record(rows, threads, time.perf_counter() - start)
         return results
 
     @torch.inference_mode()
     def chunk_logits(self, seq: Sequence, n: int) -> torch.Tensor:
         """Compute `seq`'s next `n` tokens (blocks allocated); float32 logits [n, V] of each."""
+        self._use_threads(self._max_threads)
         inputs = self._prepare([(seq, n)])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers)
         return self.model.compute_logits(hidden)

@@ -217,3 +217,44 @@ def test_a_batch_larger_than_the_tier_keeps_its_last_blocks_with_their_own_data(
     stored, evicted = t.offer([(1, None), (2, 1), (3, 2)], data)
     assert stored == [2, 3] and evicted == []  # 1 was displaced within the batch: never reported
     assert torch.equal(t.read([2, 3]), torch.cat([block(2.0), block(3.0)]))
+
+
+def test_quantized_tier_round_trips_within_the_schemes_error_and_stores_one_byte_values():
+    g = torch.Generator().manual_seed(7)
+    shape = (2, 2, 4, 3, 8)  # [L, 2, bs, Hkv, Dh]
+    data = torch.randn(5, *shape, generator=g) * torch.linspace(0.1, 10, 8)  # heads of mixed scale
+    for quant, rel in (("int8", 0.5 / 127), ("fp8", 1 / 16)):
+        t = HostTier(8, shape, torch.float32, block_bytes=1, quant=quant)
+        assert t.pool.element_size() == 1
+        stored, _ = t.offer([(h, None) for h in range(5)], data)
+        got = t.read(stored)
+        assert got.dtype == torch.float32
+        amax = data.abs().amax(dim=(3, 5), keepdim=True)  # per block, layer, K/V, head
+        # int8: half a step of absmax / 127; e4m3: 1/16 relative, plus its subnormal floor
+        bound = amax * rel if quant == "int8" else data.abs() * rel + amax / 448 * 2.0**-6
+        assert bool(((got - data).abs() <= bound + 1e-6).all()), quant
+
+
+def test_torch_engine_with_an_int8_host_tier_restores_a_quarter_of_the_bytes(make_engine):
+    engine = make_engine(num_blocks=24, host_tier_bytes=1 << 22, host_tier_quant="int8")
+    reqs = [request(f"q{i}", prompt_of(100, seed=60 + i), max_tokens=12) for i in range(4)]
+    first = {}
+    for r in reqs:
+        first |= engine.generate([r])
+    again = engine.generate([EngineRequest(r.request_id + "'", r.prompt_token_ids, r.sampling) for r in reqs])
+    stats = engine.stats()
+    assert stats.prompt_tokens_restored > 0 and stats.host_restores > 0
+    fp_block = engine.spec.layout.block_bytes
+    assert stats.host_bytes <= stats.host_blocks * fp_block * 0.3  # float32 pool, int8 tier
+    same = sum(
+        a == b for r in reqs for a, b in zip(again[r.request_id + "'"], first[r.request_id], strict=True)
+    )
+    assert same >= 0.9 * 12 * len(reqs)  # the restored KV is int8's, not bit-identical
+    assert stats.free_blocks == engine.spec.num_blocks
+
+
+def test_a_quantized_host_tier_needs_a_full_precision_torch_pool(make_engine):
+    import pytest
+
+    with pytest.raises(ValueError, match="host_tier_quant"):
+        make_engine(num_blocks=24, host_tier_bytes=1 << 22, host_tier_quant="int8", kv_cache_quant="int8")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvtransfer.layout import KvLayout, LayoutMismatch
+from kvtransfer.layout import KvLayout, LayoutMismatch, layout_from_proto, layout_to_proto
 from services.engine.attention import QuantKvLayer, write_quantized
 from services.engine.quantize import (
     INT4_GROUP,
@@ -129,6 +129,37 @@ def test_int8_kv_layout_puts_the_scales_inside_each_block():
         fp.check_compatible(q)
 
 
+def test_fp8_kv_written_a_token_at_a_time_stays_within_e4m3_rounding_of_the_values():
+    f8 = torch.float8_e4m3fn
+    layer = QuantKvLayer(torch.zeros(6, 2, 4, 2, 8, dtype=f8), torch.zeros(6, 2, 2))
+    g = torch.Generator().manual_seed(1)
+    want = torch.zeros(6, 2, 4, 2, 8)
+    for t, b in enumerate([3, 3, 3, 3, 5, 5]):  # growing magnitudes force requantization
+        k, v = (torch.randn(1, 2, 8, generator=g) * (t + 1) for _ in range(2))
+        want[b, 0, t % 4], want[b, 1, t % 4] = k[0], v[0]
+        write_quantized(layer, torch.tensor([b]), torch.tensor([t % 4]), k, v)
+    for b in (3, 5):
+        amax = want[b].abs().amax(dim=(1, 3))  # [2, Hkv]
+        assert torch.allclose(layer.scales[b], amax / 448)
+        got = layer.data[b].float() * layer.scales[b][:, None, :, None]
+        # e4m3 keeps 3 mantissa bits: 1/16 relative per rounding, a rounding per rescale (<= 4).
+        # Values far below the block's absmax fall into e4m3's subnormals: an absolute floor.
+        floor = layer.scales[b][:, None, :, None] * 2.0**-6
+        assert bool(((got - want[b]).abs() <= want[b].abs() * 0.25 + floor).all())
+
+
+def test_fp8_kv_layout_has_int8s_bytes_and_is_refused_by_an_int8_side():
+    i8 = KvLayout(2, 2, 8, "float32", 4, quant="int8")
+    f8 = KvLayout(2, 2, 8, "float32", 4, quant="fp8")
+    assert f8.block_bytes == i8.block_bytes
+    data, scales = f8.kv_views(f8.allocate_pool(3))
+    assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    with pytest.raises(LayoutMismatch, match="quant"):
+        i8.check_compatible(f8)
+    with pytest.raises(LayoutMismatch, match="quant"):
+        layout_from_proto(layout_to_proto(f8)).check_compatible(i8)
+
+
 # ---- engines --------------------------------------------------------------------------
 
 
@@ -160,6 +191,18 @@ def test_engine_with_int8_kv_agrees_with_the_fp_engine(make_engine):
     # Measured 1.0 on these prompts (tiny preset); the bound leaves room for a tie flipping.
     assert agreement(want, got) >= 0.9
     assert quant.spec.layout.block_bytes / fp.spec.layout.block_bytes <= 0.3
+
+
+def test_engine_with_fp8_kv_agrees_with_the_fp_engine_and_hands_over(make_engine):
+    from tests.unit.engine.test_disagg import hand_over
+
+    fp, quant = make_engine(), make_engine(kv_cache_quant="fp8")
+    want, got = fp.generate(requests()), quant.generate(requests())
+    assert agreement(want, got) >= 0.9
+    assert quant.spec.layout.block_bytes / fp.spec.layout.block_bytes <= 0.3
+    req = request("h", prompt_of(57, seed=5), max_tokens=20)
+    alone = make_engine(kv_cache_quant="fp8").generate([req])["h"]
+    assert hand_over(make_engine(kv_cache_quant="fp8"), make_engine(kv_cache_quant="fp8"), req) == alone
 
 
 def test_int8_kv_handover_between_engines_gives_the_int8_engine_tokens(make_engine):

@@ -1,0 +1,109 @@
+"""Intra-op threads per step: small steps run on one thread or on all, whichever measures faster.
+
+Why: a decode step of a few rows is some 300 small ops (SmolLM2-135M: 30 layers x ~10), each an
+OpenMP parallel region that ends in a barrier. On a CPU shared with other work the second thread
+is often descheduled and every barrier waits up to a scheduler slice for it. Profiled here
+(SmolLM2 int4, batch 1, load average ~10 on 2 vCPUs, threads alternated in one process): a decode
+step took 70-200 ms of wall and 33-38 ms of CPU on one thread, 1.1-3.7 s of wall and 380-685 ms
+of CPU on two (the waiting thread spins). On a quiet machine the second thread helps instead
+(batch-1 decode reads every weight; issue 22: fp32 SmolLM2 18.4 -> 27.5 tok/s from 1 to 2 threads).
+Neither fixed choice is right everywhere, so the engine measures both on its own small steps and
+keeps the faster; steps of more rows than `small_rows` (prompt chunks, large batches) always get
+every thread, where the ops are large enough to amortise the barrier.
+
+Exploration is budgeted in time, not steps: the losing arm is tried again only while the time
+spent on tries stays under `explore_share` of the small steps' time, so a losing arm that costs
+50x (the loaded case above) is tried rarely and a close one often. Plain Python, no torch: the
+runner applies the number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    max_threads: int  # the engine's thread count (the "all" arm)
+    small_rows: int = 8  # steps of at most this many tokens are tuned
+    explore_share: float = 0.03  # most of the small steps' time spent trying the other arm
+    alpha: float = 0.25  # EWMA weight of a new sample
+    min_samples: int = 3  # samples of each arm before the comparison is trusted
+    clear_ratio: float = 3.0  # ... or one sample each, when one arm is this many times the other
+
+
+@dataclass
+class _Arm:
+    threads: int
+    ewma: float | None = None
+    samples: int = 0
+
+    def add(self, seconds: float, alpha: float) -> None:
+        self.ewma = seconds if self.ewma is None else (1 - alpha) * self.ewma + alpha * seconds
+        self.samples += 1
+
+
+@dataclass
+class ThreadTuner:
+    config: TunerConfig
+    _arms: tuple[_Arm, _Arm] = field(init=False)
+    _small_time: float = 0.0
+    _explore_time: float = 0.0
+    _exploring: bool = False
+
+    def __post_init__(self) -> None:
+        self._arms = (_Arm(1), _Arm(self.config.max_threads))
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.max_threads > 1
+
+    def best(self) -> int:
+        """The arm's thread count small steps use now (all threads until both are measured)."""
+        one, full = self._arms
+        if one.ewma is None or full.ewma is None:
+            return full.threads
+        return one.threads if one.ewma < full.ewma else full.threads
+
+    def threads_for(self, rows: int) -> int:
+        """Threads for a step of `rows` tokens; call `record` with its time after it ran."""
+        if not self.enabled or rows > self.config.small_rows:
+            self._exploring = False
+            return self.config.max_threads
+        under = [a for a in self._arms if a.samples < self.config.min_samples]
+        if under and self._clear_winner():
+            under = [a for a in under if a.samples == 0]
+        if under:  # measure each arm a few times before trusting either (once, if far apart)
+            self._exploring = True
+            return under[0].threads
+        best = self.best()
+        other = self._arms[0].threads if best != self._arms[0].threads else self._arms[1].threads
+        self._exploring = self._explore_time < self.config.explore_share * self._small_time
+        return other if self._exploring else best
+
+    def _clear_winner(self) -> bool:
+        """Both arms measured and one over `clear_ratio` x the other: more samples of the slow
+        one would cost more than they could tell (a loaded 2-thread step: 3.8 s against 0.17)."""
+        one, full = self._arms
+        if one.ewma is None or full.ewma is None:
+            return False
+        lo, hi = sorted((one.ewma, full.ewma))
+        return hi > self.config.clear_ratio * lo
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        if not self.enabled or rows > self.config.small_rows:
+            return
+        arm = self._arms[0] if threads == self._arms[0].threads else self._arms[1]
+        arm.add(seconds, self.config.alpha)
+        self._small_time += seconds
+        if self._exploring:
+            self._explore_time += seconds
+
+    def stats(self) -> dict[str, float]:
+        one, full = self._arms
+        return {
+            "best_threads": self.best(),
+            "one_thread_ms": -1.0 if one.ewma is None else one.ewma * 1e3,
+            "all_threads_ms": -1.0 if full.ewma is None else full.ewma * 1e3,
+            "explore_share": self._explore_time / self._small_time if self._small_time else 0.0,
+        }

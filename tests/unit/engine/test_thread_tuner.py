@@ -1,0 +1,94 @@
+"""ThreadTuner: small steps take the arm that measures faster, large steps always all threads,
+and the losing arm is retried within its time budget (services/engine/thread_tuner.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.api import EngineRequest, SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine_spec import EngineSpec
+from services.engine.llm_engine import LLMEngine
+from services.engine.model_runner import ModelRunner
+from services.engine.thread_tuner import ThreadTuner, TunerConfig
+
+
+def drive(tuner: ThreadTuner, cost: dict[int, float], steps: int, rows: int = 1) -> list[int]:
+    """Run `steps` steps whose time is cost[threads]; the thread count chosen for each."""
+    chosen = []
+    for _ in range(steps):
+        n = tuner.threads_for(rows)
+        tuner.record(rows, n, cost[n])
+        chosen.append(n)
+    return chosen
+
+
+def test_picks_one_thread_when_all_threads_are_slower_and_explores_within_budget():
+    tuner = ThreadTuner(TunerConfig(max_threads=2, explore_share=0.03))
+    chosen = drive(tuner, {1: 0.05, 2: 1.5}, 4000)
+    assert tuner.best() == 1
+    tail = chosen[100:]
+    assert tail.count(1) > 0.95 * len(tail)
+    assert tuner.stats()["explore_share"] <= 0.03 + 1.5 / (0.05 * 4000)  # one try of overshoot
+    assert 2 in chosen[10:]  # it keeps trying the other arm, the load may change
+
+
+def test_picks_all_threads_when_faster():
+    tuner = ThreadTuner(TunerConfig(max_threads=2))
+    drive(tuner, {1: 0.05, 2: 0.03}, 200)
+    assert tuner.best() == 2
+
+
+def test_follows_a_change_of_load():
+    tuner = ThreadTuner(TunerConfig(max_threads=2, explore_share=0.2))
+    drive(tuner, {1: 0.05, 2: 0.5}, 200)
+    assert tuner.best() == 1
+    drive(tuner, {1: 0.05, 2: 0.02}, 400)  # the machine got quiet
+    assert tuner.best() == 2
+
+
+def test_large_steps_always_get_every_thread_and_do_not_train_it():
+    tuner = ThreadTuner(TunerConfig(max_threads=4, small_rows=8))
+    drive(tuner, {1: 0.05, 4: 1.0}, 100)
+    assert tuner.best() == 1
+    assert drive(tuner, {1: 9.0, 4: 9.0}, 20, rows=64) == [4] * 20
+    assert tuner.best() == 1
+
+
+def test_single_thread_engine_is_not_tuned():
+    tuner = ThreadTuner(TunerConfig(max_threads=1))
+    assert drive(tuner, {1: 0.1}, 10) == [1] * 10
+
+
+def test_engine_steps_feed_the_tuner_and_big_steps_run_on_every_thread():
+    before = torch.get_num_threads()
+    try:
+        engine = LLMEngine(EngineConfig(preset="tiny", num_threads=2, num_blocks=64, adapt_threads=True))
+        runner = engine.runner
+        free = engine.stats().free_blocks
+        engine.add_request(
+            EngineRequest("a", list(range(1, 40)), SamplingParams(max_tokens=12, ignore_eos=True))
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        stats = runner.thread_tuner.stats()
+        assert stats["one_thread_ms"] > 0 and stats["all_threads_ms"] > 0  # both arms measured
+        runner._use_threads(1)  # as after a small step on one thread; a prompt chunk restores all
+        engine.add_request(EngineRequest("b", list(range(50, 90)), SamplingParams(max_tokens=1)))
+        engine.step()
+        assert torch.get_num_threads() == 2
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats().free_blocks == free
+        off = ModelRunner(EngineSpec.resolve(EngineConfig(preset="tiny", num_threads=2, adapt_threads=False)))
+        assert off.thread_tuner is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_far_slower_arm_is_sampled_once_before_the_budget_governs():
+    # bench/engine.py, 2 threads, load ~15: 3.8 s a step on 2 threads, 0.17 s on 1; three
+    # samples of the slow arm spent a quarter of a short run exploring.
+    tuner = ThreadTuner(TunerConfig(max_threads=2, explore_share=0.03))
+    chosen = drive(tuner, {1: 0.17, 2: 3.8}, 40)
+    assert chosen.count(2) == 1
