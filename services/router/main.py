@@ -24,12 +24,12 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from services.common.gc_tuning import tune_gc
 from services.common.logging import configure_logging
 from services.common.server import run
 from services.common.tracing import Tracing, client_interceptors
 from services.common.tracing import shutdown as shutdown_tracing
 from services.router.config import ModelSpec, RouterSettings, make_parser, parse_settings, sections
-from services.router.gc_tuning import tune_gc
 from services.router.listeners import RouterListeners
 from services.router.router import Router
 from services.router.servicer import SERVICE_NAME
@@ -66,7 +66,7 @@ async def serve(settings: RouterSettings) -> None:
     server.install_signal_handlers(on_drain=router.close)
     await router.start()
     follower = asyncio.create_task(_follow_readiness(router, server))
-    tune_gc()  # start-up's objects frozen, collections rarer (services/router/gc_tuning.py)
+    tune_gc()  # start-up's objects frozen, collections rarer (services/common/gc_tuning.py)
     log.info(
         "router_started",
         model=model.model_id,
