@@ -74,8 +74,11 @@ class RouterConfig:
     # blocks of prefill, a decode pass ~25), which a cost in blocks alone does not price; at the
     # Dynamo side by side's x4 load bench/routing_sim.py gave kv_aware p50 66 ms against 69
     # without it (round robin 68) and no change at 15-60 or at the routing study's settings.
+    # Off by default after the session-6 merge: its one gain was p50 in one seed of three, and
+    # 30 blocks on any worker with work outweighed a workflow's affinity credit (a home with a
+    # short queue lost every next step to an idle worker: test_workflow_flow).
     busy_blocks: float = setting(
-        30.0, "kv_aware: blocks added to the cost of a worker with a request running or queued"
+        0.0, "kv_aware: blocks added to the cost of a worker with a request running or queued"
     )
     # On since issue 17's second pass: with decode_weight 0.1 it is the best or tied variant at
     # 4-32 workers in bench/routing_sim.py (BENCHMARKS.md); with weight 1 it was not.
