@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
+
+from tests.support.poll import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -28,8 +29,9 @@ SERVICE = textwrap.dedent(
 
 LAUNCHER = textwrap.dedent(
     """
-    import os, subprocess, sys, threading, time
+    import os, subprocess, sys, threading
     from services.common.server import PARENT_PID_ENV
+    from tests.support.poll import wait_until
     env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
     held = {}
 
@@ -41,9 +43,8 @@ LAUNCHER = textwrap.dedent(
     t = threading.Thread(target=start)
     t.start()
     t.join()
-    deadline = time.monotonic() + 30
-    while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < deadline:
-        time.sleep(0.01)  # join returns before the OS thread is gone; wait until it is
+    # join returns before the OS thread is gone; wait until it is
+    wait_until(lambda: len(os.listdir("/proc/self/task")) == 1, what="the starting thread to exit")
     p = held["p"]
     p.stdin.write("ping\\n")
     p.stdin.flush()
@@ -77,10 +78,7 @@ def test_service_outlives_the_thread_that_started_it_and_dies_with_the_launcher(
         child = int(launcher.stdout.readline())
         launcher.kill()
         launcher.wait(30)
-        deadline = time.monotonic() + 30
-        while not _gone(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _gone(child), "the service outlived its launcher"
+        wait_until(lambda: _gone(child), what="the service to go with its launcher")
     finally:
         if launcher.poll() is None:
             launcher.kill()

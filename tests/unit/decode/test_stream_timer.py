@@ -9,6 +9,7 @@ import pytest
 
 from services.decode.disagg_policy import Path
 from services.decode.worker import _StreamDeadline, _StreamTimer
+from tests.support.poll import eventually
 
 
 async def _stalled():
@@ -43,8 +44,8 @@ async def test_outputs_before_the_deadline_pass_and_the_end_is_none():
 async def test_a_deadline_that_passed_between_outputs_ends_the_next_wait_at_once():
     timer = _StreamTimer(time.monotonic() + 0.01, Path.REMOTE)
     try:
-        await asyncio.sleep(0.05)  # the consumer was busy elsewhere (writing) when it fired
-        assert timer.expired
+        # The consumer was busy elsewhere (writing) when it fired.
+        await eventually(lambda: timer.expired, what="the deadline to fire")
         with pytest.raises(_StreamDeadline, match="while decoding"):
             await timer.next(_ready(1))
     finally:
@@ -72,7 +73,7 @@ async def test_a_cancel_from_outside_after_the_deadline_fired_stays_a_cancel():
     task = asyncio.ensure_future(consume())
     await started.wait()
     task.cancel()  # the caller goes away; the deadline fires on the same loop turn or later
-    await asyncio.sleep(0.05)
+    await eventually(lambda: timer.expired, what="the deadline to fire")
     with pytest.raises(asyncio.CancelledError):
         await task
     timer.cancel()
