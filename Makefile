@@ -29,7 +29,7 @@ run: $(STAMP)
 	$(VENV)/bin/pdmesh up $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q $(ARGS)
+	$(VENV)/bin/pytest -q --durations=15 $(ARGS)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_protos.py
