@@ -3,21 +3,24 @@
 Owns two things, both fed by the edge from the workers' `SubscribeKvEvents`
 streams and read by the routing policy through `PrefixIndex.match`:
 
-- `PrefixIndex`: a trie of chained block hashes (services/model/hashing.py).
-  Because h(i) = H(h(i-1), tokens of block i), one hash names a whole prefix,
-  so the trie is flattened into a dict keyed by hash; a node keeps its parent's
-  hash only to find its children again after a mid-chain removal is undone.
+- `PrefixIndex`: which workers hold each chained block hash
+  (services/model/hashing.py). Because h(i) = H(h(i-1), tokens of block i),
+  one hash names a whole prefix, so no tree is needed: a dict maps each hash
+  to the bitmask of the workers holding it (one bit per known worker) and to
+  its parent's hash (checked while matching, so a hash collision reads as a
+  miss).
 - `EventSequencer`: the last event seq applied per worker. A gap means events
   were lost: the caller clears that worker (`PrefixIndex.clear`) and
   subscribes again (the new subscription starts with a snapshot).
 
-Invariant that makes `match` O(prompt blocks): per node, `holders` are the
-workers that reported the block cached, and `reachable` are those holders that
-also hold every block before it in the chain (a worker can only reuse a
-contiguous leading prefix). Reachable sets can only shrink along a chain, so
-`match` compares set sizes per block and touches worker ids only where a
-worker drops out. Keeping the invariant costs, per removed (or re-stored)
-block, the worker's reachable blocks below it in the chain.
+`match` ANDs the masks along the prompt's chain from its first block (a worker
+can only reuse a contiguous leading prefix), so it is O(prompt blocks) in
+integer operations and touches worker ids only where one drops out; an event
+costs a dict update per block. (Until session 7 this was a trie of nodes, each
+with a set of holders and a set of "reachable" holders kept by walking the
+chain below every stored or removed block: the router's KV events and the
+garbage collection of those nodes' sets were a quarter of its CPU in the
+Dynamo side by side's profile, BENCHMARKS.md issue 16.)
 
 Optimistic entries (`apply_provisional`): when the router routes a request,
 the chosen worker's entries gain the prompt's blocks at once, marked
@@ -30,8 +33,8 @@ evicted them before reporting). They are ordinary holders otherwise, so
 `match` needs no second structure, and `clear` (sequence gap, resync) drops
 them with everything else: a snapshot then rebuilds the worker exactly.
 
-Memory: one node per block cached by at least one worker; a node is freed when
-its last holder removes it, when a worker is cleared, or when a worker passes
+Memory: two dict entries per block cached by at least one worker (mask, parent),
+freed when its last holder removes it, when a worker is cleared, or when a worker passes
 `max_blocks_per_worker` (a stream that never reports evictions), in which case
 `IndexOverflow` tells the caller to resubscribe as for a gap.
 """
@@ -41,11 +44,9 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common.config import require, setting
-
-_EMPTY: frozenset[str] = frozenset()
 
 
 class IndexOverflow(Exception):
@@ -69,23 +70,16 @@ class PrefixIndexConfig:
         require(self.max_blocks_per_worker >= 1, "max_blocks_per_worker must be >= 1")
 
 
-@dataclass(slots=True, eq=False)
-class _Node:
-    parent: int | None  # None: the first block of a prompt
-    holders: set[str] = field(default_factory=set)
-    reachable: set[str] = field(default_factory=set)  # subset of holders
-
-
 class PrefixIndex:
     """Cached prefix blocks per worker, matched against a prompt's block hashes."""
 
     def __init__(self, config: PrefixIndexConfig | None = None):
         self.config = config or PrefixIndexConfig()
-        self._nodes: dict[int, _Node] = {}
-        # parent hash -> hashes of existing nodes whose parent it is. Keyed by
-        # hash, not node, so children survive while their parent is uncached.
-        self._children: dict[int, set[int]] = {}
+        self._masks: dict[int, int] = {}  # hash -> bitmask of the workers holding it
+        self._parents: dict[int, int | None] = {}  # hash -> its parent's (the first store's)
         self._held: dict[str, set[int]] = {}
+        self._bits: dict[str, int] = {}  # worker -> its bit (1 << slot), while it is known
+        self._by_slot: list[str | None] = []  # slot -> worker; a freed slot is None
         # worker -> {hash: expiry} of its provisional blocks (a subset of _held[worker])
         self._provisional: dict[str, dict[int, float]] = {}
         # (expiry, worker, hash) in insertion order; entries whose expiry no longer
@@ -98,24 +92,22 @@ class PrefixIndex:
     def apply_stored(self, worker_id: str, parent_hash: int | None, block_hashes: Sequence[int]) -> None:
         """Blocks became cached on `worker_id`, in chain order after `parent_hash`
         (None when the chain starts at a prompt's first block)."""
-        held = self._held.setdefault(worker_id, set())
+        held, bit = self._known(worker_id)
         prov = self._provisional.get(worker_id)
+        masks, parents = self._masks, self._parents
         prev = parent_hash
         for h in block_hashes:
             if prov and prov.pop(h, None) is not None:
                 prev = h  # routed here optimistically: now confirmed, nothing else changes
                 continue
-            node = self._nodes.get(h)
-            if node is None:
-                node = _Node(prev)
-                self._nodes[h] = node
-                if prev is not None:
-                    self._children.setdefault(prev, set()).add(h)
-            if worker_id not in node.holders:
-                node.holders.add(worker_id)
+            m = masks.get(h)
+            if m is None:
+                masks[h] = bit
+                parents[h] = prev
                 held.add(h)
-                if node.parent is None or worker_id in self._reachable(node.parent):
-                    self._mark(worker_id, h, node)
+            elif not m & bit:
+                masks[h] = m | bit
+                held.add(h)
             prev = h
         limit = self.config.max_blocks_per_worker
         if len(held) > limit:
@@ -138,20 +130,24 @@ class PrefixIndex:
         """Forget everything about `worker_id` (cache cleared, seq gap, worker removed)."""
         self._provisional.pop(worker_id, None)
         held = self._held.pop(worker_id, None)
+        bit = self._bits.pop(worker_id, 0)
+        if bit:
+            self._by_slot[bit.bit_length() - 1] = None  # free: no hash carries this bit below
         if not held:
             return
+        masks, parents, keep = self._masks, self._parents, ~bit
         for h in held:
-            node = self._nodes[h]
-            node.holders.discard(worker_id)
-            node.reachable.discard(worker_id)
-            if not node.holders:
-                self._delete(h, node)
+            m = masks[h] & keep
+            if m:
+                masks[h] = m
+            else:
+                del masks[h], parents[h]
 
     def apply_snapshot(self, worker_id: str, chains: Iterable[tuple[int | None, Sequence[int]]]) -> None:
         """Replace what is known of `worker_id` by a snapshot: (parent hash, block
         hashes) chains, in any order."""
         self.clear(worker_id)
-        self._held[worker_id] = set()  # a worker with an empty cache is still known
+        self._known(worker_id)  # a worker with an empty cache is still known
         for parent, hashes in chains:
             self.apply_stored(worker_id, parent, hashes)
 
@@ -163,9 +159,10 @@ class PrefixIndex:
         `expires_at` (a provisional one already there gets the later expiry).
         Confirmed blocks are untouched. Returns the blocks added. Never raises:
         a worker at `max_blocks_per_worker` gains nothing."""
-        held = self._held.setdefault(worker_id, set())
+        held, bit = self._known(worker_id)
         limit = self.config.max_blocks_per_worker
         prov = self._provisional.setdefault(worker_id, {})
+        masks, parents = self._masks, self._parents
         added = 0
         prev: int | None = None
         for h in block_hashes:
@@ -177,18 +174,14 @@ class PrefixIndex:
                 continue
             if len(held) >= limit:
                 break
-            node = self._nodes.get(h)
-            if node is None:
-                node = _Node(prev)
-                self._nodes[h] = node
-                if prev is not None:
-                    self._children.setdefault(prev, set()).add(h)
-            elif node.parent != prev:
+            m = masks.get(h)
+            if m is None:
+                parents[h] = prev
+                m = 0
+            elif parents[h] != prev:
                 break  # a hash collision: leave that chain alone
-            node.holders.add(worker_id)
+            masks[h] = m | bit
             held.add(h)
-            if prev is None or worker_id in self._reachable(prev):
-                self._mark(worker_id, h, node)
             prov[h] = expires_at
             self._expiries.append((expires_at, worker_id, h))
             added += 1
@@ -223,26 +216,24 @@ class PrefixIndex:
         prev = next(it, None)
         if prev is None:
             return {}
-        first = self._nodes.get(prev)
-        if first is None or first.parent is not None or not first.reachable:
+        masks, parents = self._masks, self._parents
+        active = masks.get(prev, 0)
+        if not active or parents[prev] is not None:
             return {}
         result: dict[str, int] = {}
-        active: set[str] | frozenset[str] = first.reachable
-        nodes = self._nodes
         i = 0
         for i, h in enumerate(it, 1):
-            node = nodes.get(h)
-            # A parent mismatch can only come from a hash collision: treat as absent.
-            nxt = node.reachable if node is not None and node.parent == prev else _EMPTY
-            if len(nxt) != len(active):  # equal sizes mean equal sets: nxt is a subset of active
-                for w in active - nxt:
-                    result[w] = i
+            m = masks.get(h, 0)
+            nxt = active & m
+            if nxt and parents[h] != prev:
+                nxt = 0  # a parent mismatch can only come from a hash collision: absent
+            if nxt != active:
+                self._name(active ^ nxt, i, result)
                 if not nxt:
                     return result
                 active = nxt
             prev = h
-        for w in active:
-            result[w] = i + 1  # every block: the loop ended on the last one
+        self._name(active, i + 1, result)  # every block: the loop ended on the last one
         return result
 
     def blocks(self, worker_id: str) -> int:
@@ -254,58 +245,44 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Distinct blocks cached by at least one worker."""
-        return len(self._nodes)
+        return len(self._masks)
 
     # ---- internals ----------------------------------------------------------
+
+    def _known(self, worker_id: str) -> tuple[set[int], int]:
+        """The worker's held set and bit, allocating both on first sight."""
+        held = self._held.get(worker_id)
+        if held is None:
+            held = self._held[worker_id] = set()
+        bit = self._bits.get(worker_id)
+        if bit is None:
+            slots = self._by_slot
+            slot = next((i for i, w in enumerate(slots) if w is None), len(slots))
+            if slot == len(slots):
+                slots.append(worker_id)
+            else:
+                slots[slot] = worker_id
+            bit = self._bits[worker_id] = 1 << slot
+        return held, bit
+
+    def _name(self, mask: int, depth: int, out: dict[str, int]) -> None:
+        """out[worker] = depth for every worker whose bit is in `mask`."""
+        slots = self._by_slot
+        while mask:
+            low = mask & -mask
+            out[slots[low.bit_length() - 1]] = depth  # type: ignore[index]
+            mask ^= low
 
     def _drop(self, worker_id: str, held: set[int], h: int) -> None:
         prov = self._provisional.get(worker_id)
         if prov:
             prov.pop(h, None)
         held.discard(h)
-        node = self._nodes[h]
-        self._unmark(worker_id, h, node)
-        node.holders.discard(worker_id)
-        if not node.holders:
-            self._delete(h, node)
-
-    def _reachable(self, h: int) -> set[str] | frozenset[str]:
-        node = self._nodes.get(h)
-        return node.reachable if node is not None else _EMPTY
-
-    def _mark(self, worker_id: str, h: int, node: _Node) -> None:
-        """Make `worker_id` reachable at `h` and at every held block below it
-        that only waited for this one."""
-        node.reachable.add(worker_id)
-        stack = [h]
-        while stack:
-            for c in self._children.get(stack.pop(), ()):
-                child = self._nodes[c]
-                if worker_id in child.holders and worker_id not in child.reachable:
-                    child.reachable.add(worker_id)
-                    stack.append(c)
-
-    def _unmark(self, worker_id: str, h: int, node: _Node) -> None:
-        """`worker_id` no longer holds the chain up to `h`: nor anything below it."""
-        if worker_id not in node.reachable:
-            return
-        node.reachable.discard(worker_id)
-        stack = [h]
-        while stack:
-            for c in self._children.get(stack.pop(), ()):
-                child = self._nodes[c]
-                if worker_id in child.reachable:
-                    child.reachable.discard(worker_id)
-                    stack.append(c)
-
-    def _delete(self, h: int, node: _Node) -> None:
-        del self._nodes[h]
-        if node.parent is not None:
-            siblings = self._children.get(node.parent)
-            if siblings is not None:
-                siblings.discard(h)
-                if not siblings:
-                    del self._children[node.parent]
+        m = self._masks[h] & ~self._bits[worker_id]
+        if m:
+            self._masks[h] = m
+        else:
+            del self._masks[h], self._parents[h]
 
 
 class SeqVerdict(enum.Enum):

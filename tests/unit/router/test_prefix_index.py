@@ -87,7 +87,25 @@ def test_removal_frees_nodes_no_worker_holds():
     assert idx.blocks("w1") == 0
     idx.apply_removed("w2", A[:2])
     assert len(idx) == 0
-    assert idx._children == {}  # no dangling child links
+    assert idx._parents == {}  # no dangling per-block entries
+
+
+def test_a_cleared_workers_slot_is_reused_without_its_blocks():
+    # Workers are bits in each block's mask: a slot freed by clear() goes to the next new worker,
+    # which must not inherit a single block of the old one.
+    idx = PrefixIndex()
+    idx.apply_stored("w1", None, A)
+    idx.apply_stored("w2", None, A[:3])
+    idx.clear("w1")
+    idx.apply_stored("w3", None, B[:2])
+    assert idx.match(A) == {"w2": 3}
+    assert idx.match(B) == {"w3": 2}
+    assert idx.workers() == ["w2", "w3"]
+    idx.apply_stored("w3", None, A[:5])
+    assert idx.match(A) == {"w2": 3, "w3": 5}
+    for w in ("w2", "w3"):
+        idx.clear(w)
+    assert len(idx) == 0 and idx._parents == {}
 
 
 def test_removing_an_unknown_block_or_worker_is_a_no_op():
