@@ -401,38 +401,45 @@ async def handoff_by_scheme(args: argparse.Namespace, tmp: Path, kv_address: str
     # staging blocks, dequantize, write its float32 pool), timed here at this process's threads.
     fp, wire = small_layout(dtype="float32"), wire_layout(small_layout(dtype="float32"), "int8")
     n = PROMPT_TOKENS // fp.block_size
-    quant_s, dequant_s = codec_seconds(fp, wire, n, max(5, reps_for(1, args.quick)))
+    quant_s, dequant_s, quant_cpu, dequant_cpu = codec_seconds(fp, wire, n, max(5, reps_for(1, args.quick)))
     nbytes = n * wire.block_bytes
     codec_ms = (quant_s + dequant_s) * 1e3
     out["wire-int8"] = (nbytes, out["int8"][1] + codec_ms, out["int8"][2] + codec_ms)
     print(
         f"    {'wire-int8':9s} {nbytes / MIB:6.2f} MiB ({wire.block_bytes} B/block): "
         f"nixl {out['wire-int8'][1]:.2f} ms, grpc {out['wire-int8'][2]:.2f} ms "
-        f"(int8's pull + quantize {quant_s * 1e3:.2f} ms + dequantize {dequant_s * 1e3:.2f} ms, "
-        f"{torch.get_num_threads()} torch threads)"
+        f"(int8's pull + quantize {quant_s * 1e3:.2f} ms + dequantize {dequant_s * 1e3:.2f} ms wall, "
+        f"{quant_cpu * 1e3:.2f} + {dequant_cpu * 1e3:.2f} ms CPU, one torch thread)"
     )
     return out
 
 
-def codec_seconds(fp: KvLayout, wire: KvLayout, n: int, reps: int) -> tuple[float, float]:
-    """Median seconds of the wire stage's two halves on `n` blocks (services/worker/wire_kv.py)."""
+def codec_seconds(fp: KvLayout, wire: KvLayout, n: int, reps: int) -> tuple[float, float, float, float]:
+    """Median (quantize wall, dequantize wall, quantize CPU, dequantize CPU) seconds of the wire
+    stage's two halves on `n` blocks (services/worker/wire_kv.py), on one torch thread (CPU
+    seconds are the figure to trust on a loaded machine)."""
     g = torch.Generator().manual_seed(3)
     holder = torch.randn(n, *fp.kv_shape, generator=g)
     receiver = fp.allocate_pool(n)
     staging = wire.allocate_pool(n)
     idx = torch.arange(n)
-    quant, dequant = [], []
-    for _ in range(reps + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        staging.index_copy_(0, idx, quantize_blocks(holder.index_select(0, idx), wire))
-        t1 = time.perf_counter()
-        receiver.index_copy_(0, idx, dequantize_blocks(staging.index_select(0, idx), wire))
-        t2 = time.perf_counter()
-        quant.append(t1 - t0)
-        dequant.append(t2 - t1)
+    rows: list[tuple[float, float, float, float]] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(reps + 1):  # the first is a warm-up
+            w0, c0 = time.perf_counter(), time.thread_time()
+            staging.index_copy_(0, idx, quantize_blocks(holder.index_select(0, idx), wire))
+            w1, c1 = time.perf_counter(), time.thread_time()
+            receiver.index_copy_(0, idx, dequantize_blocks(staging.index_select(0, idx), wire))
+            w2, c2 = time.perf_counter(), time.thread_time()
+            rows.append((w1 - w0, w2 - w1, c1 - c0, c2 - c1))
+    finally:
+        torch.set_num_threads(threads)
     err = float((receiver - holder).abs().max() / holder.abs().max())
     assert err < 0.01, f"wire round trip error {err}"
-    return statistics.median(quant[1:]), statistics.median(dequant[1:])
+    q, dq, qc, dqc = (statistics.median(col) for col in zip(*rows[1:], strict=True))
+    return q, dq, qc, dqc
 
 
 def main(argv: list[str] | None = None) -> None:
