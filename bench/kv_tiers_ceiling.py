@@ -226,6 +226,7 @@ def run(
             w.capacity = 1 << 40
     c.run()
     ttft = [(r.first_token - r.arrival) * 1000 for r in reqs]
+    tpot = [(r.done - r.first_token) * 1000 / (r.out - 1) for r in reqs if r.out > 1]
     restored = sum(getattr(w, "restored_tokens", 0) for w in c.workers)
     prompt = sum(r.prompt for r in reqs)
     hit = sum(r.cached for r in reqs) / prompt  # restored blocks were in the cache at admission
@@ -233,6 +234,7 @@ def run(
         "ttft": statistics.mean(ttft),
         "p50": pct(ttft, 0.5),
         "p99": pct(ttft, 0.99),
+        "tpot": pct(tpot, 0.5),
         "hit": hit,
         "restored": restored / prompt,
         "host_evicted": sum(getattr(w, "host_evicted", 0) for w in c.workers),
@@ -288,16 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     none = rows["none"]["ttft"]
     print(
-        f"  {'run':18s} {'hit':>6} {'restored':>9} {'ttft mean':>10} {'p50':>7} {'p99':>7} {'vs none':>8} {'host evicted':>13} {'declined':>9} {'spread':>7}"
+        f"  {'run':18s} {'hit':>6} {'restored':>9} {'ttft mean':>10} {'p50':>7} {'p99':>7} {'tpot p50':>9} {'vs none':>8} {'host evicted':>13} {'declined':>9} {'spread':>7}"
     )
     for name, r in rows.items():
         print(
             f"  {name:18s} {r['hit']:6.3f} {r['restored']:9.3f} {r['ttft']:10.0f} {r['p50']:7.0f} {r['p99']:7.0f} "
-            f"{r['ttft'] / none:8.2f} {r['host_evicted']:13,} {r['declined']:9,} {r['spread']:7.2f}"
+            f"{r['tpot']:9.1f} {r['ttft'] / none:8.2f} {r['host_evicted']:13,} {r['declined']:9,} {r['spread']:7.2f}"
         )
     floor = statistics.mean(alone_ideal)
     print(
-        f"  {'floor':18s} {ideal_hit:6.3f} {'':9s} {floor:10.0f} {'':7s} {'':7s} {floor / none:8.2f}   (each prompt alone, one unbounded cache)"
+        f"  {'floor':18s} {ideal_hit:6.3f} {'':9s} {floor:10.0f} {'':7s} {'':7s} {'':9s} {floor / none:8.2f}   (each prompt alone, one unbounded cache)"
     )
     print(
         f"kv_tiers_ceiling hit_none={rows['none']['hit']:.3f} hit_host={rows['host@credit']['hit']:.3f} "
