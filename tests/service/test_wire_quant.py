@@ -57,7 +57,7 @@ async def test_a_wire_quantized_handoff_fills_the_float32_cache(mesh):
         tokens += out.token_ids
     blocks = -(-len(PROMPT) // 16)
     assert 0 < res.bytes_transferred <= 0.3 * blocks * fp32_block_bytes(mesh)
-    # Measured equal on this prompt; int8 KV changes ~1% of greedy tokens on random presets.
+    # kv-wire-int8 changed 0.3-1.3% of greedy tokens (bench/quant_accuracy.py); 0.9 = its limit.
     assert agreement(tokens, want) >= 0.9
     assert mesh.prefill.wire.counters.staged_blocks == blocks
     assert mesh.decode.wire.counters.unstaged_blocks == blocks
