@@ -127,6 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     print(lines[0] + f"{'restored':>10}")
     for (name, r), line in zip(runs.items(), lines[1:], strict=True):
         print(line.replace(f"  {r.policy:<16}", f"  {name:<16}", 1) + f"{restored_share(r):>10.3f}")
+    for name, r in runs.items():
+        tot = {
+            k: sum(d.get(k, 0) for d in r.worker_delta.values())
+            for k in ("host_evicted", "host_restores_declined", "host_rejected")
+        }
+        print(
+            f"  {name:<16} host tier: {tot['host_evicted']:,} blocks evicted (LRU), {tot['host_rejected']:,} refused by "
+            f"the frequency filter, {tot['host_restores_declined']:,} restores declined (slower than recompute)"
+        )
     none, notier, host = runs["none"], runs["host_notier"], runs["host"]
     ratio = host.ttft_ms["mean"] / none.ttft_ms["mean"]
     ratio_notier = notier.ttft_ms["mean"] / none.ttft_ms["mean"]

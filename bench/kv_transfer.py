@@ -17,7 +17,9 @@ per-block xxh3-128 digests plus the receiver's check of the pulled blocks
 against the NIXL handoff time (target <= 10%). Then (issue 22) the same 2,048-token
 handoff with the `small` preset's KV in float32, bfloat16 and int8 (int8 blocks with their
 per-block, per-head float32 scales inside each block, kvtransfer/layout.py), each between a
-fresh holder process and this one, over NIXL and gRPC: bytes and time against float32.
+fresh holder process and this one, over NIXL and gRPC: bytes and time against float32; and
+`wire-int8` (`--kv-wire-quant int8`: float32 caches, int8 blocks on the wire), int8's pull plus
+the holder's quantize and the receiver's dequantize of the same blocks, timed in this process.
 GB/s = 1e9 bytes per second.
 
 Last line: `kv_transfer nixl_gbps=.. grpc_gbps=.. memcpy_gbps=.. nixl_vs_memcpy=.. nixl_vs_grpc=..
@@ -60,6 +62,7 @@ from kvtransfer.transport import BlockHandle
 from pdmesh.v1 import common_pb2, kvtransfer_pb2_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
+from services.engine.kv_wire import dequantize_blocks, quantize_blocks, wire_layout
 from tests.e2e.kv_peer import REPO, Peer
 
 MIB = 1024 * 1024
@@ -335,12 +338,19 @@ async def run(args: argparse.Namespace) -> None:
         f"  target int8 handoff time <= 0.4 of float32 (NIXL): {time_ratio:.2f} -> "
         f"{'met' if time_ratio <= 0.4 else 'MISSED'} (gRPC: {int8[2] / fp32[2]:.2f})"
     )
+    wire = schemes["wire-int8"]
+    wire_ratio = wire[1] / fp32[1]
+    print(
+        f"  wire-only int8 (float32 caches): bytes {wire[0] / fp32[0]:.3f} of float32, handoff time "
+        f"{wire_ratio:.2f} of float32 over NIXL (gRPC: {wire[2] / fp32[2]:.2f})"
+    )
     nixl, grpc_, mem = rows[64]
     print(
         f"kv_transfer nixl_gbps={nixl:.2f} grpc_gbps={grpc_:.2f} memcpy_gbps={mem:.2f} "
         f"nixl_vs_memcpy={nixl / mem:.2f} nixl_vs_grpc={nixl / grpc_:.1f} digest_vs_handoff={digest_ratio:.2f} "
         f"int8_bytes_ratio={bytes_ratio:.3f} int8_handoff_vs_fp32={time_ratio:.2f} "
-        f"fp8_bytes_ratio={schemes['fp8'][0] / fp32[0]:.3f} fp8_handoff_vs_fp32={schemes['fp8'][1] / fp32[1]:.2f}"
+        f"fp8_bytes_ratio={schemes['fp8'][0] / fp32[0]:.3f} fp8_handoff_vs_fp32={schemes['fp8'][1] / fp32[1]:.2f} "
+        f"wire_int8_bytes_ratio={wire[0] / fp32[0]:.3f} wire_int8_handoff_vs_fp32={wire_ratio:.2f}"
     )
 
 
@@ -385,7 +395,51 @@ async def handoff_by_scheme(args: argparse.Namespace, tmp: Path, kv_address: str
             if bench is not None:
                 await bench.close()
             peer.stop()
+    # --kv-wire-quant int8: float32 caches on both sides, int8's bytes on the wire. The pull is
+    # the int8 row's (same layout, same bytes); added: the holder's quantize (export from its
+    # float32 pool, quantize, write the staging blocks) and the receiver's dequantize (read the
+    # staging blocks, dequantize, write its float32 pool), timed here at this process's threads.
+    fp, wire = small_layout(dtype="float32"), wire_layout(small_layout(dtype="float32"), "int8")
+    n = PROMPT_TOKENS // fp.block_size
+    quant_s, dequant_s, quant_cpu, dequant_cpu = codec_seconds(fp, wire, n, max(5, reps_for(1, args.quick)))
+    nbytes = n * wire.block_bytes
+    codec_ms = (quant_s + dequant_s) * 1e3
+    out["wire-int8"] = (nbytes, out["int8"][1] + codec_ms, out["int8"][2] + codec_ms)
+    print(
+        f"    {'wire-int8':9s} {nbytes / MIB:6.2f} MiB ({wire.block_bytes} B/block): "
+        f"nixl {out['wire-int8'][1]:.2f} ms, grpc {out['wire-int8'][2]:.2f} ms "
+        f"(int8's pull + quantize {quant_s * 1e3:.2f} ms + dequantize {dequant_s * 1e3:.2f} ms wall, "
+        f"{quant_cpu * 1e3:.2f} + {dequant_cpu * 1e3:.2f} ms CPU, one torch thread)"
+    )
     return out
+
+
+def codec_seconds(fp: KvLayout, wire: KvLayout, n: int, reps: int) -> tuple[float, float, float, float]:
+    """Median (quantize wall, dequantize wall, quantize CPU, dequantize CPU) seconds of the wire
+    stage's two halves on `n` blocks (services/worker/wire_kv.py), on one torch thread (CPU
+    seconds are the figure to trust on a loaded machine)."""
+    g = torch.Generator().manual_seed(3)
+    holder = torch.randn(n, *fp.kv_shape, generator=g)
+    receiver = fp.allocate_pool(n)
+    staging = wire.allocate_pool(n)
+    idx = torch.arange(n)
+    rows: list[tuple[float, float, float, float]] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(reps + 1):  # the first is a warm-up
+            w0, c0 = time.perf_counter(), time.thread_time()
+            staging.index_copy_(0, idx, quantize_blocks(holder.index_select(0, idx), wire))
+            w1, c1 = time.perf_counter(), time.thread_time()
+            receiver.index_copy_(0, idx, dequantize_blocks(staging.index_select(0, idx), wire))
+            w2, c2 = time.perf_counter(), time.thread_time()
+            rows.append((w1 - w0, w2 - w1, c1 - c0, c2 - c1))
+    finally:
+        torch.set_num_threads(threads)
+    err = float((receiver - holder).abs().max() / holder.abs().max())
+    assert err < 0.01, f"wire round trip error {err}"
+    q, dq, qc, dqc = (statistics.median(col) for col in zip(*rows[1:], strict=True))
+    return q, dq, qc, dqc
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,9 @@
 """Accuracy of the quantized engine modes against the unquantized (float32) engine.
 
 Modes: weights int8 / int4 (services/engine/quantize.py), KV cache int8 (kvtransfer/layout.py,
-services/engine/attention.py). Models: the `small` preset, SmolLM2-135M-Instruct (its Q4_1
+services/engine/attention.py), KV int8 / fp8 on the wire only (services/engine/kv_wire.py: the
+float32 prompt KV quantized and dequantized once, as a `--kv-wire-quant` handoff does, then decoded
+in float32). Models: the `small` preset, SmolLM2-135M-Instruct (its Q4_1
 GGUF, dequantized at load), and random-weight Llama checkpoints saved by `transformers`
 (tests/unit/engine/conftest.py make_hf_checkpoint). For each model the float32 engine
 generates 128 greedy tokens after each prompt; each mode then reads that same text back
@@ -42,18 +44,37 @@ MODES = {
     "w-int4": {"weights": "int4"},
     "kv-int8": {"kv_cache_quant": "int8"},
     "kv-fp8": {"kv_cache_quant": "fp8"},  # float8_e4m3fn values, int8's scales (kvtransfer/layout.py)
+    # not engine options: the handoff's round trip of the prompt's blocks (services/engine/kv_wire.py)
+    "kv-wire-int8": {"wire": "int8"},
+    "kv-wire-fp8": {"wire": "fp8"},
 }
 
 
-def forced_logits(engine: LLMEngine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+def wire_round_trip(engine: LLMEngine, block_ids: list[int], scheme: str) -> None:
+    """What a `--kv-wire-quant` handoff does to these blocks: quantized on the holder's export,
+    dequantized on the receiver's import (in place here: the same engine plays both sides)."""
+    from services.engine.kv_wire import dequantize_blocks, quantize_blocks, wire_layout
+
+    wire = wire_layout(engine.spec.layout, scheme)
+    kv = engine.runner.export_blocks(block_ids)
+    engine.runner.import_blocks(block_ids, dequantize_blocks(quantize_blocks(kv, wire), wire))
+
+
+def forced_logits(
+    engine: LLMEngine, prompt: list[int], continuation: list[int], wire: str | None = None
+) -> torch.Tensor:
     """Float32 logits [len(continuation), V] predicting each continuation token: the prompt in
-    one chunk, then one token per step (the decode path, reading K/V back from the pool)."""
+    one chunk, then one token per step (the decode path, reading K/V back from the pool).
+    `wire`: the prompt's blocks take a wire round trip between the two (the handoff's point;
+    the first token is the holder's, sampled before it)."""
     ids = prompt + continuation
     seq = scratch_sequence(ids, engine.block_size)
     assert engine.block_manager.allocate_slots(seq, len(ids))
     try:
         rows = [engine.runner.chunk_logits(seq, len(prompt))[-1:]]
         seq.num_computed_tokens = len(prompt)
+        if wire is not None:
+            wire_round_trip(engine, list(seq.block_table[: -(-len(prompt) // engine.block_size)]), wire)
         for _ in continuation[:-1]:
             rows.append(engine.runner.chunk_logits(seq, 1))
             seq.num_computed_tokens += 1
@@ -64,6 +85,30 @@ def forced_logits(engine: LLMEngine, prompt: list[int], continuation: list[int])
 
 def generate(engine: LLMEngine, prompt: list[int], n: int, rid: str) -> list[int]:
     return engine.generate([EngineRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True))])[rid]
+
+
+def wire_generate(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], n: int, scheme: str) -> list[int]:
+    """Free-running greedy output of a `--kv-wire-quant` handoff: prefill-only on `prefill`, the
+    blocks quantized, dequantized into `decode`'s reservation, decoded there in float32."""
+    from services.engine.kv_wire import dequantize_blocks, quantize_blocks, wire_layout
+
+    req = EngineRequest("wire", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    prefill.add_request(req, prefill_only=True)
+    outs = []
+    while prefill.has_unfinished_requests():
+        outs += prefill.step()
+    held = prefill.held_kv("wire")
+    res = decode.reserve_external(req)
+    wire = wire_layout(prefill.spec.layout, scheme)
+    kv = prefill.export_blocks(held.block_ids[res.first_transfer_block :])
+    decode.import_blocks(
+        res.transfer_block_ids, dequantize_blocks(quantize_blocks(kv, wire), wire), held.layout
+    )
+    prefill.release("wire")
+    tokens = list(decode.commit_external("wire", outs[0].token_ids[0]).token_ids)
+    while decode.has_unfinished_requests():
+        tokens += [t for o in decode.step() for t in o.token_ids]
+    return tokens
 
 
 def evaluate(name: str, base: dict, prompts: list[list[int]], n: int, modes: dict) -> dict[str, str]:
@@ -78,20 +123,21 @@ def evaluate(name: str, base: dict, prompts: list[list[int]], n: int, modes: dic
     summary = {}
     for mode, kw in modes.items():
         t0 = time.perf_counter()
-        eng = LLMEngine(EngineConfig(**base, **kw))
+        wire = kw.get("wire")
+        eng = LLMEngine(EngineConfig(**base, **{k: v for k, v in kw.items() if k != "wire"}))
         same = total = 0
         diff = 0.0
         for p, o, want in zip(prompts, outs, ref_logits, strict=True):
-            got = forced_logits(eng, p, o)
+            got = forced_logits(eng, p, o, wire)
             same += int((got.argmax(-1) == torch.tensor(o)).sum())
             total += len(o)
             diff = max(diff, float((got - want).abs().max()))
-        mine = generate(eng, prompts[0], n, "free")
+        mine = wire_generate(ref, eng, prompts[0], n, wire) if wire else generate(eng, prompts[0], n, "free")
         free = next((i for i, (a, b) in enumerate(zip(mine, outs[0], strict=True)) if a != b), n)
         agree = same / total
         flag = "EXCEEDS" if 1 - agree > MAX_CHANGED else "ok"
         print(
-            f"  {mode:8s} agree {agree:.3f} ({same}/{total}) free_run {free}/{n} max_logit_diff {diff:.3f} "
+            f"  {mode:12s} agree {agree:.3f} ({same}/{total}) free_run {free}/{n} max_logit_diff {diff:.3f} "
             f"(float32 logit range {span:.1f}) {flag} (limit: {MAX_CHANGED:.0%} changed) "
             f"[{time.perf_counter() - t0:.0f} s]"
         )
@@ -100,6 +146,7 @@ def evaluate(name: str, base: dict, prompts: list[list[int]], n: int, modes: dic
         if flag != "ok":
             summary[f"{name}.{mode}.flag"] = flag
         assert eng.stats().free_blocks == eng.info.num_blocks
+    assert ref.stats().free_blocks == ref.info.num_blocks
     return summary
 
 

@@ -321,6 +321,10 @@ def worker_counters(workers: list[RunningService]) -> dict[str, dict[str, int]]:
             "prompt_tokens_cached": c.prompt_tokens_cached,
             "prompt_tokens_computed": c.prompt_tokens_computed,
             "prompt_tokens_restored": c.prompt_tokens_restored,
+            # host tier (bench/kv_tiers.py): what it lost against an unbounded, always-restoring tier
+            "host_evicted": c.host_evicted,
+            "host_restores_declined": c.host_restores_declined,
+            "host_rejected": c.host_rejected,
             "preemptions": c.preemptions,
             "prefix_pulls_ok": s.prefix_pulls.get("ok", 0),
             "prefix_pull_tokens": s.prefix_pull_tokens_saved,

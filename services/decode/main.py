@@ -47,10 +47,14 @@ def wire(rt: WorkerRuntime, settings: DecodeSettings) -> DecodeParts:
     metrics = DecodeMetrics(rt.registry)
     remote = None
     if rt.transport is not None or rt.engine.info.capabilities.moves_kv_itself:
-        remote = RemotePrefill(rt.engine, rt.transport, rt.channels, rt.worker_id, decode_cfg.kv_lease_ms)
+        remote = RemotePrefill(
+            rt.engine, rt.transport, rt.channels, rt.worker_id, decode_cfg.kv_lease_ms, wire=rt.wire
+        )
     # Issue 17: serve our cached prefixes to peers and pull theirs (over the KV transport).
+    # Not with --kv-wire-quant: the transport is published over the wire staging pool, and
+    # prefix handles name the engine's own blocks.
     source = puller = None
-    if rt.transport is not None and isinstance(rt.engine, PrefixCacheEngine):
+    if rt.transport is not None and rt.wire is None and isinstance(rt.engine, PrefixCacheEngine):
         source = PrefixSource(
             rt.server.server,
             rt.engine,

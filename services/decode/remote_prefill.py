@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from kvtransfer.errors import KvTransferFailed
-from kvtransfer.transport import BlockHandle, KvTransport
+from kvtransfer.errors import FailureKind, KvTransferFailed
+from kvtransfer.transport import BlockHandle, KvTransport, TransferStats
 from pdmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import tracing
 from services.common.channels import ChannelCache
@@ -48,6 +48,7 @@ from services.engine.api import (
     RequestOutput,
 )
 from services.model.sampling import sampling_to_proto
+from services.worker.wire_kv import WireStage
 
 log = structlog.get_logger()
 
@@ -92,9 +93,13 @@ class RemotePrefill:
         channels: ChannelCache,
         worker_id: str,
         lease_ms: int = 30_000,
+        wire: WireStage | None = None,
     ):
         self.engine = engine
         self.transport = transport
+        # --kv-wire-quant: pulls land in this staging pool and are dequantized into the
+        # reserved blocks (wire_kv.py); the transport is published over it
+        self.wire = wire
         self.channels = channels
         self.worker_id = worker_id
         self.lease_ms = lease_ms
@@ -125,13 +130,22 @@ class RemotePrefill:
             nbytes, seconds = 0, 0.0
             if first < n_blocks:
                 with tracing.span("kv.pull", transport=self.transport.kind, blocks=n_blocks - first) as span:
-                    stats = await self.transport.pull(
-                        handle,
-                        handle.block_ids[first:n_blocks],
-                        reservation.block_ids[first:n_blocks],
-                        deadline_s=deadline - time.monotonic(),
-                        on_failure=lambda: self.engine.cancel_external(req.request_id),
-                    )
+                    if self.wire is None:
+                        stats = await self.transport.pull(
+                            handle,
+                            handle.block_ids[first:n_blocks],
+                            reservation.block_ids[first:n_blocks],
+                            deadline_s=deadline - time.monotonic(),
+                            on_failure=lambda: self.engine.cancel_external(req.request_id),
+                        )
+                    else:
+                        stats = await self._wire_pull(
+                            req,
+                            handle,
+                            handle.block_ids[first:n_blocks],
+                            reservation.block_ids[first:n_blocks],
+                            deadline,
+                        )
                     if span is not None:
                         span.set_attribute("pdmesh.kv_bytes", stats.bytes)
                 nbytes, seconds = stats.bytes, stats.seconds
@@ -171,6 +185,52 @@ class RemotePrefill:
                 self.engine.cancel_external(req.request_id)
                 if handle_id:
                     self._release(stub, handle_id)
+
+    async def _wire_pull(
+        self,
+        req: EngineRequest,
+        handle: BlockHandle,
+        src: tuple[int, ...],
+        dst: Sequence[int],
+        deadline: float,
+    ) -> TransferStats:
+        """Pull the holder's quantized `src` blocks into staging blocks, then dequantize them
+        into the reserved `dst`. Failures keep `pull`'s contract: the reservation is freed
+        (KvTransferFailed) or, with no staging block free, left to run()'s cleanup."""
+        wire, transport = self.wire, self.transport
+        assert wire is not None and transport is not None
+        try:
+            staging = wire.alloc(len(src))
+        except EngineCapacityError as e:
+            raise RemotePrefillFailed("reserve", "capacity", str(e)) from e
+        freed = False
+
+        def on_failure() -> None:
+            nonlocal freed
+            freed = True
+            wire.free(staging)
+            self.engine.cancel_external(req.request_id)
+
+        try:
+            stats = await transport.pull(
+                handle, src, staging, deadline_s=deadline - time.monotonic(), on_failure=on_failure
+            )
+        except KvTransferFailed:
+            if not freed:
+                # Quarantined (a NIXL READ that could not be cancelled): the writer may still
+                # write the staging blocks, so they are never reused; the engine's reserved
+                # blocks were never a destination, so they are freed.
+                self.engine.cancel_external(req.request_id)
+            raise
+        try:
+            await wire.unstage(self.engine, staging, dst)
+        except Exception as e:
+            self.engine.cancel_external(req.request_id)
+            raise KvTransferFailed(FailureKind.INVALID, f"dequantizing the pulled blocks: {e}") from e
+        finally:
+            if not freed:
+                wire.free(staging)
+        return stats
 
     async def _prefill(
         self,

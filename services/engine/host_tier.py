@@ -117,14 +117,16 @@ class HostTier:
         evicted: list[int] = []
         pending: dict[int, int] = {}  # slot -> row of `data` to copy there
         entries, free = self._entries, self._free_slots
+        uses = self._uses.get  # inlined self.uses: this loop runs once per evicted pool block
+        rejected = 0
         for i, (h, parent) in enumerate(blocks):
             if h in entries:  # already here (restored earlier, evicted again): refresh
                 entries.move_to_end(h)
                 continue
             if not free:
                 victim = next(iter(entries))
-                if self.uses(h) < self.uses(victim):
-                    self.rejected += 1
+                if uses(h, 0) < uses(victim, 0):
+                    rejected += 1
                     continue
                 slot, _ = entries.pop(victim)
                 free.append(slot)
@@ -137,6 +139,7 @@ class HostTier:
             entries[h] = (slot, parent)
             stored[h] = None
             pending[slot] = i
+        self.rejected += rejected
         self.offered += len(blocks)
         self.evicted += len(evicted)
         self.stored += len(stored)

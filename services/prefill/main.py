@@ -46,9 +46,9 @@ async def serve(settings: PrefillSettings) -> None:
         rt.transport.attach_source(leases)
     pool = rt.engine.kv_pool()
     if pool is not None and rt.engine.info.layout is not None:
-        source = KvSourceServicer(
-            PoolView(pool, rt.engine.info.layout), leases, caller_worker=certified_worker
-        )
+        # gRPC reads serve the pool the handles point into: the wire staging pool with --kv-wire-quant
+        view = rt.wire.view if rt.wire is not None else PoolView(pool, rt.engine.info.layout)
+        source = KvSourceServicer(view, leases, caller_worker=certified_worker)
         add_kv_source(rt.server.server, source)
     servicer = PrefillServicer(
         engine=rt.engine,
@@ -60,6 +60,7 @@ async def serve(settings: PrefillSettings) -> None:
         agent_name=rt.transport.agent_name if rt.transport else "",
         config=prefill_cfg,
         health=rt.health,
+        wire=rt.wire,
     )
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, rt.server.server)
     rt.server.serve_during_drain(DRAIN_SERVED, lambda: leases_settled(leases, prefill_cfg.max_lease_ms))

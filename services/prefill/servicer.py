@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 
 import grpc
 import structlog
 
 from kvtransfer import digest
 from kvtransfer.errors import StaleHandle
+from kvtransfer.layout import KvLayout
 from kvtransfer.leases import LeaseManager
 from kvtransfer.pool import PoolView
 from kvtransfer.transport import BlockHandle
@@ -48,6 +50,7 @@ from services.prefill.lease_budget import LeaseBudget
 from services.prefill.metrics import PrefillMetrics
 from services.worker.health import HealthWatch
 from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
+from services.worker.wire_kv import WireStage
 
 log = structlog.get_logger()
 
@@ -64,6 +67,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         agent_name: str,
         config: PrefillConfig | None = None,
         health: HealthWatch | None = None,
+        wire: WireStage | None = None,
     ):
         self.engine = engine
         self.health = health  # the forward-progress verdict Stats and heartbeats carry
@@ -78,6 +82,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.config = config or PrefillConfig()
         self.budget = LeaseBudget(self.config, leases, engine.info.num_blocks)
         self._hasher: digest.BlockHasher | None = None  # made on first use (over the engine's pool)
+        # --kv-wire-quant: handles point at quantized copies in this staging pool (wire_kv.py)
+        self.wire = wire
 
     @grpc_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -145,12 +151,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return resp
         if result.held is None:
             return resp
-        try:
-            digests = await self._digests(result.held.block_ids)
-            resp.handle.CopyFrom(self._lease(req, request, result, digests))
-        except BaseException:
-            self.engine.release(req.request_id)
-            raise
+        if self.wire is not None:
+            resp.handle.CopyFrom(await self._wire_lease(req, request, result))
+        else:
+            try:
+                digests = await self._digests(result.held.block_ids)
+                resp.handle.CopyFrom(self._lease(req, request, result, digests))
+            except BaseException:
+                self.engine.release(req.request_id)
+                raise
         log.info(
             "prefilled",
             request_id=request.request_id,
@@ -170,29 +179,63 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self._hasher = digest.BlockHasher(PoolView(pool, layout))
         return await self._hasher.digest_blocks_async(block_ids)
 
+    async def _wire_lease(
+        self, req: EngineRequest, request: prefill_pb2.PrefillRequest, result: PrefillResult
+    ) -> common_pb2.KvHandle:
+        """Quantize the held blocks into staging blocks, free the engine's (they stay cached),
+        and lease the staging blocks: the handle carries the wire layout and the wire bytes' digests."""
+        wire = self.wire
+        held = result.held
+        assert wire is not None and held is not None
+        try:
+            staged = await wire.stage(self.engine, held.block_ids)
+        finally:
+            self.engine.release(req.request_id)
+        try:
+            if self._hasher is None:
+                self._hasher = digest.BlockHasher(wire.view)
+            digests = await self._hasher.digest_blocks_async(staged)
+            return self._lease(
+                req,
+                request,
+                result,
+                digests,
+                block_ids=tuple(staged),
+                layout=wire.layout,
+                on_free=lambda ids=staged: wire.free(ids),
+            )
+        except BaseException:
+            wire.free(staged)
+            raise
+
     def _lease(
         self,
         req: EngineRequest,
         request: prefill_pb2.PrefillRequest,
         result: PrefillResult,
         digests: bytes,
+        block_ids: tuple[int, ...] | None = None,
+        layout: KvLayout | None = None,
+        on_free: Callable[[], object] | None = None,
     ) -> common_pb2.KvHandle:
+        """Lease the held blocks (or, with the wire stage, `block_ids` in `layout`, freed by `on_free`)."""
         held = result.held
         assert held is not None
         ttl_s = self.budget.lease_ttl_s(request.lease_ms)
+        block_ids = held.block_ids if block_ids is None else block_ids
         lease = self.leases.issue(
             req.request_id,
-            held.block_ids,
+            block_ids,
             issued_to=request.requester_id,
             requester_agent=request.requester_agent,
             ttl_s=ttl_s,
-            on_free=lambda rid=req.request_id: self.engine.release(rid),
+            on_free=on_free or (lambda rid=req.request_id: self.engine.release(rid)),
         )
         handle = BlockHandle(
             handle_id=req.request_id,
             agent_name=self.agent_name,
-            layout=held.layout,
-            block_ids=held.block_ids,
+            layout=layout or held.layout,
+            block_ids=block_ids,
             num_tokens=held.num_tokens,
             kv_source_address=self.kv_source_address,
             issued_to=request.requester_id,

@@ -42,6 +42,7 @@ from services.engine.factory import create_engine
 from services.worker.health import HealthWatch
 from services.worker.metrics import EngineCollector
 from services.worker.serving import default_worker_id
+from services.worker.wire_kv import WIRE_SCHEMES, WireStage
 
 log = structlog.get_logger()
 
@@ -65,9 +66,20 @@ class WorkerConfig:
         "readiness goes NOT_SERVING (reason no_progress) when the engine has requests and computes "
         "no token for this long, and comes back when tokens flow (0 = off)",
     )
+    kv_wire_quant: str = setting(
+        "none",
+        f"KV handoffs in 1-byte blocks, one of {WIRE_SCHEMES}: the cache stays in full precision, "
+        "blocks are quantized (per block, layer, K/V and head scales) on export and dequantized on "
+        "import (services/worker/wire_kv.py); both sides must agree, or the handoff is refused and "
+        "the prompt prefilled locally. Turns off serving and pulling prefixes (they move cache blocks)",
+    )
 
     def __post_init__(self) -> None:
         require(self.kv_transport in KINDS, f"kv_transport must be one of {KINDS}, got {self.kv_transport!r}")
+        require(
+            self.kv_wire_quant in WIRE_SCHEMES,
+            f"kv_wire_quant must be one of {WIRE_SCHEMES}, got {self.kv_wire_quant!r}",
+        )
         require(self.router_lease_ms >= 500, "router_lease_ms must be >= 500")
         require(self.stall_not_serving_s >= 0, "stall_not_serving_s must be >= 0")
 
@@ -94,6 +106,8 @@ class WorkerRuntime:
         self.channels = ChannelCache(tls=tls, interceptors=client_interceptors(tracing))
         self.engine: Engine = create_engine(engine_config)
         self.transport: KvTransport | None = None
+        # --kv-wire-quant: the staging pool the transport is published over (None = the engine's pool)
+        self.wire: WireStage | None = None
         self.directory: AgentDirectory | None = None
         self.reporter: ServiceReporter | None = None
         self.membership: RouterMembership | None = None
@@ -124,10 +138,14 @@ class WorkerRuntime:
             self.reporter = ServiceReporter(stub)
             pool = self.engine.kv_pool()
             assert pool is not None and self.engine.info.layout is not None
+            view = PoolView(pool, self.engine.info.layout)
+            if self.config.kv_wire_quant != "none":
+                self.wire = make_wire_stage(self.engine, self.config.kv_wire_quant)
+                view = self.wire.view
             self.transport = create_transport(
                 self.config.kv_transport,
                 agent_name=f"{self.worker_id}-{os.getpid()}",
-                pool=PoolView(pool, self.engine.info.layout),
+                pool=view,
                 worker_id=self.worker_id,
                 directory=self.directory,
                 reporter=self.reporter,
@@ -193,6 +211,21 @@ class WorkerRuntime:
         await self.engine.close()
         shutdown_tracing(self.tracing)  # export the spans still buffered
         log.info("worker_stopped", role=self.role, worker_id=self.worker_id)
+
+
+def make_wire_stage(engine: Engine, scheme: str) -> WireStage:
+    """The staging pool of `--kv-wire-quant scheme`; ValueError (a start-up error) when the engine's
+    cache is quantized already or it cannot copy blocks in and out."""
+    layout = engine.info.layout
+    assert layout is not None
+    if layout.quant != "none":
+        raise ValueError(
+            f"kv_wire_quant {scheme!r} needs a full-precision KV cache; the cache is {layout.quant!r} "
+            "already and its blocks travel as they are"
+        )
+    if not (hasattr(engine, "export_blocks") and hasattr(engine, "import_blocks")):
+        raise ValueError(f"kv_wire_quant: the {engine.info.backend} engine cannot copy KV blocks in and out")
+    return WireStage(layout, scheme, engine.info.num_blocks)
 
 
 def grpc_error_text(e: grpc.aio.AioRpcError) -> str:

@@ -86,8 +86,12 @@ class Corrupter:
 
 
 class Mesh:
-    def __init__(self, transport: str):
+    """`wire` = WorkerConfig.kv_wire_quant on both workers (tests/service/test_wire_quant.py):
+    the handles then point into the holder's wire staging pool, which `prefill_pool` views."""
+
+    def __init__(self, transport: str, wire: str = "none"):
         self.transport = transport
+        self.wire = wire
         self.closers: list = []
 
     async def start(self) -> None:
@@ -98,7 +102,7 @@ class Mesh:
         kvtransfer_pb2_grpc.add_KvTransferServiceServicer_to_server(self.kv_servicer, kv.server)
         await kv.start()
         self.closers.append(kv.stop)
-        cfg = {"kvtransfer_address": kv.address, "kv_transport": self.transport}
+        cfg = {"kvtransfer_address": kv.address, "kv_transport": self.transport, "kv_wire_quant": self.wire}
         # prefill worker
         p = WorkerRuntime(
             "prefill",
@@ -112,7 +116,9 @@ class Mesh:
         keeper = LeaseKeeper(self.leases, p.directory, interval_s=0.05)
         if p.transport is not None:
             p.transport.attach_source(self.leases)
-        self.prefill_pool = PoolView(p.engine.kv_pool(), p.engine.info.layout)
+        self.prefill_pool = (
+            p.wire.view if p.wire is not None else PoolView(p.engine.kv_pool(), p.engine.info.layout)
+        )
         self.corrupter = Corrupter(self.prefill_pool)
         self.leases.add_issue_listener(self.corrupter)
         add_kv_source(p.server.server, KvSourceServicer(self.prefill_pool, self.leases))
@@ -127,6 +133,7 @@ class Mesh:
                 worker_info=p.info(),
                 kv_source_address=p.address,
                 agent_name=p.transport.agent_name if p.transport else "",
+                wire=p.wire,
             ),
             p.server.server,
         )
@@ -151,7 +158,7 @@ class Mesh:
         )
         await d.setup()
         assert d.transport is not None and d.transport.kind == self.transport
-        self.remote = RemotePrefill(d.engine, d.transport, d.channels, d.worker_id, 10_000)
+        self.remote = RemotePrefill(d.engine, d.transport, d.channels, d.worker_id, 10_000, wire=d.wire)
         self.candidate = Candidate("prefill-0", p.address)
         self.decode_servicer = DecodeServicer(
             engine=d.engine,

@@ -105,7 +105,12 @@ def test_evicted_blocks_go_to_the_host_tier_and_come_back_into_scattered_blocks(
     removed = [e for e in events if e.kind is KvEventKind.REMOVED and e.tier is KvTier.DEVICE]
     offloaded = [e for e in events if e.kind is KvEventKind.STORED and e.tier is KvTier.HOST]
     assert removed and offloaded
-    assert [h for e in offloaded for h in e.block_hashes] == [h for e in removed for h in e.block_hashes]
+    # The same blocks (a chain's events in chain order, while the LRU evicts it backwards)
+    assert sorted(h for e in offloaded for h in e.block_hashes) == sorted(
+        h for e in removed for h in e.block_hashes
+    )
+    # ... and one event for a's whole chain, not one per block (each names its parent).
+    assert [(e.parent_hash, list(e.block_hashes)) for e in offloaded] == [(None, a.block_hashes(3))]
     assert host.match(a.block_hashes(3)) == 3
 
     # a again: its 3 blocks are restored (not recomputed) into whatever blocks are free.
