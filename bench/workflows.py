@@ -29,8 +29,9 @@ Policies (same workload, same fleet):
 - fifo: one queue in arrival order, no priorities, no pins;
 - priority: per-request priority by class (chat > copilot > research);
 - las: Autellix-style program-level least attained service alone (strict levels);
-- pdmesh: tenant priority + EDF + bounded attained-service deferral + sunk-cost
-  shedding + workflow KV pins + the affinity hint.
+- pdmesh: tenant priority (with the in-flight slots beyond the workers' batch
+  slots reserved for priority >= 0) + EDF + bounded attained-service deferral +
+  sunk-cost shedding + workflow KV pins + the affinity hint and home steering.
 
     python bench/workflows.py --quick
 """
@@ -137,14 +138,21 @@ class Policy:
     affinity: bool
 
 
-def policies(base: AdmissionConfig) -> list[Policy]:
+def policies(base: AdmissionConfig, worker_slots: int) -> list[Policy]:
+    """The four policies. `base` is pdmesh's admission config less its slot reserve;
+    `worker_slots`: the fleet's batch slots (base.max_inflight is more: the rest wait
+    in the workers' local queues)."""
     off = replace(base, edf=False, attained_service=False, sunk_cost_shedding=False)
     strict_las = replace(base.workflow, level_delay_s=1e6)  # levels dominate arrival
+    # pdmesh holds the in-flight slots beyond the workers' batch slots for priority >= 0:
+    # lower-priority steps never wait in a worker's local FIFO queue, where a later
+    # higher-priority step would have to wait behind them (admission.py, reserved_inflight).
+    full = replace(base, reserved_inflight=max(base.max_inflight - worker_slots, 0))
     return [
         Policy("fifo", off, False, False, False),
         Policy("priority", off, True, False, False),
         Policy("las", replace(off, attained_service=True, workflow=strict_las), False, False, False),
-        Policy("pdmesh", base, True, True, True),
+        Policy("pdmesh", full, True, True, True),
     ]
 
 
@@ -217,6 +225,8 @@ class Sim:
         self.max_wait = {k.name: 0.0 for k in KINDS}
         self.prompt_tokens = self.cached_tokens = 0
         self.followups = self.affinity_hits = self.same_home = 0
+        self.miss_moved = self.miss_home = 0  # follow-ups without their context: routed away / at home
+        self.failures: dict[str, int] = {}  # "class:cause" -> workflows failed so
         # The router's own routing code: kv_aware at the router's decode weight, and the hint.
         self.router_policy = KvAwarePolicy(
             PolicyConfig(block_size=BLOCK, decode_weight=RouterConfig().decode_weight), random.Random(7)
@@ -248,7 +258,7 @@ class Sim:
         self.armed = None
         for waiter in self.ctl.expire():
             step = self.waiters.pop(waiter.id)
-            self.fail_shed(step)
+            self.fail_shed(step, waiter.rejection.reason if waiter.rejection else "expired")
 
     def step_arrives(self, wf: Workflow) -> None:
         k = wf.step
@@ -260,11 +270,11 @@ class Sim:
         info = WorkflowInfo(wf.id, k, wf.spent)
         try:
             got = self.ctl.try_admit(wf.kind.name, prio, len(step.prompt) + step.out, wf.deadline, info)
-        except AdmissionRejected:
-            self.fail_shed(step)
+        except AdmissionRejected as e:
+            self.fail_shed(step, e.reason)
             return
         for waiter in self.ctl.expire():  # sunk-cost shedding displaced someone
-            self.fail_shed(self.waiters.pop(waiter.id))
+            self.fail_shed(self.waiters.pop(waiter.id), waiter.rejection.reason if waiter.rejection else "")
         if isinstance(got, Waiter):
             self.waiters[got.id] = step
         else:
@@ -301,7 +311,11 @@ class Sim:
             )
             for i in range(len(fleet.bms))
         ]
-        w = int(self.router_policy.rank(cands, len(hashes), overlaps)[0].worker_id)
+        ranked = self.router_policy.rank(cands, len(hashes), overlaps)
+        if self.affinity is not None:  # as generate.py: home first unless its queue is the longer
+            waiting = {str(i): len(q) for i, q in enumerate(fleet.queues)}
+            ranked = self.affinity.steer(step.wf.id, hashes, ranked, waiting, self.now)
+        w = int(ranked[0].worker_id)
         step.hashes = hashes
         step.routed_prefill = len(step.prompt) - overlaps[str(w)] * BLOCK
         if step.index > 0 and step.wf.home is not None:
@@ -339,7 +353,13 @@ class Sim:
         if step.index > 0:
             self.followups += 1
             prior = len(step.prompt) - step.wf.msgs[step.index]
-            self.affinity_hits += cached >= (prior // BLOCK) * BLOCK - BLOCK
+            hit = cached >= (prior // BLOCK) * BLOCK - BLOCK
+            self.affinity_hits += hit
+            if not hit:
+                if w == step.wf.home:
+                    self.miss_home += 1
+                else:
+                    self.miss_moved += 1
         step.wf.home = w
         step.ctx = len(tokens)
         fleet.context[w] += step.ctx
@@ -371,6 +391,8 @@ class Sim:
         self.ledger.record_step(wf.kind.name, wf.id, cost, final=final, now=self.now)
         wf.spent += computed
         if not ok:
+            key = f"{wf.kind.name}:deadline_cancel"
+            self.failures[key] = self.failures.get(key, 0) + 1
             self.end(wf, False)
         elif final:
             self.end(wf, True)
@@ -385,7 +407,9 @@ class Sim:
             fleet.queued_prefill[w] -= nxt.routed_prefill
             self.start(w, nxt)
 
-    def fail_shed(self, step: Step) -> None:
+    def fail_shed(self, step: Step, reason: str) -> None:
+        key = f"{step.wf.kind.name}:{reason}"
+        self.failures[key] = self.failures.get(key, 0) + 1
         self.ledger.record_shed(step.wf.kind.name, step.wf.id, self.now)
         for bm in self.fleet.bms:
             bm.unpin(step.wf.id)
@@ -421,6 +445,9 @@ class Sim:
             "affinity": self.affinity_hits / max(self.followups, 1),
             "same_home": self.same_home / max(self.followups, 1),
             "pins": self.fleet.bms[0].pin_stats() if self.policy.pins else None,
+            "failures": dict(sorted(self.failures.items())),
+            "miss_moved": self.miss_moved,
+            "miss_home": self.miss_home,
         }
 
 
@@ -468,7 +495,7 @@ def _cpu_model() -> str:
 
 
 def _run_one(ov, name, base, capacity, per_wf, duration, args) -> dict:
-    pol = next(p for p in policies(base) if p.name == name)
+    pol = next(p for p in policies(base, args.workers * args.slots) if p.name == name)
     sim = Sim(pol, make_workload(ov * capacity / per_wf, duration, args.seed), args)
     sim.run()
     return sim.results()
@@ -505,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{per_wf:.1f} slot-s per workflow; arrivals for {duration:.0f} s"
     )
     overloads = [float(x) for x in args.overloads.split(",")]
-    names = [p.name for p in policies(base) if p.name in args.policies.split(",")]
+    names = [p.name for p in policies(base, capacity) if p.name in args.policies.split(",")]
     jobs = [(ov, name) for ov in overloads for name in names]
     # Each (overload, policy) run is independent and deterministic: --jobs runs them in
     # parallel processes, with the same results as one after another.
@@ -533,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:9} {r['done']:5d} {r['rate']:6.2f} {r['cost']:8.0f} {r['waste']:9.0f} "
                 f"{r['p99']:7.1f} {r['max_wait']:10.1f} {r['kv_hit']:6.2f} {r['affinity']:6.2f}  {classes}"
+            )
+            fails = " ".join(f"{k}={v}" for k, v in r["failures"].items())
+            print(
+                f"{'':9} failed by class:cause {fails or '-'}; follow-ups without their context: "
+                f"routed elsewhere {r['miss_moved']}, at their last worker {r['miss_home']}"
             )
             if r["pins"] is not None:
                 p = r["pins"]

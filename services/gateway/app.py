@@ -8,7 +8,10 @@ answer is either collected into one JSON body or relayed as SSE chunks.
 
 The client's `Authorization: Bearer <key>` header goes to the router as gRPC
 metadata; the router authenticates the key and maps it to a tenant (401 on
-UNAUTHENTICATED, 429 when that tenant is over quota).
+UNAUTHENTICATED, 429 when that tenant is over quota). A request's place in an
+agent workflow comes in headers (X-Workflow-Id / -Step / -Tokens-Spent /
+-Final, or Dynamo's X-Dynamo-Session-ID / -Final; params.workflow_from_headers)
+and goes to the router as the request's WorkflowContext; a malformed one is a 400.
 
 While the answer is being produced the gateway watches the ASGI `receive`
 channel; when the client disconnects the upstream gRPC call is cancelled (the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -40,7 +44,7 @@ from services.gateway.chat_template import ChatTemplate, load_chat_template
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.params import GenerationPlan, parse_chat, parse_completion
+from services.gateway.params import GenerationPlan, parse_chat, parse_completion, workflow_from_headers
 from services.gateway.upstream import RouterClient, Upstream, UpstreamStream
 
 log = structlog.get_logger()
@@ -213,6 +217,9 @@ class Gateway:
             else:
                 plan = parse_completion(raw, self.config.model_id)
             credentials = forwarded_authorization(request)
+            workflow = workflow_from_headers(request.headers)
+            if workflow is not None:
+                plan = dataclasses.replace(plan, workflow=workflow)
         except GatewayError as e:
             self.metrics.finished(endpoint, e.status, time.monotonic() - start)
             log.info("request_refused", endpoint=endpoint, status=e.status, error=e.message)

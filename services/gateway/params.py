@@ -29,6 +29,73 @@ from services.gateway.schema import ChatBody, CompletionBody, SamplingBody, Stre
 
 
 @dataclass(frozen=True)
+class WorkflowHint:
+    """The request's place in an agent workflow (pdmesh.v1.WorkflowContext), from headers."""
+
+    workflow_id: str
+    step_index: int = 0
+    tokens_spent: int = 0
+    final_step: bool = False
+
+
+# Issue 21: the workflow context over HTTP. Our own headers, and Dynamo's session headers
+# (X-Dynamo-Session-ID / X-Dynamo-Session-Final, its canonical agent identity) as aliases,
+# so a harness written for Dynamo gets affinity, pins and sunk-cost scheduling here too.
+WORKFLOW_ID_HEADERS = ("x-workflow-id", "x-dynamo-session-id")
+WORKFLOW_FINAL_HEADERS = ("x-workflow-final", "x-dynamo-session-final")
+WORKFLOW_STEP_HEADER = "x-workflow-step"
+WORKFLOW_SPENT_HEADER = "x-workflow-tokens-spent"
+MAX_WORKFLOW_ID_BYTES = 128  # the router's limit (validation.max_request_id_bytes)
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def _header(headers: Any, names: tuple[str, ...]) -> tuple[str, str] | None:
+    for name in names:
+        value = headers.get(name)
+        if value is not None:
+            return name, value
+    return None
+
+
+def _count(headers: Any, name: str, limit: int) -> int | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    if not (value.isascii() and value.isdigit()) or int(value) > limit:
+        raise bad_request(f"{name}: must be an integer in [0, {limit}], got {value[:40]!r}", name)
+    return int(value)
+
+
+def workflow_from_headers(headers: Any) -> WorkflowHint | None:
+    """The workflow context of a request's headers (a case-insensitive mapping), None
+    without one. A malformed value is a 400, not ignored: a harness that sends a broken
+    step index would otherwise lose its affinity and sunk-cost protection silently."""
+    found = _header(headers, WORKFLOW_ID_HEADERS)
+    step = _count(headers, WORKFLOW_STEP_HEADER, 2**32 - 1)
+    spent = _count(headers, WORKFLOW_SPENT_HEADER, 2**63 - 1)
+    final_header = _header(headers, WORKFLOW_FINAL_HEADERS)
+    if found is None:
+        if step is not None or spent is not None or final_header is not None:
+            raise bad_request(
+                "workflow step headers need X-Workflow-Id (or X-Dynamo-Session-ID)", "x-workflow-id"
+            )
+        return None
+    name, wid = found
+    wid = wid.strip()
+    if not wid or not (wid.isascii() and wid.isprintable()) or len(wid) > MAX_WORKFLOW_ID_BYTES:
+        raise bad_request(f"{name}: must be 1-{MAX_WORKFLOW_ID_BYTES} printable ASCII characters", name)
+    final = False
+    if final_header is not None:
+        fname, fvalue = final_header
+        flag = fvalue.strip().lower()
+        if flag not in _TRUE + _FALSE:
+            raise bad_request(f"{fname}: must be true or false, got {fvalue[:40]!r}", fname)
+        final = flag in _TRUE
+    return WorkflowHint(wid, step or 0, spent or 0, final)
+
+
+@dataclass(frozen=True)
 class GenerationPlan:
     """One generation the gateway will ask the router for, and how to answer it."""
 
@@ -49,6 +116,7 @@ class GenerationPlan:
     include_usage: bool = False
     # vLLM's stream_options.continuous_usage_stats: every chunk carries the running usage.
     continuous_usage: bool = False
+    workflow: WorkflowHint | None = None
 
     def to_proto(self) -> router_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(
@@ -68,6 +136,16 @@ class GenerationPlan:
             req.token_ids.ids.extend(self.prompt_token_ids)
         else:
             req.text = self.prompt_text or ""
+        if self.workflow is not None:
+            w = self.workflow
+            req.workflow.CopyFrom(
+                common_pb2.WorkflowContext(
+                    workflow_id=w.workflow_id,
+                    step_index=w.step_index,
+                    tokens_spent=w.tokens_spent,
+                    final_step=w.final_step,
+                )
+            )
         return req
 
 

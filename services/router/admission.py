@@ -26,6 +26,16 @@ priority's queue is full, the waiter shed is the one whose loss wastes the
 fewest already-spent workflow tokens (a newcomer with none is shed itself), so
 a late step of an expensive workflow is not refused behind fresh work.
 
+Slots can be held back for the higher priorities (`reserved_inflight`, below
+`reserve_priority`; off by default): a request below it starts only while
+fewer than max_inflight - reserved_inflight run. Why: max_inflight is usually
+more than the workers' batch slots (the rest wait in the workers' own FIFO
+queues), so low-priority work admitted in a lull would fill those queues, and
+the next burst of higher-priority steps would wait behind it there, where the
+priority order no longer reaches; bench/workflows.py measured it: late steps of
+research agents kept alive by sunk-cost shedding filled the workers' queues and
+cost a fifth of the copilots at 3x.
+
 Deadlines are absolute times on the controller's clock. A request that cannot
 start before its deadline is refused at once (`DeadlineUnreachable`) rather
 than queued to die: when the deadline has passed, when its tenant's bucket
@@ -105,6 +115,12 @@ class AdmissionConfig:
     tenant_limits: Mapping[str, TenantLimits] = field(
         default_factory=dict, metadata={"help": "quota per tenant id", "cli": False}
     )
+    reserved_inflight: int = setting(
+        0,
+        "slots of max_inflight held back for requests at or above reserve_priority: one below it "
+        "starts only while fewer than max_inflight - reserved_inflight run (0 = none)",
+    )
+    reserve_priority: int = setting(0, "requests below this priority may not take the reserved slots")
     edf: bool = setting(True, "order a priority's queue by deadline (else by arrival)")
     attained_service: bool = setting(True, "defer workflows by their attained service in the window")
     sunk_cost_shedding: bool = setting(True, "a full queue sheds the waiter with the fewest sunk tokens")
@@ -122,6 +138,9 @@ class AdmissionConfig:
         require(0 < self.min_retry_after_s <= self.max_retry_after_s, "need 0 < min_retry_after_s <= max")
         require(self.max_tenants >= 1, "max_tenants must be >= 1")
         require(self.tenant_max_inflight >= 0, "tenant_max_inflight must be >= 0")
+        require(
+            0 <= self.reserved_inflight < self.max_inflight, "reserved_inflight must be in [0, max_inflight)"
+        )
 
 
 @dataclass(frozen=True)
@@ -243,7 +262,7 @@ class AdmissionController:
                     DeadlineUnreachable(f"tenant {tenant!r} is over quota until after the deadline", retry)
                 )
             self._reject(AdmissionRejected("rate_limited", f"tenant {tenant!r} is over its quota", retry))
-        if self.inflight < cfg.max_inflight:
+        if self.inflight < self._cap(priority):
             buckets.take(cost_tokens, now)
             self._open(tenant, +1)
             return self._grant(tenant, priority, cost_tokens, now, workflow)
@@ -291,9 +310,13 @@ class AdmissionController:
         self._collect_expired(now)
         granted: list[Waiter] = []
         while self._queue and self.inflight < self.config.max_inflight:
-            waiter = heapq.heappop(self._queue)[-1]
+            waiter = self._queue[0][-1]
             if waiter.state is not WaiterState.WAITING:
+                heapq.heappop(self._queue)
                 continue
+            if self.inflight >= self._cap(waiter.priority):
+                break  # the head is below the reserve priority, and so is everyone behind it
+            heapq.heappop(self._queue)
             self._leave_queue(waiter, WaiterState.GRANTED)
             waiter.ticket = self._grant(
                 waiter.tenant, waiter.priority, waiter.cost_tokens, now, waiter.workflow
@@ -336,7 +359,7 @@ class AdmissionController:
 
     def estimated_wait_s(self, priority: int) -> float:
         """Estimated wait of a request of `priority` that queued now (0 when a slot is free)."""
-        if self.inflight < self.config.max_inflight:
+        if self.inflight < self._cap(priority):
             return 0.0
         return (self._waiting_at_or_above(priority) + 1) * self._slot_interval_s()
 
@@ -407,6 +430,13 @@ class AdmissionController:
     def _reject(self, err: AdmissionRejected) -> None:
         self._rejected[err.reason] = self._rejected.get(err.reason, 0) + 1
         raise err
+
+    def _cap(self, priority: int) -> int:
+        """Slots a request of `priority` may start within."""
+        cfg = self.config
+        if priority < cfg.reserve_priority:
+            return cfg.max_inflight - cfg.reserved_inflight
+        return cfg.max_inflight
 
     def _slot_interval_s(self) -> float:
         """Mean time between slot releases when all slots are busy."""

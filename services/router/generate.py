@@ -471,6 +471,10 @@ class RequestFlow:
             if credits
             else ctx.decode_policy.rank(cands, len(hashes), overlaps, own=own)
         )
+        if ctx.workflows is not None and self._wf_info.workflow_id:  # keep the step home unless backed up
+            ranked = ctx.workflows.steer(
+                self.req.workflow, hashes, ranked, {c.worker_id: c.load.waiting for c in cands}, now
+            )
         pull = None
         if ctx.pull_planner is not None:  # issue 17: the plan's target first, maybe with a pull
             ranked, pull = plan_for_ranking(ctx.pull_planner, ranked, cands, overlaps, len(hashes))

@@ -11,7 +11,9 @@ services/router/generate.py calls it at four points of a request's life:
 - recovery: `sunk_tokens()` raises the retry / migration allowance (the
   journey's limits and the retry budget's sunk-cost reserve);
 - routing: `credit()` gives the workflow's last worker its previous context
-  (workflow_affinity.py) before the policy ranks;
+  (workflow_affinity.py) before the policy ranks, and `steer()` keeps the step
+  there after it ranks unless that worker's queue is the longer by more than
+  a margin;
 - the end: `finished()` / `shed()` fold the step into the ledger, record the
   home on success and forget the workflow after its final step.
 
@@ -29,6 +31,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from services.router.admission import AdmissionController
 from services.router.cost import RequestCost, RequestOutcome, WorkflowLedger, WorkflowStats
+from services.router.policy import Choice
 from services.router.workflow_affinity import WorkflowAffinity, WorkflowRoutingConfig
 from services.router.workflow_sched import NO_WORKFLOW, WorkflowInfo
 
@@ -67,6 +70,21 @@ class WorkflowRouting:
         if not info.workflow_id or not self.config.affinity:
             return overlaps
         return self.affinity.credit(info.workflow_id, prompt_hashes, overlaps, now, eligible)
+
+    def steer(
+        self,
+        workflow: Any,
+        prompt_hashes: Sequence[int],
+        ranked: list[Choice],
+        waiting: Mapping[str, int],
+        now: float,
+    ) -> list[Choice]:
+        """The policy's ranking with the workflow's home first unless it is backed up
+        (WorkflowAffinity.steer)."""
+        info = self.info(workflow)
+        if not info.workflow_id or not self.config.affinity:
+            return ranked
+        return self.affinity.steer(info.workflow_id, prompt_hashes, ranked, waiting, now)
 
     def finished(
         self,

@@ -9,13 +9,20 @@ import socket
 from typing import Any
 
 
-def request(address: str, method: str, path: str, body: Any = None, raw: bytes | None = None):
+def request(
+    address: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+):
     """(status, headers with lower-case names, body bytes)."""
     host, port = address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        conn.request(method, path, body=data, headers={"content-type": "application/json"})
+        conn.request(method, path, body=data, headers={"content-type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:

@@ -319,3 +319,35 @@ def test_stats_count_admissions_and_rejections_by_reason():
     s = ctl.stats()
     assert (s.inflight, s.queued, s.admitted, s.queued_total) == (1, 1, 1, 1)
     assert s.rejected == {"queue_full": 1, "deadline_unreachable": 1}
+
+
+# ---- slots reserved for the higher priorities ------------------------------------------
+
+
+def test_low_priority_work_cannot_take_the_reserved_slots_and_waits_for_a_free_one():
+    ctl, _ = controller(max_inflight=4, reserved_inflight=2, reserve_priority=0)
+    low = [ctl.try_admit("t", priority=-1) for _ in range(3)]
+    assert [isinstance(x, Ticket) for x in low] == [True, True, False]  # 2 = 4 - 2 reserved
+    assert ctl.estimated_wait_s(-1) > 0 and ctl.estimated_wait_s(0) == 0.0
+    hi = [ctl.try_admit("t", priority=0) for _ in range(2)]
+    assert all(isinstance(x, Ticket) for x in hi)  # the reserve is theirs
+    assert ctl.try_admit("t", priority=1).state is WaiterState.WAITING  # max_inflight still holds
+    waiting_low = low[2]
+    (top,) = ctl.release(hi[0])  # the priority-1 waiter goes first
+    assert top.priority == 1 and waiting_low.state is WaiterState.WAITING
+    # 3, then 2 in flight: not under the low cap of 2 yet, the low waiter still waits
+    assert ctl.release(hi[1]) == [] and ctl.release(low[0]) == []
+    assert waiting_low.state is WaiterState.WAITING
+    assert ctl.release(top.ticket) == [waiting_low] and waiting_low.state is WaiterState.GRANTED
+
+
+def test_without_a_reserve_low_priority_work_takes_every_slot():
+    ctl, _ = controller(max_inflight=3)
+    assert all(isinstance(ctl.try_admit("t", priority=-1), Ticket) for _ in range(3))
+
+
+def test_the_reserve_must_leave_a_slot():
+    with pytest.raises(ConfigError):
+        AdmissionConfig(max_inflight=4, reserved_inflight=4)
+    with pytest.raises(ConfigError):
+        AdmissionConfig(max_inflight=4, reserved_inflight=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.model.hashing import BlockHashChain
+from services.router.policy import Choice
 from services.router.workflow_affinity import WorkflowAffinity, WorkflowRoutingConfig
 
 BS = 4
@@ -61,3 +62,36 @@ def test_forget_and_forget_worker_and_the_bound():
 def test_config_is_validated():
     with pytest.raises(ValueError):
         WorkflowRoutingConfig(affinity_ttl_s=0)
+
+
+def ranking(*ids):
+    return [Choice(w, float(i), 0) for i, w in enumerate(ids)]
+
+
+def test_steer_keeps_the_step_home_unless_the_home_is_backed_up():
+    aff = WorkflowAffinity(WorkflowRoutingConfig(home_extra_waiting=1))
+    aff.record("wf", "w1", chain(range(8)), now=0.0)
+    nxt = chain(range(12))
+    ranked = ranking("w2", "w3", "w1")  # the policy preferred a lighter worker
+    # home has one more waiting than the least: within the margin, it goes first
+    got = aff.steer("wf", nxt, ranked, {"w1": 2, "w2": 1, "w3": 4}, now=1.0)
+    assert [c.worker_id for c in got] == ["w1", "w2", "w3"] and aff.steered == 1
+    # two more: backed up, the policy's ranking stands
+    assert aff.steer("wf", nxt, ranked, {"w1": 3, "w2": 1, "w3": 4}, now=1.0) is ranked
+    assert aff.steered == 1
+
+
+def test_steer_leaves_the_ranking_without_a_live_matching_ranked_home():
+    aff = WorkflowAffinity(WorkflowRoutingConfig(affinity_ttl_s=10.0))
+    aff.record("wf", "w1", chain(range(8)), now=0.0)
+    ranked = ranking("w2", "w1")
+    idle = {"w1": 0, "w2": 0}
+    assert aff.steer("other", chain(range(12)), ranked, idle, now=1.0) is ranked  # unknown workflow
+    diverged = [0, 1, 2, 3, 99, 5, 6, 7, 8]
+    assert aff.steer("wf", chain(diverged), ranked, idle, now=1.0) is ranked
+    assert aff.steer("wf", chain(range(12)), ranking("w2", "w3"), idle, now=1.0) == ranking("w2", "w3")
+    assert aff.steer("wf", chain(range(12)), ranked, idle, now=10.0) is ranked  # hint expired
+    off = WorkflowAffinity(WorkflowRoutingConfig(home_extra_waiting=-1))
+    off.record("wf", "w1", chain(range(8)), now=0.0)
+    assert off.steer("wf", chain(range(12)), ranked, idle, now=1.0) is ranked
+    assert aff.steered == 0 and off.steered == 0

@@ -210,3 +210,27 @@ async def test_the_per_tenant_gauges_show_cost_completion_and_waste():
     assert value("pdmesh_router_tokens_per_successful_workflow", tenant="acme") > 0
     assert value("pdmesh_router_workflow_wasted_tokens", tenant="beta", cause="earlier_steps") > 0
     assert value("pdmesh_router_workflow_affinity", result="hit") == 2
+
+
+async def test_a_busy_home_keeps_the_next_step_unless_its_queue_is_the_longer():
+    """kv_aware alone moves a short follow-up step off a home that decodes long contexts
+    (0.1 x its active blocks outweighs the prompt it would recompute); steering keeps it
+    home while the home's queue is within the margin, and lets it go when it is not."""
+    mesh = Mesh()
+    convo = list(range(1, 8 * BS + 1))
+    await run(mesh.flow("s0", convo, wf(0)))
+    home = mesh.sent[-1][0]
+    other = next(w for w in WORKERS if w != home)
+
+    def busy_home(waiting: int) -> None:
+        mesh.registry.update_load(other, WorkerLoad())
+        mesh.registry.update_load(home, WorkerLoad(running=4, waiting=waiting, active_decode_blocks=400))
+
+    for k, (waiting, expect) in enumerate(((0, home), (1, home), (2, other)), start=1):
+        convo = [*convo, 7, 8, 9, 10, *range(1000 * k, 1000 * k + 2 * BS)]
+        busy_home(waiting)
+        await run(mesh.flow(f"s{k}", convo, wf(k, spent=100 * k)))
+        assert mesh.sent[-1][0] == expect, f"step {k} (home waiting {waiting}) went to {mesh.sent[-1][0]}"
+        if expect == other:
+            break
+    assert mesh.workflows.affinity.steered == 2

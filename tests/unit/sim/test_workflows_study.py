@@ -16,12 +16,13 @@ def test_tiny_study_accounts_for_every_workflow_and_frees_every_block():
     args.batch_context = args.slots * mean_context(workload)
     base = AdmissionConfig(max_inflight=8, queue_limit_per_priority=4, queue_timeout_s=20.0)
     results = {}
-    for pol in policies(base):
+    for pol in policies(base, args.workers * args.slots):
         sim = Sim(pol, workload, args)
         sim.run()
         results[pol.name] = sim.results()
         stats = sim.ledger.stats()
         assert stats.completed + stats.failed == len(workload) and stats.open == 0
+        assert sum(sim.failures.values()) == stats.failed  # every failure has its cause
         assert all(w.done for w in sim.workload)
         for bm in sim.fleet.bms:
             bm.expire_pins(now=math.inf)
