@@ -96,6 +96,15 @@ class Worker:
         return len(self.running) + len(self.waiting) + len(self.local_queue)
 
     @property
+    def drain_left(self) -> float:
+        """What it would still run if told to stop now: prefill, its queued tokens; decode, its longest
+        sequence's tokens left (it stops when the last one finishes)."""
+        if self.role == "prefill":
+            return float(self.queued_tokens)
+        left = [*self.running.values(), *(float(o.req.osl) for o in self.waiting)]
+        return max(left, default=0.0) + sum(o.req.osl for o in self.local_queue)
+
+    @property
     def idle(self) -> bool:
         return not (
             self.queue
@@ -134,11 +143,13 @@ class FleetSim:
         interval_s: float,
         quantile: float = 0.9,
         local_prefill: bool = False,
+        drain_soonest: bool = False,
         ttft_slo_s: float = 1.0,
         itl_slo_s: float = 0.05,
     ):
         self.profile = profile
         self.local_prefill = local_prefill
+        self.drain_soonest = drain_soonest
         self.ttft_slo_s, self.itl_slo_s = ttft_slo_s, itl_slo_s
         self._local_prefills = 0
         self._arrivals_per_decode_s = 0.0  # last interval's arrivals per ready decode worker
@@ -415,7 +426,9 @@ class FleetSim:
             self._at(w.ready_s, "ready", w)
         if target < len(live):
             # stop starting ones first (they hold nothing), then the least loaded
-            for w in sorted(live, key=lambda w: (w.state != STARTING, w.load))[: len(live) - target]:
+            # (drain_soonest: of the active ones, those whose work ends first, not the fewest sequences)
+            key = (lambda w: w.drain_left) if self.drain_soonest else (lambda w: w.load)
+            for w in sorted(live, key=lambda w: (w.state != STARTING, key(w)))[: len(live) - target]:
                 w.state, w.drain_s = DRAINING, self.now
                 self._maybe_stop(w)
 

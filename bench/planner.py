@@ -255,7 +255,16 @@ def run_policy(
         initial = fixed
     else:
         raise ValueError(name)
-    sim = FleetSim(model.profile, initial=initial, startup_s=a.startup_s, interval_s=iv)
+    sim = FleetSim(
+        model.profile,
+        initial=initial,
+        startup_s=a.startup_s,
+        interval_s=iv,
+        local_prefill=getattr(a, "local_prefill", False),
+        drain_soonest=getattr(a, "drain_soonest", False),
+        ttft_slo_s=a.ttft_slo,
+        itl_slo_s=a.itl_slo,
+    )
     return sim.run(reqs, policy)
 
 
@@ -404,6 +413,91 @@ def stationary_bound(
     return ws
 
 
+def _frac_workers(table: CapacityTable, role: str, demand: float) -> float:
+    """The table's pool for `demand` as a fractional worker count (linear between measured sizes)."""
+    caps = getattr(table, role)
+    prev = 0.0
+    for c, cap in enumerate(caps, start=1):
+        if cap >= demand:
+            return c - 1 + (demand - prev) / (cap - prev)
+        prev = cap
+    return len(caps) + (demand - caps[-1]) / (caps[-1] / len(caps))
+
+
+BREAKDOWN = (
+    ("fractional", "the table's pools at the true rate, as fractions of a worker (no rounding, no lead)"),
+    ("integer", "the same, whole workers"),
+    ("bound", "+ the lead: for the busiest true rate over an interval + a start-up (the stationary bound)"),
+    ("true_lengths", "per decision, the true rate over the lead x the true mean lengths of its arrivals"),
+    ("lengths", "x the lengths the planner sized for instead"),
+    ("forecast", "x its forecast rate instead of the true one"),
+    ("margin", "/ the table margin (and less what decode-local prefill absorbs)"),
+    ("corrected", "+ the measured-SLO corrections (a role over its SLO gets one more)"),
+    ("hysteresis", "the decision applied: cooldowns and the scale-down streak"),
+    ("pools", "the pools the run had (starting and active workers)"),
+    ("total", "+ draining workers (told to stop, finishing their work): the run's worker-seconds"),
+)
+
+
+def breakdown(r: SimResult, planner: Planner, reqs: list[SimRequest], a: argparse.Namespace) -> dict:
+    """Where the planner's worker-seconds go, per role, from its own decision log and the run's workers:
+    each stage of BREAKDOWN as worker-seconds (seconds x workers), from the bound to what the run used."""
+    table: CapacityTable = a.capacity
+    decs = list(planner.decisions)
+    lead, day = a.interval_s + a.startup_s, a.day_s
+    end = max(w.stopped_s or 0.0 for w in r.workers)
+    n = math.ceil(end)
+    secs = np.arange(n, dtype=float)
+    rate_at = rate_function(a.kind, day, a.peak_rate)
+    rates = np.array([rate_at(t + 0.5) if t < day else 0.0 for t in secs])
+    k = round(lead)
+    ahead = np.array([rates[i : i + k + 1].max() for i in range(n)])
+    arrivals = np.array([q.arrival_s for q in reqs])
+
+    def stages_of(role: str, key: str) -> dict[str, float]:
+        lengths = np.array([getattr(q, key) for q in reqs], dtype=float)
+        mean = float(lengths.mean())
+
+        def held(f) -> float:
+            v = np.zeros(n)
+            for i, d in enumerate(decs):
+                t1 = decs[i + 1].at_s if i + 1 < len(decs) else end
+                v[int(d.at_s) : int(min(t1, end))] = f(d)
+            v[: int(decs[0].at_s)] = f(decs[0])  # the initial pools: as the first decision's
+            return float(v.sum())
+
+        def true_len(t: float) -> float:
+            i0, i1 = np.searchsorted(arrivals, t), np.searchsorted(arrivals, t + lead)
+            return float(lengths[i0:i1].mean()) if i1 > i0 else mean
+
+        def table_pool(rate: float, length: float) -> int:
+            return max(table.workers(role, rate * length), 1)
+
+        stages = {
+            "fractional": float(sum(_frac_workers(table, role, x * mean) for x in rates[secs < day])),
+            "integer": float(sum(max(table.workers(role, x * mean), 1) for x in rates[secs < day])),
+            "bound": float(sum(max(table.workers(role, x * mean), 1) for x in ahead[secs < day])),
+            "true_lengths": held(lambda d: table_pool(float(ahead[int(d.at_s)]), true_len(d.at_s))),
+            "lengths": held(lambda d: table_pool(float(ahead[int(d.at_s)]), getattr(d.forecast, key))),
+            "forecast": held(lambda d: table_pool(d.forecast.rate, getattr(d.forecast, key))),
+            "margin": held(lambda d: getattr(d.sizing, role)),
+            "corrected": held(lambda d: d.sizing.inputs.get(f"corrected_{role}", getattr(d.sizing, role))),
+            "hysteresis": held(lambda d: getattr(d, role)),
+        }
+        pools = drains = 0.0
+        for w in r.workers:
+            if w.role != role:
+                continue
+            start, stop = max(w.started_s, 0.0), w.stopped_s or end
+            told = w.drain_s if w.drain_s is not None else stop
+            pools += told - start
+            drains += stop - told
+        stages.update(pools=pools, total=pools + drains)
+        return stages
+
+    return {"prefill": stages_of("prefill", "isl"), "decode": stages_of("decode", "osl")}
+
+
 POLICIES = ("planner", "planner_formulas", "dynamo_formula", "static_peak", "static_mean", "oracle")
 
 
@@ -474,6 +568,15 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
             row("dynamo_matched", results["dynamo_matched"], time.perf_counter() - t0)
             print(f"{'':>15} (dynamo_matched = the formula with its throughputs x {util:.2f}, searched)")
     print(f"plot: {plot(kind, results)}")
+    brk = breakdown(results["planner"], learned["planner"], reqs, a)
+    peak_ws = results["static_peak"].worker_s
+    print(
+        "where the planner's worker-seconds go (x static peak's), stage by stage from the bound to the run:"
+    )
+    print(f"{'':>13} {'prefill':>8} {'decode':>8} {'both':>8}  ")
+    for stage, what in BREAKDOWN:
+        p_, d_ = brk["prefill"][stage] / peak_ws, brk["decode"][stage] / peak_ws
+        print(f"{stage:>13} {p_:8.3f} {d_:8.3f} {p_ + d_:8.3f}  {what}")
     p, dyn, raw, peak, oracle = (
         results["planner"],
         results["dynamo_matched"],
