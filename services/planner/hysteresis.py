@@ -46,7 +46,8 @@ class Hysteresis:
         self.config = config
         self._roles: dict[str, _RoleState] = {}
 
-    def apply(self, role: str, current: int, desired: int, now: float) -> int:
+    def apply(self, role: str, current: int, desired: int, now: float, down_after: int = 0) -> int:
+        """The size to set now; `down_after` (> 0) overrides the streak a scale-down needs this time."""
         c = self.config
         st = self._roles.setdefault(role, _RoleState())
         if desired > current:
@@ -62,6 +63,7 @@ class Hysteresis:
         if role == "decode":
             after = c.down_after_decode or after
             cooldown = cooldown if c.down_cooldown_decode_s < 0 else c.down_cooldown_decode_s
+        after = down_after or after
         st.below.append(desired)
         del st.below[:-after]
         if len(st.below) < after or now - st.last_change_s < cooldown:

@@ -113,6 +113,15 @@ class PlannerConfig:
         0.98,
         "planner: with a capacity table, size so the forecast demand is at most this share of the measured capacity",
     )
+    falling_down_after: int = setting(
+        0,
+        "planner: while the rate forecast falls (its value a start-up ahead at least falling_ratio below "
+        "its level), a scale-down needs only this many intervals wanting it (0 = the hysteresis' down_after "
+        "always): the streak filters noise on a flat or rising load, and on a steady fall it only delays",
+    )
+    falling_ratio: float = setting(
+        0.05, "planner: how far below its level the forecast is to count as falling"
+    )
     local_prefill_share: float = setting(
         0.0,
         "planner: with a capacity table and decode workers that prefill locally when their batch has "
@@ -148,6 +157,8 @@ class PlannerConfig:
         require(self.error_window >= 0, "error_window must be >= 0")
         require(0 < self.table_margin <= 1, "table_margin must be in (0, 1]")
         require(0 <= self.table_margin_decode <= 1, "table_margin_decode must be in [0, 1]")
+        require(self.falling_down_after >= 0, "falling_down_after must be >= 0")
+        require(0 < self.falling_ratio < 1, "falling_ratio must be in (0, 1)")
         require(self.local_prefill_share >= 0, "local_prefill_share must be >= 0")
         require(
             not self.split_prior or self.split_prior.count("/") == 2,
@@ -337,8 +348,9 @@ class Planner:
         sizing.inputs.update(
             corrected_prefill=float(want_p), corrected_decode=float(want_d)
         )  # pre-hysteresis
-        p = self.hysteresis.apply("prefill", obs.prefill_workers, want_p, now)
-        d = self.hysteresis.apply("decode", obs.decode_workers, want_d, now)
+        fast = self.config.falling_down_after if self._falling(lead) else 0
+        p = self.hysteresis.apply("prefill", obs.prefill_workers, want_p, now, down_after=fast)
+        d = self.hysteresis.apply("decode", obs.decode_workers, want_d, now, down_after=fast)
         d = min(d, room - p)  # the budget holds after hysteresis too
         changed = (p, d) != (obs.prefill_workers, obs.decode_workers)
         decision = Decision(now, p, d, changed, " ".join(reasons), sizing, forecast)
@@ -418,6 +430,14 @@ class Planner:
             errs = sorted(self._errors[role])
             out.append(min(max(errs[min(int(q * len(errs)), len(errs) - 1)], 1.0), 2.0) if errs else 1.0)
         return out[0], out[1]
+
+    def _falling(self, lead: int) -> bool:
+        """The rate forecast a start-up ahead is `falling_ratio` below its level now (never in a burst window)."""
+        if not self.config.falling_down_after or self._burst_rate() > 0:
+            return False
+        rate = self._signals["rate"]
+        level = rate.predict(0)
+        return level > 0 and rate.predict(lead) <= (1 - self.config.falling_ratio) * level
 
     def _burst_rate(self) -> float:
         """The busiest recent interval's rate when the window is bursty (its peak > `burst_ratio` x its median)."""
