@@ -53,6 +53,7 @@ class Outcome:
     req: SimRequest
     first_token_s: float = math.nan
     finish_s: float = math.nan
+    resume: tuple[float, float] | None = None  # (tokens left, context) of a migrated decode
 
     @property
     def ttft_s(self) -> float:
@@ -88,6 +89,7 @@ class Worker:
     local_tokens: int = 0
     local_busy_until: float | None = None
     local_pass: list = field(default_factory=list)
+    incoming: int = 0  # decode: migrated sequences whose KV is on its way here
 
     @property
     def load(self) -> int:
@@ -113,6 +115,7 @@ class Worker:
             or self.waiting
             or self.local_queue
             or self.local_busy_until is not None
+            or self.incoming
         )
 
 
@@ -144,12 +147,14 @@ class FleetSim:
         quantile: float = 0.9,
         local_prefill: bool = False,
         drain_soonest: bool = False,
+        migrate_on_drain: bool = False,
         ttft_slo_s: float = 1.0,
         itl_slo_s: float = 0.05,
     ):
         self.profile = profile
         self.local_prefill = local_prefill
         self.drain_soonest = drain_soonest
+        self.migrate_on_drain = migrate_on_drain
         self.ttft_slo_s, self.itl_slo_s = ttft_slo_s, itl_slo_s
         self._local_prefills = 0
         self._arrivals_per_decode_s = 0.0  # last interval's arrivals per ready decode worker
@@ -399,8 +404,10 @@ class FleetSim:
             if sum(w.context.values()) + o.req.isl + o.req.osl > p.capacity_tokens and w.running:
                 break
             w.waiting.popleft()
-            w.running[o] = float(o.req.osl - 1)
-            w.context[o] = float(o.req.isl)
+            left, ctx = o.resume if o.resume is not None else (float(o.req.osl - 1), float(o.req.isl))
+            o.resume = None
+            w.running[o] = left
+            w.context[o] = ctx
 
     def _schedule_decode(self, w: Worker) -> None:
         w.version += 1
@@ -430,7 +437,38 @@ class FleetSim:
             key = (lambda w: w.drain_left) if self.drain_soonest else (lambda w: w.load)
             for w in sorted(live, key=lambda w: (w.state != STARTING, key(w)))[: len(live) - target]:
                 w.state, w.drain_s = DRAINING, self.now
+                if self.migrate_on_drain and role == "decode":
+                    self._migrate_all(w)
                 self._maybe_stop(w)
+
+    def _migrate_all(self, w: Worker) -> None:
+        """A draining decode worker hands its sequences to the active ones (the router's token-exact
+        migration): each resumes there after its KV's transfer, with its tokens left and its context."""
+        others = [x for x in self.workers if x.role == "decode" and x.state == ACTIVE]
+        if not others:
+            return
+        self._advance(w)
+        moving = [(o, w.running[o], w.context[o]) for o in w.running]
+        moving += [
+            (o, *o.resume) if o.resume else (o, float(o.req.osl - 1), float(o.req.isl)) for o in w.waiting
+        ]
+        w.running.clear()
+        w.context.clear()
+        w.waiting.clear()
+        w.version += 1
+        for o, left, ctx in moving:
+            o.resume = (left, ctx)
+            to = min(others, key=lambda x: x.load + x.incoming)
+            to.incoming += 1
+            self._at(self.now + self.profile.transfer_s(int(ctx)), "migrated", to, o)
+
+    def _on_migrated(self, w: Worker, o: Outcome) -> None:
+        w.incoming -= 1
+        self._advance(w)
+        w.waiting.append(o)
+        self._admit(w)
+        self._schedule_decode(w)
+        self._maybe_stop(w)
 
     def _maybe_stop(self, w: Worker) -> None:
         if w.state == DRAINING and w.idle:

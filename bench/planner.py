@@ -262,6 +262,7 @@ def run_policy(
         interval_s=iv,
         local_prefill=getattr(a, "local_prefill", False),
         drain_soonest=getattr(a, "drain_soonest", False),
+        migrate_on_drain=getattr(a, "migrate_on_drain", False),
         ttft_slo_s=a.ttft_slo,
         itl_slo_s=a.itl_slo,
     )

@@ -54,7 +54,7 @@ from services.planner.sizing import (
 from services.planner.split_table import Split, SplitTable
 
 QUEUE_MODELS = ("pooled", "single")
-LENGTH_RULES = ("fast_up", "long_run")
+LENGTH_RULES = ("fast_up", "long_run", "recent")
 DECODE_MARGINS = ("quantile", "headroom")
 
 
@@ -366,6 +366,8 @@ class Planner:
         rule = self.config.isl_rule if key == "isl" else self.config.osl_rule
         if rule == "long_run":
             return long_run
+        if rule == "recent":
+            return max(self._signals[key].predict(lead), last)
         return max(self._signals[key].predict(lead), long_run, last)
 
     def _table_sizing(self, prefill_load: Load, decode_load: Load, budget: Budget, model: Sizing) -> Sizing:

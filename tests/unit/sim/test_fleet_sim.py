@@ -80,3 +80,27 @@ def test_workers_record_when_they_were_told_to_drain():
     r = sim.run(reqs, lambda obs, now: (1, 1) if now >= 20 else (2, 2))
     drained = [w for w in r.workers if w.drain_s is not None]
     assert len(drained) == 2 and all(w.drain_s <= w.stopped_s for w in drained)
+
+
+def test_a_draining_decode_worker_migrates_its_sequences_and_stops_at_once():
+    """migrate_on_drain: the decodes of a worker told to stop move to the others (their tokens left and
+    context kept) and it stops when they are gone, not when its longest output ends; every request
+    still finishes with all its tokens."""
+    reqs = [SimRequest(0.05 * i, 200, 2000) for i in range(40)]  # long outputs: ~60 s of decode each
+
+    def policy(obs, now):
+        return (1, 1) if now >= 10 else (1, 2)
+
+    runs = {}
+    for migrate in (False, True):
+        sim = FleetSim(H100, initial=(1, 2), startup_s=5, interval_s=10, migrate_on_drain=migrate)
+        runs[migrate] = sim.run(reqs, policy)
+    for r in runs.values():
+        assert len(r.outcomes) == 40 and r.failed_scaling == 0
+    drained = {m: next(w for w in r.workers if w.drain_s is not None) for m, r in runs.items()}
+    assert drained[True].stopped_s - drained[True].drain_s < 0.1
+    assert drained[False].stopped_s - drained[False].drain_s > 30
+    assert runs[True].worker_s < runs[False].worker_s - 30
+    # the moved sequences lost no tokens: each finished no earlier than its tokens at the fastest step
+    fastest = H100.decode_ms(1, 0) / 1000
+    assert all(o.finish_s - o.first_token_s >= 1999 * fastest for o in runs[True].outcomes)
