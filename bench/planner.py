@@ -161,10 +161,16 @@ def peak_rate(reqs: list[SimRequest], window_s: float = 60.0) -> float:
 
 
 def run_policy(
-    name: str, reqs: list[SimRequest], a: argparse.Namespace, learned: dict, **planner_kw
+    name: str,
+    reqs: list[SimRequest],
+    a: argparse.Namespace,
+    learned: dict,
+    local: bool | None = None,
+    **planner_kw,
 ) -> SimResult:
     """Run one policy on `reqs`. `planner_kw` overrides PlannerConfig fields (the planner only);
-    `dynamo_util` (in `learned`) scales the Dynamo formula's throughput assumption."""
+    `dynamo_util` (in `learned`) scales the Dynamo formula's throughput assumption; `local` overrides
+    the fleet's decode-local prefill (`--no-local-prefill`) for this run."""
     iv = a.interval_s
     model = ProfileModel(load_profile(PROFILE))
     slo = Slo(a.ttft_slo, a.itl_slo)
@@ -180,6 +186,8 @@ def run_policy(
         startup_s=a.startup_s,
         **{
             "hysteresis": HysteresisConfig(up_cooldown_s=iv, down_cooldown_s=2 * iv, down_after=3),
+            # a fleet whose decode workers never prefill absorbs nothing: the planner knows its fleet
+            **({} if (a.local_prefill if local is None else local) else {"local_prefill_share": 0.0}),
             **planner_kw,
         },
     )
@@ -189,11 +197,12 @@ def run_policy(
         s = size_pools(Load(rate, isl, osl), model, target, budget)
         return s.prefill, s.decode
 
-    if name in ("planner", "planner_formulas"):
+    if name in ("planner", "planner_formulas", "planner_split"):
         # planner: sized from the measured capacity table; planner_formulas: the same loop sized
         # from the queueing formulas alone (no table), the planner as it was before the table
-        planner = Planner(cfg, model, capacity=learned.get("capacity") if name == "planner" else None)
-        learned["planner"] = planner
+        table = learned.get("capacity") if name != "planner_formulas" else None
+        planner = Planner(cfg, model, capacity=table)
+        learned[name] = planner
 
         def policy(obs: Observation, now: float) -> tuple[int, int]:
             d = planner.tick(obs, now)
@@ -255,17 +264,7 @@ def run_policy(
         initial = fixed
     else:
         raise ValueError(name)
-    sim = FleetSim(
-        model.profile,
-        initial=initial,
-        startup_s=a.startup_s,
-        interval_s=iv,
-        local_prefill=getattr(a, "local_prefill", False),
-        drain_soonest=getattr(a, "drain_soonest", False),
-        migrate_on_drain=getattr(a, "migrate_on_drain", False),
-        ttft_slo_s=a.ttft_slo,
-        itl_slo_s=a.itl_slo,
-    )
+    sim = FleetSim(model.profile, initial=initial, **_fleet_options(a, local=local))
     return sim.run(reqs, policy)
 
 
@@ -288,12 +287,10 @@ def matched_dynamo(reqs: list[SimRequest], a: argparse.Namespace, goal: float) -
 
 def smallest_static(reqs: list[SimRequest], a: argparse.Namespace, goal: float = 0.95) -> tuple[int, int]:
     """The fewest fixed (prefill, decode) workers that attain `goal` on this run, found with hindsight:
-    binary search of the prefill count at a generous decode count, then of the decode count."""
+    binary search of the prefill count at a generous decode count, then of the decode count. With
+    decode-local prefill on, searched both with it and without it (an operator can switch it off), and
+    the fewer workers kept: the mode never makes the baseline worse than the pure split."""
     model = ProfileModel(load_profile(PROFILE))
-
-    def attains(p: int, d: int) -> float:
-        sim = FleetSim(model.profile, initial=(p, d), startup_s=a.startup_s, interval_s=a.interval_s)
-        return sim.run(reqs, lambda obs, now: (p, d)).attainment(a.ttft_slo, a.itl_slo)
 
     def search(lo: int, hi: int, ok) -> int:
         while lo < hi:
@@ -301,11 +298,33 @@ def smallest_static(reqs: list[SimRequest], a: argparse.Namespace, goal: float =
             lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
         return lo
 
-    cap = a.max_workers
-    d_hi = min(cap // 2, cap - 1)
-    p = search(1, cap - d_hi, lambda n: attains(n, d_hi) >= goal)
-    d = search(1, cap - p, lambda n: attains(p, n) >= goal)
-    return p, d
+    def smallest(local: bool) -> tuple[int, int]:
+        def attains(p: int, d: int) -> float:
+            sim = FleetSim(model.profile, initial=(p, d), **_fleet_options(a, local=local))
+            return sim.run(reqs, lambda obs, now: (p, d)).attainment(a.ttft_slo, a.itl_slo)
+
+        cap = a.max_workers
+        d_hi = min(cap // 2, cap - 1)
+        p = search(1, cap - d_hi, lambda n: attains(n, d_hi) >= goal)
+        d = search(1, cap - p, lambda n: attains(p, n) >= goal)
+        return p, d
+
+    found = [smallest(False)]
+    if a.local_prefill:
+        found.append(smallest(True))
+    return min(found, key=lambda pd: (pd[0] + pd[1], found.index(pd)))
+
+
+def _fleet_options(a: argparse.Namespace, *, local: bool | None = None) -> dict:
+    """The fleet's mechanisms, the same for every policy: decode-local prefill and migration on drain."""
+    return {
+        "startup_s": a.startup_s,
+        "interval_s": a.interval_s,
+        "local_prefill": a.local_prefill if local is None else local,
+        "migrate_on_drain": a.migrate_on_drain,
+        "ttft_slo_s": a.ttft_slo,
+        "itl_slo_s": a.itl_slo,
+    }
 
 
 # ---- the measured capacity table and the stationary bound -------------------------------
@@ -568,6 +587,15 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
             )
             row("dynamo_matched", results["dynamo_matched"], time.perf_counter() - t0)
             print(f"{'':>15} (dynamo_matched = the formula with its throughputs x {util:.2f}, searched)")
+    if a.local_prefill:  # the other way: the planner in a fleet whose decode workers never prefill
+        t0 = time.perf_counter()
+        results["planner_split"] = run_policy("planner_split", reqs, a, learned, local=False)
+        row("planner_split", results["planner_split"], time.perf_counter() - t0)
+        local = results["planner"].local_prefills / max(len(reqs), 1)
+        print(
+            f"{'':>15} (planner_split = the planner with no decode-local prefill; the planner's fleet "
+            f"prefilled {local:.1%} of the prompts on decode workers)"
+        )
     print(f"plot: {plot(kind, results)}")
     brk = breakdown(results["planner"], learned["planner"], reqs, a)
     peak_ws = results["static_peak"].worker_s
@@ -613,6 +641,11 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
         )
         extra["attainment_first_burst_reactive"] = f"{fb.attainment(a.ttft_slo, a.itl_slo):.3f}"
     pf = results["planner_formulas"]
+    if "planner_split" in results:
+        ps = results["planner_split"]
+        extra["attainment_planner_split"] = f"{ps.attainment(a.ttft_slo, a.itl_slo):.3f}"
+        extra["worker_s_vs_peak_planner_split"] = f"{ps.worker_s / peak.worker_s:.2f}"
+        extra["local_prefill_share_of_prompts"] = f"{p.local_prefills / max(len(reqs), 1):.3f}"
     return {
         "attainment": f"{p.attainment(a.ttft_slo, a.itl_slo):.3f}",
         "worker_s_vs_peak": f"{p.worker_s / peak.worker_s:.2f}",
@@ -658,6 +691,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--table-goal", type=float, default=0.95, help="per-role SLO share the capacity table is for"
     )
+    ap.add_argument(
+        "--no-local-prefill",
+        dest="local_prefill",
+        action="store_false",
+        help="decode workers never prefill (pure disaggregation) in every policy's fleet",
+    )
+    ap.add_argument(
+        "--no-migrate",
+        dest="migrate_on_drain",
+        action="store_false",
+        help="a draining decode worker finishes its sequences instead of migrating them",
+    )
     a = ap.parse_args(argv)
     a.day_s = a.day_s or (1200.0 if a.quick else FULL_DAY_S)
     # The day is compressed; so are the control loop's time constants, by the same factor. What
@@ -670,7 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_model()} x{os.cpu_count()} (a simulation: the CPU sets only how long it takes)")
     print(
         f"profile {PROFILE}; SLO TTFT <= {a.ttft_slo} s and mean ITL <= {a.itl_slo * 1000:.0f} ms; "
-        f"start-up {a.startup_s:.0f} s; interval {a.interval_s:.0f} s; budget {a.max_workers} workers"
+        f"start-up {a.startup_s:.0f} s; interval {a.interval_s:.0f} s; budget {a.max_workers} workers; "
+        f"every policy's fleet: decode-local prefill {'on' if a.local_prefill else 'off'}, "
+        f"migration on drain {'on' if a.migrate_on_drain else 'off'}"
     )
     table, where = capacity_table(a)
     a.capacity = table

@@ -113,6 +113,12 @@ class PlannerConfig:
         0.98,
         "planner: with a capacity table, size so the forecast demand is at most this share of the measured capacity",
     )
+    down_margin: float = setting(
+        0.0,
+        "planner: with a capacity table, a pool shrinks only to a size whose capacity x this covers the "
+        "forecast demand (a band below table_margin: the load must fall clearly below the smaller pool's "
+        "capacity, not just dip under the larger one's; 0 = table_margin both ways)",
+    )
     falling_down_after: int = setting(
         0,
         "planner: while the rate forecast falls (its value a start-up ahead at least falling_ratio below "
@@ -157,6 +163,7 @@ class PlannerConfig:
         require(self.error_window >= 0, "error_window must be >= 0")
         require(0 < self.table_margin <= 1, "table_margin must be in (0, 1]")
         require(0 <= self.table_margin_decode <= 1, "table_margin_decode must be in [0, 1]")
+        require(0 <= self.down_margin <= 1, "down_margin must be in [0, 1]")
         require(self.falling_down_after >= 0, "falling_down_after must be >= 0")
         require(0 < self.falling_ratio < 1, "falling_ratio must be in (0, 1)")
         require(self.local_prefill_share >= 0, "local_prefill_share must be >= 0")
@@ -309,6 +316,22 @@ class Planner:
         if self.capacity is not None:
             sizing = self._table_sizing(prefill_load, decode_load, budget, sizing)
         want_p, want_d = (0, sizing.decode) if decode_only else (sizing.prefill, sizing.decode)
+        if self.capacity is not None and self.config.down_margin > 0:
+            # the band: shrinking needs the demand under down_margin of the smaller pool's capacity
+            m = self.config.table_margin
+            if want_p < obs.prefill_workers and not decode_only:
+                band = self.capacity.workers(
+                    "prefill",
+                    sizing.inputs["table_prefill_demand"] * m / self.config.down_margin
+                    - sizing.inputs["table_prefill_absorbed"],
+                )
+                want_p = min(obs.prefill_workers, max(want_p, band))
+            if want_d < obs.decode_workers:
+                md = self.config.table_margin_decode or m
+                band = self.capacity.workers(
+                    "decode", sizing.inputs["table_decode_demand"] * md / self.config.down_margin
+                )
+                want_d = min(obs.decode_workers, max(want_d, band))
         reasons = [sizing.reason]
         if (
             "budget" in sizing.reason

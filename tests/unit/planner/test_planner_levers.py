@@ -117,3 +117,26 @@ def test_the_capacity_of_a_pool_size_and_beyond_the_table():
     assert TABLE.capacity("decode", 2) == 3400
     assert TABLE.capacity("decode", 0) == 0
     assert TABLE.capacity("prefill", 10) == pytest.approx(60000 / 8 * 10)
+
+
+def test_the_down_band_holds_a_pool_whose_smaller_size_would_run_at_its_edge():
+    """19.5/s x 1000 = 19,500 prefill tokens/s fits 3 workers (20,000) at table_margin 1.0: with 4
+    running, the plain rule shrinks to 3 (at 97.5% of its capacity); with down_margin 0.9 the band asks
+    19,500 / 0.9 = 21,667 of the smaller pool, so 4 stay. At 15/s (15,000 / 0.9 = 16,667) it shrinks."""
+    quick = HysteresisConfig(up_cooldown_s=0, down_cooldown_s=0, down_after=1, max_step_down=8)
+
+    def cfg(**kw):
+        return PlannerConfig(
+            interval_s=10, startup_s=0, max_workers=24, table_margin=1.0, hysteresis=quick, **kw
+        )
+
+    edge = _obs(195, 4, 3, osl=100.0)  # decode: 1,950 tokens/s -> 2 workers, the band too (3,400 x 0.9)
+    plain = Planner(cfg(), H100, capacity=TABLE).tick(edge, now=0)
+    banded = Planner(cfg(down_margin=0.9), H100, capacity=TABLE).tick(edge, now=0)
+    assert (plain.prefill, banded.prefill) == (3, 4)
+    assert banded.decode == 2  # decode's demand is clearly under the smaller pool's capacity
+    fallen = Planner(cfg(down_margin=0.9), H100, capacity=TABLE).tick(_obs(150, 4, 3, osl=100.0), now=0)
+    assert fallen.prefill == 3
+    # the band never scales up: a pool below its wish is sized by table_margin alone
+    up = Planner(cfg(down_margin=0.9), H100, capacity=TABLE).tick(_obs(195, 2, 2, osl=100.0), now=0)
+    assert up.prefill == 3
