@@ -20,10 +20,17 @@ process whose rate follows one of two shapes:
   synthesised and said so.)
 - `bursty`: a base rate with bursts of 5x for 30 s every 300 s.
 
+Every policy runs on the same fleet mechanisms: a draining decode worker migrates its sequences to
+the others (`--no-migrate`: it finishes them), and with `--local-prefill` decode workers prefill
+locally by services/decode/disagg_policy.py's time rule (conditional disaggregation; off by default:
+it collapsed decode on the full day, BENCHMARKS.md); with it the static peak is searched both with
+and without the mode (the fewer workers kept) and a `planner_split` row runs the planner without it.
+
 Policies, each on the same arrivals:
 - `planner`: services/planner (Holt forecast over the start-up horizon, both
   pools sized from a measured capacity table, lengths fast-up, measured-SLO
-  correction, hysteresis); the table (services/planner/capacity_table.py) is
+  correction, hysteresis with a down band and a shorter streak while the forecast
+  falls); the table (services/planner/capacity_table.py) is
   each role's highest stationary load per pool size with `--table-goal` of the
   requests within its SLO, measured here on the fleet simulation (bisection,
   `--table-s` runs, lengths drawn at random from the trace, the other role
@@ -51,6 +58,9 @@ Policies, each on the same arrivals:
 - `first_burst` (bursty only, a reference): the run's first pools until the
   first interval that shows a burst, then the whole budget: the most a policy
   that sizes for the load it has seen can attain there.
+
+After the diurnal table: where the planner's worker-seconds go (`breakdown`), stage by stage from
+the fractional stationary pools to the run's worker-seconds, per role, from its decision log.
 
 Reported per policy: worker-seconds, SLO attainment (TTFT <= --ttft-slo and
 mean ITL <= --itl-slo), worker-seconds per successful request (the cost per
@@ -186,8 +196,9 @@ def run_policy(
         startup_s=a.startup_s,
         **{
             "hysteresis": HysteresisConfig(up_cooldown_s=iv, down_cooldown_s=2 * iv, down_after=3),
-            # a fleet whose decode workers never prefill absorbs nothing: the planner knows its fleet
-            **({} if (a.local_prefill if local is None else local) else {"local_prefill_share": 0.0}),
+            # the planner knows its fleet: decode workers that prefill locally absorb a share of the
+            # prefill demand (--local-share); a fleet whose decode workers never prefill, none
+            "local_prefill_share": a.local_share if (a.local_prefill if local is None else local) else 0.0,
             **planner_kw,
         },
     )
@@ -692,10 +703,16 @@ def main(argv: list[str] | None = None) -> int:
         "--table-goal", type=float, default=0.95, help="per-role SLO share the capacity table is for"
     )
     ap.add_argument(
-        "--no-local-prefill",
-        dest="local_prefill",
-        action="store_false",
-        help="decode workers never prefill (pure disaggregation) in every policy's fleet",
+        "--local-prefill",
+        action="store_true",
+        help="decode workers prefill locally by disagg_policy's time rule (conditional disaggregation) in "
+        "every policy's fleet; off: pure disaggregation (it collapsed decode on the full day: BENCHMARKS.md)",
+    )
+    ap.add_argument(
+        "--local-share",
+        type=float,
+        default=0.5,
+        help="with --local-prefill, the planner's local_prefill_share (prefill sized below the table)",
     )
     ap.add_argument(
         "--no-migrate",

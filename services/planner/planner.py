@@ -114,13 +114,13 @@ class PlannerConfig:
         "planner: with a capacity table, size so the forecast demand is at most this share of the measured capacity",
     )
     down_margin: float = setting(
-        0.0,
+        0.9,
         "planner: with a capacity table, a pool shrinks only to a size whose capacity x this covers the "
         "forecast demand (a band below table_margin: the load must fall clearly below the smaller pool's "
         "capacity, not just dip under the larger one's; 0 = table_margin both ways)",
     )
     falling_down_after: int = setting(
-        0,
+        1,
         "planner: while the rate forecast falls (its value a start-up ahead at least falling_ratio below "
         "its level), a scale-down needs only this many intervals wanting it (0 = the hysteresis' down_after "
         "always): the streak filters noise on a flat or rising load, and on a steady fall it only delays",

@@ -47,6 +47,8 @@ def _run(planner, rates, start=(8, 8), osl=200.0):
 
 
 def _cfg(**kw):
+    """The levers off unless a test turns one on (their defaults are on: each test isolates one)."""
+    kw = {"down_margin": 0.0, "falling_down_after": 0, **kw}
     return PlannerConfig(
         interval_s=10, startup_s=20, max_workers=24, table_margin=1.0, hysteresis=STREAK, **kw
     )
@@ -126,6 +128,7 @@ def test_the_down_band_holds_a_pool_whose_smaller_size_would_run_at_its_edge():
     quick = HysteresisConfig(up_cooldown_s=0, down_cooldown_s=0, down_after=1, max_step_down=8)
 
     def cfg(**kw):
+        kw = {"down_margin": 0.0, "falling_down_after": 0, **kw}
         return PlannerConfig(
             interval_s=10, startup_s=0, max_workers=24, table_margin=1.0, hysteresis=quick, **kw
         )
