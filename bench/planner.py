@@ -463,7 +463,7 @@ BREAKDOWN = (
     ("lengths", "x the lengths the planner sized for instead"),
     ("forecast", "x its forecast rate instead of the true one"),
     ("margin", "/ the table margin (and less what decode-local prefill absorbs)"),
-    ("corrected", "+ the measured-SLO corrections (a role over its SLO gets one more)"),
+    ("corrected", "+ the down band and the measured-SLO corrections (a role over its SLO gets one more)"),
     ("hysteresis", "the decision applied: cooldowns and the scale-down streak"),
     ("pools", "the pools the run had (starting and active workers)"),
     ("total", "+ draining workers (told to stop, finishing their work): the run's worker-seconds"),
@@ -532,7 +532,7 @@ def breakdown(r: SimResult, planner: Planner, reqs: list[SimRequest], a: argpars
 POLICIES = ("planner", "planner_formulas", "dynamo_formula", "static_peak", "static_mean", "oracle")
 
 
-def plot(kind: str, results: dict[str, SimResult]) -> Path:
+def plot(kind: str, results: dict[str, SimResult], tag: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -553,7 +553,7 @@ def plot(kind: str, results: dict[str, SimResult]) -> Path:
     fig.suptitle(f"planner study, {kind}: replicas per role against load ({PROFILE})")
     fig.tight_layout()
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"planner_{kind}.png"
+    path = RESULTS / f"planner_{kind}{tag}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -607,7 +607,7 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
             f"{'':>15} (planner_split = the planner with no decode-local prefill; the planner's fleet "
             f"prefilled {local:.1%} of the prompts on decode workers)"
         )
-    print(f"plot: {plot(kind, results)}")
+    print(f"plot: {plot(kind, results, a.plot_tag)}")
     brk = breakdown(results["planner"], learned["planner"], reqs, a)
     peak_ws = results["static_peak"].worker_s
     print(
@@ -736,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         f"every policy's fleet: decode-local prefill {'on' if a.local_prefill else 'off'}, "
         f"migration on drain {'on' if a.migrate_on_drain else 'off'}"
     )
+    # the quick default run's plots are planner_<kind>.png; other runs' get a tag, not to overwrite them
+    a.plot_tag = ("" if a.quick else f"_day{a.day_s:.0f}") + ("_local" if a.local_prefill else "")
     table, where = capacity_table(a)
     a.capacity = table
     print(f"capacity table (per role, pool size 1..n; tokens/s within the SLO for {table.goal:.0%}): {where}")

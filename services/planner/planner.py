@@ -368,9 +368,8 @@ class Planner:
             want_d = min(want_d, self.config.max_decode)
         want_p = min(want_p, room - self.budget.min_decode)
         want_d = min(want_d, room - want_p)
-        sizing.inputs.update(
-            corrected_prefill=float(want_p), corrected_decode=float(want_d)
-        )  # pre-hysteresis
+        # the wishes before hysteresis, for the decision log (bench/planner.py's breakdown reads them)
+        sizing.inputs.update(corrected_prefill=float(want_p), corrected_decode=float(want_d))
         fast = self.config.falling_down_after if self._falling(lead) else 0
         p = self.hysteresis.apply("prefill", obs.prefill_workers, want_p, now, down_after=fast)
         d = self.hysteresis.apply("decode", obs.decode_workers, want_d, now, down_after=fast)
