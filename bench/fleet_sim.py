@@ -20,7 +20,14 @@ the queues, routing and lifecycle are modeled here:
 - a worker started at t is ready at t + startup_s; a worker told to stop drains
   (takes nothing new, finishes what it has) and stops when empty, so scaling
   never fails a request in this model (the real drain is tested end to end);
-  worker-seconds count from start to stop.
+  worker-seconds count from start to stop. With `migrate_on_drain` a draining
+  decode worker hands its sequences (tokens left, context) to the active ones
+  after their KV's transfer, as the router's token-exact migration does;
+- with `local_prefill` (conditional disaggregation) a new prompt goes first to the
+  decode worker with the fewest sequences, which prefills it itself when
+  services/decode/disagg_policy.py's time rule says so (`_prefill_here`, on the
+  profile's times); its decodes stall for that pass (no overlap, as the sim
+  engine's pass = prefill + decode).
 
 Every `interval_s` the simulation hands the policy an `Observation` of the last
 interval and applies the (prefill, decode) counts it returns.
