@@ -20,10 +20,17 @@ process whose rate follows one of two shapes:
   synthesised and said so.)
 - `bursty`: a base rate with bursts of 5x for 30 s every 300 s.
 
+Every policy runs on the same fleet mechanisms: a draining decode worker migrates its sequences to
+the others (`--no-migrate`: it finishes them), and with `--local-prefill` decode workers prefill
+locally by services/decode/disagg_policy.py's time rule (conditional disaggregation; off by default:
+it collapsed decode on the full day, BENCHMARKS.md); with it the static peak is searched both with
+and without the mode (the fewer workers kept) and a `planner_split` row runs the planner without it.
+
 Policies, each on the same arrivals:
 - `planner`: services/planner (Holt forecast over the start-up horizon, both
   pools sized from a measured capacity table, lengths fast-up, measured-SLO
-  correction, hysteresis); the table (services/planner/capacity_table.py) is
+  correction, hysteresis with a down band and a shorter streak while the forecast
+  falls); the table (services/planner/capacity_table.py) is
   each role's highest stationary load per pool size with `--table-goal` of the
   requests within its SLO, measured here on the fleet simulation (bisection,
   `--table-s` runs, lengths drawn at random from the trace, the other role
@@ -51,6 +58,9 @@ Policies, each on the same arrivals:
 - `first_burst` (bursty only, a reference): the run's first pools until the
   first interval that shows a burst, then the whole budget: the most a policy
   that sizes for the load it has seen can attain there.
+
+After the diurnal table: where the planner's worker-seconds go (`breakdown`), stage by stage from
+the fractional stationary pools to the run's worker-seconds, per role, from its decision log.
 
 Reported per policy: worker-seconds, SLO attainment (TTFT <= --ttft-slo and
 mean ITL <= --itl-slo), worker-seconds per successful request (the cost per
@@ -161,10 +171,16 @@ def peak_rate(reqs: list[SimRequest], window_s: float = 60.0) -> float:
 
 
 def run_policy(
-    name: str, reqs: list[SimRequest], a: argparse.Namespace, learned: dict, **planner_kw
+    name: str,
+    reqs: list[SimRequest],
+    a: argparse.Namespace,
+    learned: dict,
+    local: bool | None = None,
+    **planner_kw,
 ) -> SimResult:
     """Run one policy on `reqs`. `planner_kw` overrides PlannerConfig fields (the planner only);
-    `dynamo_util` (in `learned`) scales the Dynamo formula's throughput assumption."""
+    `dynamo_util` (in `learned`) scales the Dynamo formula's throughput assumption; `local` overrides
+    the fleet's decode-local prefill (`--no-local-prefill`) for this run."""
     iv = a.interval_s
     model = ProfileModel(load_profile(PROFILE))
     slo = Slo(a.ttft_slo, a.itl_slo)
@@ -180,6 +196,9 @@ def run_policy(
         startup_s=a.startup_s,
         **{
             "hysteresis": HysteresisConfig(up_cooldown_s=iv, down_cooldown_s=2 * iv, down_after=3),
+            # the planner knows its fleet: decode workers that prefill locally absorb a share of the
+            # prefill demand (--local-share); a fleet whose decode workers never prefill, none
+            "local_prefill_share": a.local_share if (a.local_prefill if local is None else local) else 0.0,
             **planner_kw,
         },
     )
@@ -189,11 +208,12 @@ def run_policy(
         s = size_pools(Load(rate, isl, osl), model, target, budget)
         return s.prefill, s.decode
 
-    if name in ("planner", "planner_formulas"):
+    if name in ("planner", "planner_formulas", "planner_split"):
         # planner: sized from the measured capacity table; planner_formulas: the same loop sized
         # from the queueing formulas alone (no table), the planner as it was before the table
-        planner = Planner(cfg, model, capacity=learned.get("capacity") if name == "planner" else None)
-        learned["planner"] = planner
+        table = learned.get("capacity") if name != "planner_formulas" else None
+        planner = Planner(cfg, model, capacity=table)
+        learned[name] = planner
 
         def policy(obs: Observation, now: float) -> tuple[int, int]:
             d = planner.tick(obs, now)
@@ -255,7 +275,7 @@ def run_policy(
         initial = fixed
     else:
         raise ValueError(name)
-    sim = FleetSim(model.profile, initial=initial, startup_s=a.startup_s, interval_s=iv)
+    sim = FleetSim(model.profile, initial=initial, **_fleet_options(a, local=local))
     return sim.run(reqs, policy)
 
 
@@ -278,12 +298,10 @@ def matched_dynamo(reqs: list[SimRequest], a: argparse.Namespace, goal: float) -
 
 def smallest_static(reqs: list[SimRequest], a: argparse.Namespace, goal: float = 0.95) -> tuple[int, int]:
     """The fewest fixed (prefill, decode) workers that attain `goal` on this run, found with hindsight:
-    binary search of the prefill count at a generous decode count, then of the decode count."""
+    binary search of the prefill count at a generous decode count, then of the decode count. With
+    decode-local prefill on, searched both with it and without it (an operator can switch it off), and
+    the fewer workers kept: the mode never makes the baseline worse than the pure split."""
     model = ProfileModel(load_profile(PROFILE))
-
-    def attains(p: int, d: int) -> float:
-        sim = FleetSim(model.profile, initial=(p, d), startup_s=a.startup_s, interval_s=a.interval_s)
-        return sim.run(reqs, lambda obs, now: (p, d)).attainment(a.ttft_slo, a.itl_slo)
 
     def search(lo: int, hi: int, ok) -> int:
         while lo < hi:
@@ -291,11 +309,33 @@ def smallest_static(reqs: list[SimRequest], a: argparse.Namespace, goal: float =
             lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
         return lo
 
-    cap = a.max_workers
-    d_hi = min(cap // 2, cap - 1)
-    p = search(1, cap - d_hi, lambda n: attains(n, d_hi) >= goal)
-    d = search(1, cap - p, lambda n: attains(p, n) >= goal)
-    return p, d
+    def smallest(local: bool) -> tuple[int, int]:
+        def attains(p: int, d: int) -> float:
+            sim = FleetSim(model.profile, initial=(p, d), **_fleet_options(a, local=local))
+            return sim.run(reqs, lambda obs, now: (p, d)).attainment(a.ttft_slo, a.itl_slo)
+
+        cap = a.max_workers
+        d_hi = min(cap // 2, cap - 1)
+        p = search(1, cap - d_hi, lambda n: attains(n, d_hi) >= goal)
+        d = search(1, cap - p, lambda n: attains(p, n) >= goal)
+        return p, d
+
+    found = [smallest(False)]
+    if a.local_prefill:
+        found.append(smallest(True))
+    return min(found, key=lambda pd: (pd[0] + pd[1], found.index(pd)))
+
+
+def _fleet_options(a: argparse.Namespace, *, local: bool | None = None) -> dict:
+    """The fleet's mechanisms, the same for every policy: decode-local prefill and migration on drain."""
+    return {
+        "startup_s": a.startup_s,
+        "interval_s": a.interval_s,
+        "local_prefill": a.local_prefill if local is None else local,
+        "migrate_on_drain": a.migrate_on_drain,
+        "ttft_slo_s": a.ttft_slo,
+        "itl_slo_s": a.itl_slo,
+    }
 
 
 # ---- the measured capacity table and the stationary bound -------------------------------
@@ -404,10 +444,95 @@ def stationary_bound(
     return ws
 
 
+def _frac_workers(table: CapacityTable, role: str, demand: float) -> float:
+    """The table's pool for `demand` as a fractional worker count (linear between measured sizes)."""
+    caps = getattr(table, role)
+    prev = 0.0
+    for c, cap in enumerate(caps, start=1):
+        if cap >= demand:
+            return c - 1 + (demand - prev) / (cap - prev)
+        prev = cap
+    return len(caps) + (demand - caps[-1]) / (caps[-1] / len(caps))
+
+
+BREAKDOWN = (
+    ("fractional", "the table's pools at the true rate, as fractions of a worker (no rounding, no lead)"),
+    ("integer", "the same, whole workers"),
+    ("bound", "+ the lead: for the busiest true rate over an interval + a start-up (the stationary bound)"),
+    ("true_lengths", "per decision, the true rate over the lead x the true mean lengths of its arrivals"),
+    ("lengths", "x the lengths the planner sized for instead"),
+    ("forecast", "x its forecast rate instead of the true one"),
+    ("margin", "/ the table margin (and less what decode-local prefill absorbs)"),
+    ("corrected", "+ the down band and the measured-SLO corrections (a role over its SLO gets one more)"),
+    ("hysteresis", "the decision applied: cooldowns and the scale-down streak"),
+    ("pools", "the pools the run had (starting and active workers)"),
+    ("total", "+ draining workers (told to stop, finishing their work): the run's worker-seconds"),
+)
+
+
+def breakdown(r: SimResult, planner: Planner, reqs: list[SimRequest], a: argparse.Namespace) -> dict:
+    """Where the planner's worker-seconds go, per role, from its own decision log and the run's workers:
+    each stage of BREAKDOWN as worker-seconds (seconds x workers), from the bound to what the run used."""
+    table: CapacityTable = a.capacity
+    decs = list(planner.decisions)
+    lead, day = a.interval_s + a.startup_s, a.day_s
+    end = max(w.stopped_s or 0.0 for w in r.workers)
+    n = math.ceil(end)
+    secs = np.arange(n, dtype=float)
+    rate_at = rate_function(a.kind, day, a.peak_rate)
+    rates = np.array([rate_at(t + 0.5) if t < day else 0.0 for t in secs])
+    k = round(lead)
+    ahead = np.array([rates[i : i + k + 1].max() for i in range(n)])
+    arrivals = np.array([q.arrival_s for q in reqs])
+
+    def stages_of(role: str, key: str) -> dict[str, float]:
+        lengths = np.array([getattr(q, key) for q in reqs], dtype=float)
+        mean = float(lengths.mean())
+
+        def held(f) -> float:
+            v = np.zeros(n)
+            for i, d in enumerate(decs):
+                t1 = decs[i + 1].at_s if i + 1 < len(decs) else end
+                v[int(d.at_s) : int(min(t1, end))] = f(d)
+            v[: int(decs[0].at_s)] = f(decs[0])  # the initial pools: as the first decision's
+            return float(v.sum())
+
+        def true_len(t: float) -> float:
+            i0, i1 = np.searchsorted(arrivals, t), np.searchsorted(arrivals, t + lead)
+            return float(lengths[i0:i1].mean()) if i1 > i0 else mean
+
+        def table_pool(rate: float, length: float) -> int:
+            return max(table.workers(role, rate * length), 1)
+
+        stages = {
+            "fractional": float(sum(_frac_workers(table, role, x * mean) for x in rates[secs < day])),
+            "integer": float(sum(max(table.workers(role, x * mean), 1) for x in rates[secs < day])),
+            "bound": float(sum(max(table.workers(role, x * mean), 1) for x in ahead[secs < day])),
+            "true_lengths": held(lambda d: table_pool(float(ahead[int(d.at_s)]), true_len(d.at_s))),
+            "lengths": held(lambda d: table_pool(float(ahead[int(d.at_s)]), getattr(d.forecast, key))),
+            "forecast": held(lambda d: table_pool(d.forecast.rate, getattr(d.forecast, key))),
+            "margin": held(lambda d: getattr(d.sizing, role)),
+            "corrected": held(lambda d: d.sizing.inputs.get(f"corrected_{role}", getattr(d.sizing, role))),
+            "hysteresis": held(lambda d: getattr(d, role)),
+        }
+        pools = drains = 0.0
+        for w in r.workers:
+            if w.role != role:
+                continue
+            start, stop = max(w.started_s, 0.0), w.stopped_s or end
+            told = w.drain_s if w.drain_s is not None else stop
+            pools += told - start
+            drains += stop - told
+        stages.update(pools=pools, total=pools + drains)
+        return stages
+
+    return {"prefill": stages_of("prefill", "isl"), "decode": stages_of("decode", "osl")}
+
+
 POLICIES = ("planner", "planner_formulas", "dynamo_formula", "static_peak", "static_mean", "oracle")
 
 
-def plot(kind: str, results: dict[str, SimResult]) -> Path:
+def plot(kind: str, results: dict[str, SimResult], tag: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -428,7 +553,7 @@ def plot(kind: str, results: dict[str, SimResult]) -> Path:
     fig.suptitle(f"planner study, {kind}: replicas per role against load ({PROFILE})")
     fig.tight_layout()
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"planner_{kind}.png"
+    path = RESULTS / f"planner_{kind}{tag}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -473,7 +598,25 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
             )
             row("dynamo_matched", results["dynamo_matched"], time.perf_counter() - t0)
             print(f"{'':>15} (dynamo_matched = the formula with its throughputs x {util:.2f}, searched)")
-    print(f"plot: {plot(kind, results)}")
+    if a.local_prefill:  # the other way: the planner in a fleet whose decode workers never prefill
+        t0 = time.perf_counter()
+        results["planner_split"] = run_policy("planner_split", reqs, a, learned, local=False)
+        row("planner_split", results["planner_split"], time.perf_counter() - t0)
+        local = results["planner"].local_prefills / max(len(reqs), 1)
+        print(
+            f"{'':>15} (planner_split = the planner with no decode-local prefill; the planner's fleet "
+            f"prefilled {local:.1%} of the prompts on decode workers)"
+        )
+    print(f"plot: {plot(kind, results, a.plot_tag)}")
+    brk = breakdown(results["planner"], learned["planner"], reqs, a)
+    peak_ws = results["static_peak"].worker_s
+    print(
+        "where the planner's worker-seconds go (x static peak's), stage by stage from the bound to the run:"
+    )
+    print(f"{'':>13} {'prefill':>8} {'decode':>8} {'both':>8}  ")
+    for stage, what in BREAKDOWN:
+        p_, d_ = brk["prefill"][stage] / peak_ws, brk["decode"][stage] / peak_ws
+        print(f"{stage:>13} {p_:8.3f} {d_:8.3f} {p_ + d_:8.3f}  {what}")
     p, dyn, raw, peak, oracle = (
         results["planner"],
         results["dynamo_matched"],
@@ -509,6 +652,11 @@ def study(kind: str, a: argparse.Namespace) -> dict[str, str]:
         )
         extra["attainment_first_burst_reactive"] = f"{fb.attainment(a.ttft_slo, a.itl_slo):.3f}"
     pf = results["planner_formulas"]
+    if "planner_split" in results:
+        ps = results["planner_split"]
+        extra["attainment_planner_split"] = f"{ps.attainment(a.ttft_slo, a.itl_slo):.3f}"
+        extra["worker_s_vs_peak_planner_split"] = f"{ps.worker_s / peak.worker_s:.2f}"
+        extra["local_prefill_share_of_prompts"] = f"{p.local_prefills / max(len(reqs), 1):.3f}"
     return {
         "attainment": f"{p.attainment(a.ttft_slo, a.itl_slo):.3f}",
         "worker_s_vs_peak": f"{p.worker_s / peak.worker_s:.2f}",
@@ -554,6 +702,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--table-goal", type=float, default=0.95, help="per-role SLO share the capacity table is for"
     )
+    ap.add_argument(
+        "--local-prefill",
+        action="store_true",
+        help="decode workers prefill locally by disagg_policy's time rule (conditional disaggregation) in "
+        "every policy's fleet; off: pure disaggregation (it collapsed decode on the full day: BENCHMARKS.md)",
+    )
+    ap.add_argument(
+        "--local-share",
+        type=float,
+        default=0.5,
+        help="with --local-prefill, the planner's local_prefill_share (prefill sized below the table)",
+    )
+    ap.add_argument(
+        "--no-migrate",
+        dest="migrate_on_drain",
+        action="store_false",
+        help="a draining decode worker finishes its sequences instead of migrating them",
+    )
     a = ap.parse_args(argv)
     a.day_s = a.day_s or (1200.0 if a.quick else FULL_DAY_S)
     # The day is compressed; so are the control loop's time constants, by the same factor. What
@@ -566,8 +732,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_model()} x{os.cpu_count()} (a simulation: the CPU sets only how long it takes)")
     print(
         f"profile {PROFILE}; SLO TTFT <= {a.ttft_slo} s and mean ITL <= {a.itl_slo * 1000:.0f} ms; "
-        f"start-up {a.startup_s:.0f} s; interval {a.interval_s:.0f} s; budget {a.max_workers} workers"
+        f"start-up {a.startup_s:.0f} s; interval {a.interval_s:.0f} s; budget {a.max_workers} workers; "
+        f"every policy's fleet: decode-local prefill {'on' if a.local_prefill else 'off'}, "
+        f"migration on drain {'on' if a.migrate_on_drain else 'off'}"
     )
+    # the quick default run's plots are planner_<kind>.png; other runs' get a tag, not to overwrite them
+    a.plot_tag = ("" if a.quick else f"_day{a.day_s:.0f}") + ("_local" if a.local_prefill else "")
     table, where = capacity_table(a)
     a.capacity = table
     print(f"capacity table (per role, pool size 1..n; tokens/s within the SLO for {table.goal:.0%}): {where}")

@@ -68,6 +68,15 @@ class CapacityTable:
         per_worker = caps[-1] / len(caps)
         return max(len(caps) + 1, math.ceil(demand / per_worker - 1e-9))
 
+    def capacity(self, role: str, workers: int) -> float:
+        """The demand `workers` of `role` carry (beyond the table: at its largest pool's per-worker rate)."""
+        caps = getattr(self, role)
+        if workers <= 0:
+            return 0.0
+        if workers <= len(caps):
+            return caps[workers - 1]
+        return caps[-1] / len(caps) * workers
+
     def to_doc(self) -> dict:
         return {
             "source": self.source,

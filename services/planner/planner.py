@@ -54,6 +54,7 @@ from services.planner.sizing import (
 from services.planner.split_table import Split, SplitTable
 
 QUEUE_MODELS = ("pooled", "single")
+LENGTH_RULES = ("fast_up", "long_run", "recent")
 DECODE_MARGINS = ("quantile", "headroom")
 
 
@@ -89,6 +90,19 @@ class PlannerConfig:
         60,
         "planner: intervals of the long-run mean ISL/OSL (lengths are sized for the longer of it and the recent mean)",
     )
+    length_last: bool = setting(
+        True,
+        "planner: lengths are also sized for at least the last interval's mean (a jump is sized for at once)",
+    )
+    recent_window: int = setting(6, "planner: intervals of the recent mean ISL/OSL and prefix hit rate")
+    isl_rule: str = setting(
+        "fast_up",
+        f"planner: the prompt length prefill is sized for, one of {LENGTH_RULES}: the longest of the recent "
+        "mean, the long-run mean (and the last interval's, with length_last), or the long-run mean alone",
+    )
+    osl_rule: str = setting(
+        "fast_up", f"planner: the output length decode is sized for, one of {LENGTH_RULES}"
+    )
     error_quantile: float = setting(0.5, "planner: the quantile of the forecast-error window sized for")
     capacity_table: str = setting(
         "",
@@ -98,6 +112,30 @@ class PlannerConfig:
     table_margin: float = setting(
         0.98,
         "planner: with a capacity table, size so the forecast demand is at most this share of the measured capacity",
+    )
+    down_margin: float = setting(
+        0.9,
+        "planner: with a capacity table, a pool shrinks only to a size whose capacity x this covers the "
+        "forecast demand (a band below table_margin: the load must fall clearly below the smaller pool's "
+        "capacity, not just dip under the larger one's; 0 = table_margin both ways)",
+    )
+    falling_down_after: int = setting(
+        1,
+        "planner: while the rate forecast falls (its value a start-up ahead at least falling_ratio below "
+        "its level), a scale-down needs only this many intervals wanting it (0 = the hysteresis' down_after "
+        "always): the streak filters noise on a flat or rising load, and on a steady fall it only delays",
+    )
+    falling_ratio: float = setting(
+        0.05, "planner: how far below its level the forecast is to count as falling"
+    )
+    local_prefill_share: float = setting(
+        0.0,
+        "planner: with a capacity table and decode workers that prefill locally when their batch has "
+        "ITL slack (conditional disaggregation), each decode worker is counted as this share of one "
+        "prefill worker's capacity, times its pool's spare decode capacity (0 = no decode-local prefill)",
+    )
+    table_margin_decode: float = setting(
+        0.0, "planner: table_margin for the decode pool alone (0 = table_margin)"
     )
     split_prior: str = setting(
         "",
@@ -117,10 +155,18 @@ class PlannerConfig:
         require(self.interval_s > 0, "interval_s must be > 0")
         require(self.forecaster in FORECASTERS, f"forecaster must be one of {FORECASTERS}")
         require(self.queue_model in QUEUE_MODELS, f"queue_model must be one of {QUEUE_MODELS}")
+        require(self.recent_window >= 1, "recent_window must be >= 1")
+        require(self.isl_rule in LENGTH_RULES, f"isl_rule must be one of {LENGTH_RULES}")
+        require(self.osl_rule in LENGTH_RULES, f"osl_rule must be one of {LENGTH_RULES}")
         require(self.decode_margin in DECODE_MARGINS, f"decode_margin must be one of {DECODE_MARGINS}")
         require(self.startup_s >= 0, "startup_s must be >= 0")
         require(self.error_window >= 0, "error_window must be >= 0")
         require(0 < self.table_margin <= 1, "table_margin must be in (0, 1]")
+        require(0 <= self.table_margin_decode <= 1, "table_margin_decode must be in [0, 1]")
+        require(0 <= self.down_margin <= 1, "down_margin must be in [0, 1]")
+        require(self.falling_down_after >= 0, "falling_down_after must be >= 0")
+        require(0 < self.falling_ratio < 1, "falling_ratio must be in (0, 1)")
+        require(self.local_prefill_share >= 0, "local_prefill_share must be >= 0")
         require(
             not self.split_prior or self.split_prior.count("/") == 2,
             f"split_prior must be profile/link/workload, got {self.split_prior!r}",
@@ -187,7 +233,9 @@ class Planner:
         self.hysteresis = Hysteresis(config.hysteresis)
         # the arrival rate trends (the configured forecaster); lengths and hit rate only drift (averaged)
         self._signals: dict[str, Forecaster] = {"rate": make_forecaster(config.forecaster)}
-        self._signals.update({k: make_forecaster("moving_average") for k in ("isl", "osl", "hit")})
+        self._signals.update(
+            {k: make_forecaster("moving_average", window=config.recent_window) for k in ("isl", "osl", "hit")}
+        )
         # Lengths drift along a trace (the Azure conversations' mean output length moves 130 <-> 270
         # over minutes) faster than a worker starts: size for the longer of the recent and the
         # long-run mean, so a stretch of short requests does not shed the workers the next long
@@ -229,7 +277,8 @@ class Planner:
             sig["hit"].observe(obs.hit_rate)
             self._long["isl"].observe(obs.mean_isl)
             self._long["osl"].observe(obs.mean_osl)
-            self._last_len = (obs.mean_isl, obs.mean_osl)
+            if self.config.length_last:
+                self._last_len = (obs.mean_isl, obs.mean_osl)
         lead = self.lead
         burst = self._burst_rate()
         # In a bursty window the trend is the bursts' own steps (Holt extrapolates a 5x step to 7x
@@ -237,8 +286,8 @@ class Planner:
         trend = sig["rate"].predict(lead) if not burst else 0.0
         forecast = Load(
             rate=max(trend, rate_now, burst),
-            isl=max(sig["isl"].predict(lead), self._long["isl"].predict(lead), self._last_len[0]),
-            osl=max(sig["osl"].predict(lead), self._long["osl"].predict(lead), self._last_len[1]),
+            isl=self._length("isl", lead, self._last_len[0]),
+            osl=self._length("osl", lead, self._last_len[1]),
             hit_rate=min(max(sig["hit"].predict(1), 0.0), 1.0),
         )
         m_p, m_d = self._error_margins(obs, rate_now, lead, forecast)
@@ -267,6 +316,22 @@ class Planner:
         if self.capacity is not None:
             sizing = self._table_sizing(prefill_load, decode_load, budget, sizing)
         want_p, want_d = (0, sizing.decode) if decode_only else (sizing.prefill, sizing.decode)
+        if self.capacity is not None and self.config.down_margin > 0:
+            # the band: shrinking needs the demand under down_margin of the smaller pool's capacity
+            m = self.config.table_margin
+            if want_p < obs.prefill_workers and not decode_only:
+                band = self.capacity.workers(
+                    "prefill",
+                    sizing.inputs["table_prefill_demand"] * m / self.config.down_margin
+                    - sizing.inputs["table_prefill_absorbed"],
+                )
+                want_p = min(obs.prefill_workers, max(want_p, band))
+            if want_d < obs.decode_workers:
+                md = self.config.table_margin_decode or m
+                band = self.capacity.workers(
+                    "decode", sizing.inputs["table_decode_demand"] * md / self.config.down_margin
+                )
+                want_d = min(obs.decode_workers, max(want_d, band))
         reasons = [sizing.reason]
         if (
             "budget" in sizing.reason
@@ -303,26 +368,53 @@ class Planner:
             want_d = min(want_d, self.config.max_decode)
         want_p = min(want_p, room - self.budget.min_decode)
         want_d = min(want_d, room - want_p)
-        p = self.hysteresis.apply("prefill", obs.prefill_workers, want_p, now)
-        d = self.hysteresis.apply("decode", obs.decode_workers, want_d, now)
+        # the wishes before hysteresis, for the decision log (bench/planner.py's breakdown reads them)
+        sizing.inputs.update(corrected_prefill=float(want_p), corrected_decode=float(want_d))
+        fast = self.config.falling_down_after if self._falling(lead) else 0
+        p = self.hysteresis.apply("prefill", obs.prefill_workers, want_p, now, down_after=fast)
+        d = self.hysteresis.apply("decode", obs.decode_workers, want_d, now, down_after=fast)
         d = min(d, room - p)  # the budget holds after hysteresis too
         changed = (p, d) != (obs.prefill_workers, obs.decode_workers)
         decision = Decision(now, p, d, changed, " ".join(reasons), sizing, forecast)
         self.decisions.append(decision)
         return decision
 
+    def _length(self, key: str, lead: int, last: float) -> float:
+        """The mean length sized for: fast_up, the longest of the recent mean, the long-run mean and the
+        last interval's (0 without length_last); long_run, the long-run mean alone (a role whose
+        capacity averages over many requests and recovers within a start-up, sized for the stretches'
+        mean instead of their peaks)."""
+        long_run = self._long[key].predict(lead)
+        rule = self.config.isl_rule if key == "isl" else self.config.osl_rule
+        if rule == "long_run":
+            return long_run
+        if rule == "recent":
+            return max(self._signals[key].predict(lead), last)
+        return max(self._signals[key].predict(lead), long_run, last)
+
     def _table_sizing(self, prefill_load: Load, decode_load: Load, budget: Budget, model: Sizing) -> Sizing:
         """Both pools from the measured capacity table (the formulas' sizing stays in the inputs)."""
         table = self.capacity
         assert table is not None
         p_demand = prefill_load.rate * prefill_load.uncached_isl / self.config.table_margin
-        d_demand = decode_load.rate * decode_load.osl / self.config.table_margin
-        p = max(table.workers("prefill", p_demand), budget.min_prefill)
+        d_demand = (
+            decode_load.rate * decode_load.osl / (self.config.table_margin_decode or self.config.table_margin)
+        )
         d = max(table.workers("decode", d_demand), budget.min_decode)
+        absorbed = 0.0
+        if self.config.local_prefill_share > 0 and d > 0:
+            # Decode workers prefill what their ITL slack allows (services/decode/disagg_policy.py's
+            # time rule takes a prompt locally when the prefill pool would miss its TTFT): the
+            # pool's spare decode capacity, as a share of one prefill worker each, comes off the
+            # prefill demand (it is what the pools' integer rounding left unused on decode).
+            spare = max(0.0, 1.0 - d_demand / table.capacity("decode", d))
+            absorbed = d * spare * self.config.local_prefill_share * table.prefill[0]
+        p = max(table.workers("prefill", p_demand - absorbed), budget.min_prefill)
         inputs = dict(model.inputs)
         inputs.update(
             table_prefill_demand=p_demand,
             table_decode_demand=d_demand,
+            table_prefill_absorbed=absorbed,
             model_prefill=float(model.prefill),
             model_decode=float(model.decode),
         )
@@ -362,6 +454,14 @@ class Planner:
             errs = sorted(self._errors[role])
             out.append(min(max(errs[min(int(q * len(errs)), len(errs) - 1)], 1.0), 2.0) if errs else 1.0)
         return out[0], out[1]
+
+    def _falling(self, lead: int) -> bool:
+        """The rate forecast a start-up ahead is `falling_ratio` below its level now (never in a burst window)."""
+        if not self.config.falling_down_after or self._burst_rate() > 0:
+            return False
+        rate = self._signals["rate"]
+        level = rate.predict(0)
+        return level > 0 and rate.predict(lead) <= (1 - self.config.falling_ratio) * level
 
     def _burst_rate(self) -> float:
         """The busiest recent interval's rate when the window is bursty (its peak > `burst_ratio` x its median)."""
