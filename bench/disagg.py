@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import random
 import sys
 import time
@@ -54,6 +53,7 @@ import numpy as np
 
 from bench import topology
 from bench.loadgen import WorkItem, poisson_arrivals, run_load
+from bench.machine import cpu_model
 from bench.stats import RequestRecord
 from bench.traces import default_trace_path, load_azure
 from pdmesh.v1 import router_pb2, router_pb2_grpc
@@ -232,16 +232,6 @@ def plot(workload: str, curves: dict[str, list[tuple[float, float]]], scaling: s
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load_average() -> str:

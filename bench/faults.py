@@ -62,7 +62,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -82,6 +81,7 @@ import grpc
 import numpy as np
 
 from bench.faults_client import NAIVE, SDK, Logical, RetryingClient, RetryPolicy
+from bench.machine import cpu_model
 from pdmesh.launcher import Launcher, LaunchError, RunningService, ServiceSpec, flags
 from pdmesh.v1 import decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
 
@@ -602,16 +602,6 @@ def run_one(
 
 
 # ---- main ------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,6 @@ the comparison upside down (BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -43,19 +42,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import cpu_model
 from bench.routing_quality import FULL, QUICK, PolicyResult, Study, describe, run_study, table, workload
 from services.model.hashing import block_hashes
 from services.model.timing import load_profile
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def working_set_blocks(study: Study) -> int:

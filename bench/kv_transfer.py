@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # `python bench/kv_transfer.py`: make the repo ro
 import grpc
 import torch
 
+from bench.machine import cpu_model
 from kvtransfer import digest
 from kvtransfer.agents import AgentDirectory
 from kvtransfer.grpc_transport import GrpcTransport, GrpcTransportConfig
@@ -68,17 +69,6 @@ from tests.e2e.kv_peer import REPO, Peer
 MIB = 1024 * 1024
 PAYLOADS_MIB = (1, 16, 64, 256)
 PROMPT_TOKENS = 2048
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def small_layout(**overrides) -> KvLayout:

@@ -83,7 +83,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -94,6 +93,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from bench.fleet_sim import FleetSim, SimRequest, SimResult
+from bench.machine import cpu_model
 from bench.traces import default_trace_path, load_azure
 from services.model.timing import load_profile
 from services.planner.capacity import ProfileModel, decode_batch
@@ -107,13 +107,6 @@ PROFILE = "splitwise-h100-llama70b"
 # scales them with it, so that the quick run is the same experiment, faster (see `main`).
 FULL_DAY_S, FULL_INTERVAL_S, FULL_STARTUP_S = 3600.0, 30.0, 60.0
 RESULTS = Path(__file__).parent / "results"
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 # ---- workloads -----------------------------------------------------------------

@@ -24,7 +24,6 @@ import gc
 import hashlib
 import importlib.util
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,20 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu_model  # noqa: E402
 from bench.traces import default_trace_path, load_mooncake  # noqa: E402
 
 BLOCK = 16
 MOONCAKE_BLOCK = 512
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def load_module(name: str, source: str):

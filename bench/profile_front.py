@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import collections
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -49,6 +48,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+from bench.machine import cpu_model
 from bench.routing import HUGE, LONG, channel, router_request
 from bench.routing import run_cpu_s as proc_cpu_s  # the scheduler's account, not clock ticks
 from pdmesh.launcher import Launcher, ServiceSpec, flags
@@ -69,16 +69,6 @@ FAMILIES = {
     "starlette/uvicorn": ("starlette", "uvicorn", "httptools"),
     "sse/json": ("json/", "responses.py"),
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def py_spy() -> str:

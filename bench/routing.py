@@ -78,6 +78,7 @@ if __package__ in (None, ""):  # `python bench/routing.py`: make the repo root i
 
 import grpc
 
+from bench.machine import cpu_model
 from bench.routing_quality import (
     FULL,
     FULL_LOADS,
@@ -296,16 +297,6 @@ async def routed_rate(
     r = await stream_rate(addresses, False, streams, duration)
     r["router_us_per_token"] = (sum(run_cpu_s(p) for p in router_pids) - cpu0) / max(r["tokens"], 1) * 1e6
     return r
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown cpu"
 
 
 async def http_rate(address: str, streams: int, duration: float) -> dict[str, float]:
