@@ -23,13 +23,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvtransfer.layout import KvLayout
 from kvtransfer.pool import PoolView
 from services.engine.api import EngineCapacityError
-from services.engine.kv_wire import dequantize_blocks, quantize_blocks, wire_layout
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the codec (services/engine/kv_wire.py, torch at import) load only when a staging pool is
+# made: every worker main imports this module through services/worker/runtime.py, and one whose
+# backend needs no torch (sim, trtllm) must not pay torch's import for an option it has off.
 
 WIRE_SCHEMES = ("none", "int8", "fp8")
 
@@ -42,6 +47,8 @@ class WireCounters:
 
 class WireStage:
     def __init__(self, engine_layout: KvLayout, scheme: str, num_blocks: int):
+        from services.engine.kv_wire import wire_layout
+
         self.engine_layout = engine_layout
         self.layout = wire_layout(engine_layout, scheme)
         self.pool = self.layout.allocate_pool(num_blocks)
@@ -64,9 +71,17 @@ class WireStage:
         self._free.extend(ids)
 
     def _write(self, ids: list[int], blocks: torch.Tensor) -> None:
+        import torch
+
+        from services.engine.kv_wire import quantize_blocks
+
         self.pool.index_copy_(0, torch.tensor(ids, dtype=torch.long), quantize_blocks(blocks, self.layout))
 
     def _read(self, ids: list[int]) -> torch.Tensor:
+        import torch
+
+        from services.engine.kv_wire import dequantize_blocks
+
         packed = self.pool.index_select(0, torch.tensor(ids, dtype=torch.long))
         return dequantize_blocks(packed, self.layout)
 
