@@ -37,6 +37,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import cpu_model
 from bench.routing_sim import Cluster, Req, Worker, make_reqs, parse_variant, pct, unloaded_ttft_ms
 from services.model.timing import TimingProfile, load_profile
 from services.router.policy import TierOverlap, overlap_credit, tier_weight
@@ -244,8 +245,8 @@ def run(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_study_args(p: argparse.ArgumentParser) -> None:
+    """kv_tiers --quick's experiment, shared with bench/kv_tiers_replay.py (same trace, pools, tiers)."""
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=8192, help="device pool per worker (kv_tiers --quick)")
@@ -256,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-factor", type=float, default=0.6)
     p.add_argument("--report-interval-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_study_args(p)
     args = p.parse_args(argv)
     args.length_factor = 1.0
     prof = load_profile("dynamo-mocker").scaled_to(args.num_blocks, args.block_size)
@@ -264,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         f"kv_tiers ceiling (in process, model time): {args.workers} workers x {args.num_blocks:,} blocks x "
         f"{args.block_size} tokens, {len(base)} Mooncake requests, outputs / {args.output_factor:g}, time_factor "
         f"{args.time_factor}; restore {prof.restore_s(args.block_size) * 1e3:.3f} ms/block at "
-        f"{prof.host_bandwidth_gbps:g} GB/s; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+        f"{prof.host_bandwidth_gbps:g} GB/s; {cpu_model()} x{os.cpu_count()}, "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     seen: set[int] = set()
     alone_ideal, ideal_cached = [], 0

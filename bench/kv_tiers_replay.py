@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import os
 import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kv_tiers_ceiling import add_study_args
 from bench.loadgen import build_workload
+from bench.machine import cpu_model
 from bench.traces import VocabRange
 from services.engine.api import EngineRequest, SamplingParams
 from services.engine.config import EngineConfig
@@ -215,16 +219,7 @@ class Replay:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=500)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--num-blocks", type=int, default=8192)
-    p.add_argument("--host-blocks", type=int, default=65536)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--mbt", type=int, default=8192)
-    p.add_argument("--output-factor", type=float, default=16)
-    p.add_argument("--time-factor", type=float, default=0.6)
-    p.add_argument("--report-interval-s", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_study_args(p)
     p.add_argument("--runs", default="none,host,host@credit")
     args = p.parse_args(argv)
     items = build_workload(
@@ -236,14 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         vocab=VocabRange(0, 256),
     )
-    import math
-    from dataclasses import replace
-
     items = [replace(it, max_tokens=math.ceil(it.max_tokens / args.output_factor)) for it in items]
     print(
         f"kv_tiers replay (real engine code, virtual clock): {args.workers} sim engines x {args.num_blocks:,} blocks, "
         f"host tier {args.host_blocks:,} blocks; {len(items)} Mooncake requests, outputs / {args.output_factor:g}, "
-        f"time_factor {args.time_factor}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+        f"time_factor {args.time_factor}; {cpu_model()} x{os.cpu_count()}, "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     rows = {}
     for name in args.runs.split(","):

@@ -54,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_model
 from services.engine.api import EngineRequest
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
@@ -484,16 +485,6 @@ def demand_slot_s(workload: list[Workflow], p: TimingProfile, batch_context: flo
     return total
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def _run_one(ov, name, base, capacity, per_wf, duration, args) -> dict:
     pol = next(p for p in policies(base, args.workers * args.slots) if p.name == name)
     sim = Sim(pol, make_workload(ov * capacity / per_wf, duration, args.seed), args)
@@ -526,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile("dynamo-mocker").scaled_to(args.blocks, BLOCK)
     args.batch_context = args.slots * mean_context(probe)
     per_wf = demand_slot_s(probe, profile, args.batch_context) / len(probe)
-    print(f"cpu: {_cpu_model()}, load average {os.getloadavg()[0]:.1f} (at start)")
+    print(f"cpu: {cpu_model()}, load average {os.getloadavg()[0]:.1f} (at start)")
     print(
         f"fleet: {args.workers} workers x {args.slots} slots, {args.blocks} KV blocks each; "
         f"{per_wf:.1f} slot-s per workflow; arrivals for {duration:.0f} s"
