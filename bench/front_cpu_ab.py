@@ -48,6 +48,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import cpu_model
 from bench.routing import HUGE, LONG, PROMPT, channel, router_request, run_cpu_s
 from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import router_pb2, router_pb2_grpc
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     global MAIN_THREAD
     MAIN_THREAD = a.main_thread
     roots = {"a": Path(a.a).resolve(), "b": Path(a.b).resolve()}
+    print(f"cpu: {cpu_model()} x{os.cpu_count()}; load average {os.getloadavg()[0]:.1f}", flush=True)
     if a.dynamo:
         return dynamo_ab(a, roots)
     res: dict[str, list[float]] = {k: [] for k in ("grpc_a", "grpc_b", "http_a", "http_b", "tpm_a", "tpm_b")}
