@@ -148,6 +148,8 @@ def check(
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
+            if any(part.startswith(".") for part in path.relative_to(root).parts):
+                continue  # a peer's venv (bench/peers/*/.venv) and other hidden, untracked trees
             module = module_name(root, path)
             own = part_of(module)
             if own is None:

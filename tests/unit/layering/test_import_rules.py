@@ -184,3 +184,17 @@ def test_an_exception_excuses_its_import_and_is_reported_once_unused(tmp_path):
 
 def test_every_exception_says_why():
     assert all(reason.strip() for reason in EXCEPTIONS.values())
+
+
+def test_hidden_trees_such_as_a_peers_venv_are_not_checked(tmp_path):
+    # bench/peers/dynamo/setup.sh puts a whole venv (~8,000 modules) under bench/: the
+    # checker parsed all of it (2 minutes of `make test` on a checkout with the peer set up).
+    forbidden = "from services.router.auth import hash_key\n"
+    _tree(
+        tmp_path,
+        {
+            "bench/peers/dynamo/.venv/lib/site-packages/services/common/x.py": forbidden,
+            "services/common/errors.py": forbidden,
+        },
+    )
+    assert _found(tmp_path) == {("services/common/errors.py", 1, "services.router.auth.hash_key")}
