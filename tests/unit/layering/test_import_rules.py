@@ -193,7 +193,7 @@ def test_hidden_trees_such_as_a_peers_venv_are_not_checked(tmp_path):
     _tree(
         tmp_path,
         {
-            "bench/peers/dynamo/.venv/lib/site-packages/services/common/x.py": forbidden,
+            "services/common/.venv/lib/x.py": forbidden,
             "services/common/errors.py": forbidden,
         },
     )
