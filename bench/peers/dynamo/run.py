@@ -557,6 +557,7 @@ def counters(dep: Deployment) -> dict[str, float]:
     else:
         hist("front_ttft", front, "pdmesh_router_ttft_seconds")
         hist("gateway_ttft", gateway, "pdmesh_gateway_ttft_seconds")
+        hist("engine_ttft", [s for w in workers for s in w], "pdmesh_decode_ttft_seconds")
         out["cached_tokens"] = sum(metric(w, "pdmesh_engine_prompt_tokens_cached_total") for w in workers)
         out["preemptions"] = sum(metric(w, "pdmesh_engine_preemptions_total") for w in workers)
         requests = [metric(w, "pdmesh_decode_requests_total") for w in workers]
@@ -764,7 +765,8 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
             )
         else:
             parts.append(
-                f"TTFT mean at the router {m.get('front_ttft_ms', math.nan):.1f}, at the HTTP door "
+                f"TTFT mean at the decode workers {m.get('engine_ttft_ms', math.nan):.1f}, "
+                f"at the router {m.get('front_ttft_ms', math.nan):.1f}, at the HTTP door "
                 f"{m.get('gateway_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
             )
         print(f"  {r.row.system} {r.row.policy} {r.row.rate}: " + "; ".join(parts))
