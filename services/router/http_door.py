@@ -153,6 +153,10 @@ class FlowUpstream:
         pass
 
 
+# How long a connection with no request left may take to close when the door stops.
+CLOSE_LINGER_S = 1.0
+
+
 class _Server(uvicorn.Server):
     """uvicorn on the router's loop: signals stay the router's (it drains both doors)."""
 
@@ -167,6 +171,26 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         self.up.set()
+
+    async def _wait_tasks_to_complete(self) -> None:
+        """uvicorn waits for every connection to close, then for the requests in flight, both
+        until `timeout_graceful_shutdown` (the drain grace). An idle keep-alive connection has
+        already been told to close by then, but over TLS that close waits for the client's
+        close_notify, which a client that keeps the socket without reading never sends: the
+        drain then lasted the whole grace (`pdmesh up` SIGKILLed the router after 15 s).
+        Here the requests in flight get the grace; a connection with none left gets
+        CLOSE_LINGER_S to finish its close, then is aborted."""
+        state = self.server_state
+        while state.tasks and not self.force_exit:
+            await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        linger_until = loop.time() + CLOSE_LINGER_S
+        while state.connections and loop.time() < linger_until and not self.force_exit:
+            await asyncio.sleep(0.05)
+        for connection in list(state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
 
 
 def bind(host: str, port: int, reuseport: bool) -> socket.socket:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import ssl
 
 from services.common.server import ServerConfig
 from services.common.tls import TlsConfig
 from services.router.config import HttpDoorConfig
 from services.router.http_door import HttpDoor
 from tests.service.gateway import httpio
+from tests.service.tls_mesh import make_certs
 from tests.support.poll import eventually
 
 MODEL = "builtin-tiny"
@@ -100,3 +103,34 @@ async def test_a_draining_door_answers_503_and_no_worker_is_503_too(mesh):
         await eventually(lambda: h.healthy_decode() == 0, what="the router to see the worker gone")
         status, _, raw = await post(door.address, {"prompt": "x", "max_tokens": 2})
         assert status == 503 and b"service_unavailable_error" in raw
+
+
+async def test_a_drain_does_not_wait_on_an_idle_https_client_that_keeps_its_socket(mesh, tmp_path):
+    # A keep-alive HTTPS client that never reads again never answers the server's TLS
+    # close_notify: uvicorn's shutdown waited the whole drain grace for it (30 s here), and
+    # `pdmesh up` SIGKILLed the router after its 15 s stop grace.
+    certs = make_certs(tmp_path / "certs")
+    a = await mesh.decode("a")
+    h = await mesh.router([a])
+    door = HttpDoor(
+        h.router,
+        HttpDoorConfig(port=0, request_timeout_s=30),
+        ServerConfig(port=0, drain_grace_s=30),
+        certs.tls("router", mtls=False),
+    )
+    await door.start()
+    context = ssl.create_default_context(cafile=str(certs.dir / "ca.pem"))
+    client = http.client.HTTPSConnection("localhost", door.port, context=context, timeout=60)
+    try:
+        await asyncio.to_thread(client.request, "GET", "/health")
+        resp = await asyncio.to_thread(client.getresponse)
+        assert resp.status == 200 and resp.getheader("connection") != "close"
+        resp.read()  # the connection stays open, idle, and the client reads no more
+        await asyncio.wait_for(door.drain(), timeout=10)  # well inside the grace
+        # The door closed the connection itself: the client's socket is at its end.
+        client.sock.settimeout(10)
+        with contextlib.suppress(ssl.SSLError, ConnectionError):
+            assert client.sock.recv(1) == b""
+    finally:
+        client.close()
+        await door.stop()
