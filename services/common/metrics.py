@@ -10,6 +10,7 @@ every service's registry against these rules.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import weakref
@@ -75,6 +76,51 @@ class LoopHistogram(Collector):
         bounds, counts, total = self.snapshot()
         buckets = [(floatToGoString(b), c) for b, c in zip(bounds, counts, strict=True)]
         yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
+
+
+# Event-loop lag: finer at the low end, where a healthy loop's lateness lies.
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
+class LoopLag:
+    """How late the event loop runs a timer: a callback due every `interval_s` records
+    by how much it ran late, in `pdmesh_event_loop_lag_seconds`. A loop busy with other
+    callbacks (a burst of requests being parsed and routed, a batch of KV events, a long
+    collection) delays every request's next step by that much, whatever the CPU use
+    averages; this is the number that says so (issue 16: the router's TTFT under load).
+    Named `pdmesh_<service>_event_loop_lag_seconds`."""
+
+    def __init__(self, registry: CollectorRegistry, service: str, interval_s: float = 0.05):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.histogram = LoopHistogram(
+            f"pdmesh_{service}_event_loop_lag_seconds",
+            f"how late the event loop ran a timer due every {interval_s:g} s",
+            LOOP_LAG_BUCKETS,
+        )
+        registry.register(self.histogram)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._due = 0.0
+
+    def start(self) -> None:
+        """From the event loop it watches."""
+        self._loop = asyncio.get_running_loop()
+        self._due = self._loop.time() + self.interval_s
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _tick(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        self.histogram.observe(max(0.0, now - self._due))
+        self._due = now + self.interval_s
+        self._handle = self._loop.call_at(self._due, self._tick)
 
 
 class MetricsServer:

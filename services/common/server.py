@@ -45,7 +45,7 @@ from services.common.call_guards import ConnectionLimit, MeshAuthorizer
 from services.common.channels import KEEPALIVE_TIME_MS, server_keepalive_options
 from services.common.config import require, setting
 from services.common.errors import retry_after_ms
-from services.common.metrics import MetricsServer, start_metrics_server
+from services.common.metrics import LoopLag, MetricsServer, start_metrics_server
 from services.common.request_guard import MalformedRequestGuard
 from services.common.tls import TlsConfig, server_credentials
 from services.common.tracing import Tracing
@@ -276,6 +276,7 @@ class MeshServer:
         self.health_port: int | None = None
         self.cert_watcher = None
         self.metrics: MetricsServer | None = None
+        self.loop_lag: LoopLag | None = None  # this process's event-loop lag, on the metrics port
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Future[None] | None = None
         # Readiness as the HTTP probe reports it (read from the metrics thread).
@@ -326,6 +327,9 @@ class MeshServer:
             self.metrics = start_metrics_server(
                 self.registry, self.config.host, self.config.metrics_port, self.http_readiness
             )
+            if self.loop_lag is None:
+                self.loop_lag = LoopLag(self.registry, metric_service(self.service_name))
+            self.loop_lag.start()
         self._write_port_file()
         log.info(
             "serving",
@@ -400,6 +404,8 @@ class MeshServer:
         await self.server.stop(0.5)
         if self.metrics is not None:
             self.metrics.close()
+        if self.loop_lag is not None:
+            self.loop_lag.stop()
         self._stopped.set()
         log.info("stopped", service=self.service_name)
 
@@ -409,6 +415,8 @@ class MeshServer:
         await self.server.stop(0)
         if self.metrics is not None:
             self.metrics.close()
+        if self.loop_lag is not None:
+            self.loop_lag.stop()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -430,6 +438,11 @@ class MeshServer:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, handler, sig.name)
+
+
+def metric_service(service_name: str) -> str:
+    """The `<service>` of metric names: "pdmesh.v1.RouterService" -> "router"."""
+    return service_name.rsplit(".", 1)[-1].removesuffix("Service").lower()
 
 
 PARENT_PID_ENV = "PDMESH_PARENT_PID"

@@ -558,6 +558,14 @@ def counters(dep: Deployment) -> dict[str, float]:
         hist("front_ttft", front, "pdmesh_router_ttft_seconds")
         hist("gateway_ttft", gateway, "pdmesh_gateway_ttft_seconds")
         hist("engine_ttft", [s for w in workers for s in w], "pdmesh_decode_ttft_seconds")
+        # How late each loop ran its 50 ms timer: the router's, and the workers' together.
+        hist("router_lag", front, "pdmesh_router_event_loop_lag_seconds")
+        hist("worker_lag", [s for w in workers for s in w], "pdmesh_decode_event_loop_lag_seconds")
+        for name, samples, base in (
+            ("router_lag", front, "pdmesh_router_event_loop_lag_seconds"),
+            ("worker_lag", [s for w in workers for s in w], "pdmesh_decode_event_loop_lag_seconds"),
+        ):
+            out[name + "_le5ms"] = metric(samples, base + "_bucket", le="0.005")
         out["cached_tokens"] = sum(metric(w, "pdmesh_engine_prompt_tokens_cached_total") for w in workers)
         out["preemptions"] = sum(metric(w, "pdmesh_engine_preemptions_total") for w in workers)
         requests = [metric(w, "pdmesh_decode_requests_total") for w in workers]
@@ -578,6 +586,14 @@ def load_metrics(before: dict[str, float], after: dict[str, float], workers: int
         engine_ttft_ms=mean("engine_ttft"),
         gateway_ttft_ms=mean("gateway_ttft"),
         router_decision_ms=mean("router_decision", 1.0),
+        router_lag_ms=mean("router_lag"),
+        worker_lag_ms=mean("worker_lag"),
+        router_lag_over_5ms=1 - d.get("router_lag_le5ms", 0) / d["router_lag_count"]
+        if d.get("router_lag_count")
+        else math.nan,
+        worker_lag_over_5ms=1 - d.get("worker_lag_le5ms", 0) / d["worker_lag_count"]
+        if d.get("worker_lag_count")
+        else math.nan,
         **balance([v for k, v in d.items() if k.startswith("requests_")], workers),
     )
     return out
@@ -768,6 +784,11 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
                 f"TTFT mean at the decode workers {m.get('engine_ttft_ms', math.nan):.1f}, "
                 f"at the router {m.get('front_ttft_ms', math.nan):.1f}, at the HTTP door "
                 f"{m.get('gateway_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
+            )
+            parts.append(
+                f"event-loop lag mean router {m.get('router_lag_ms', math.nan):.2f} ms "
+                f"({m.get('router_lag_over_5ms', math.nan):.1%} of ticks > 5 ms), decode workers "
+                f"{m.get('worker_lag_ms', math.nan):.2f} ms ({m.get('worker_lag_over_5ms', math.nan):.1%})"
             )
         print(f"  {r.row.system} {r.row.policy} {r.row.rate}: " + "; ".join(parts))
 
