@@ -3,6 +3,7 @@ and the losing arm is retried within its time budget (services/engine/thread_tun
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.engine.api import EngineRequest, SamplingParams
@@ -92,3 +93,44 @@ def test_a_far_slower_arm_is_sampled_once_before_the_budget_governs():
     tuner = ThreadTuner(TunerConfig(max_threads=2, explore_share=0.03))
     chosen = drive(tuner, {1: 0.17, 2: 3.8}, 40)
     assert chosen.count(2) == 1
+
+
+def _decode_logits(engine: LLMEngine, small_step_threads: int) -> list[torch.Tensor]:
+    """Logits of every sampled row of 3 requests whose prompts run on all threads and whose
+    decode steps run on `small_step_threads`."""
+    runner = engine.runner
+    runner.thread_tuner.threads_for = lambda rows: 2 if rows > 8 else small_step_threads
+    captured: list[torch.Tensor] = []
+    compute = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
+    try:
+        for i in range(3):
+            prompt = list(range(10 + i, 50 + 7 * i))
+            params = SamplingParams(max_tokens=10, ignore_eos=True)
+            engine.add_request(EngineRequest(f"t{small_step_threads}-{i}", prompt, params))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        runner.model.compute_logits = compute
+    engine.reset_prefix_cache()
+    return captured
+
+
+@pytest.mark.parametrize("dtype,weights", [("float32", "fp"), ("bfloat16", "fp"), ("bfloat16", "int4")])
+def test_small_steps_give_the_same_logits_on_one_thread_and_on_two(dtype, weights):
+    # What makes the tuner safe as the default: a small step's result does not depend on the
+    # thread count it ran on, so tokens do not depend on the tuner's timing (prompt chunks
+    # always take every thread). Checked bitwise on the `small` preset, whose matmuls are
+    # large enough to be split across threads.
+    before = torch.get_num_threads()
+    try:
+        engine = LLMEngine(
+            EngineConfig(preset="small", dtype=dtype, weights=weights, num_threads=2, num_blocks=64)
+        )
+        free = engine.stats().free_blocks
+        one, two = _decode_logits(engine, 1), _decode_logits(engine, 2)
+        assert len(one) == len(two) == 10 and one[-1].shape[0] == 3  # a step samples all three
+        assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+        assert engine.stats().free_blocks == free
+    finally:
+        torch.set_num_threads(before)
