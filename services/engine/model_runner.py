@@ -183,7 +183,7 @@ class ModelRunner:
             width = max(widths[i] for i in rows)
             tables = [seqs[i].block_table[:width] + [0] * (width - widths[i]) for i in rows]
             ctx = torch.tensor([pos[i] + 1 for i in rows])
-            mask = torch.arange(width * bs)[None, :] < ctx[:, None]  # [b, S]
+            mask = torch.arange(width * bs)[None, :] >= ctx[:, None]  # [b, S]: padding, masked out
             groups.append(
                 DecodeGroup(
                     None if len(parts) == 1 else torch.tensor(rows, dtype=torch.long),

@@ -94,7 +94,15 @@ class ThreadTuner:
         if not self.enabled or rows > self.config.small_rows:
             return
         arm = self._arms[0] if threads == self._arms[0].threads else self._arms[1]
-        arm.add(seconds, self.config.alpha)
+        if self._exploring and arm.samples >= self.config.min_samples and arm.threads != self.best():
+            # A retry of the losing arm: its estimate is as old as its last try (dozens of steps
+            # ago), so the fresh sample replaces it instead of moving it by `alpha`. Otherwise one
+            # slow early sample (the first 2-thread step of a run, the pool starting) kept a faster
+            # arm losing for a hundred steps: SmolLM2 int4 batch 1, near-quiet, 8.5 ms on 2 threads
+            # against 10.4 on 1, and the tuner ran 1.
+            arm.ewma, arm.samples = seconds, arm.samples + 1
+        else:
+            arm.add(seconds, self.config.alpha)
         self._small_time += seconds
         if self._exploring:
             self._explore_time += seconds

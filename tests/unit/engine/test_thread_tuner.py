@@ -134,3 +134,15 @@ def test_small_steps_give_the_same_logits_on_one_thread_and_on_two(dtype, weight
         assert engine.stats().free_blocks == free
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_retry_of_the_losing_arm_replaces_its_stale_estimate():
+    # One slow early sample of the faster arm (a thread pool starting) must not keep it losing
+    # for many retries: the first retry that measures it faster makes it the best.
+    tuner = ThreadTuner(TunerConfig(max_threads=2, explore_share=0.03, min_samples=1))
+    tuner.record(1, 2, 0.040)  # the 2-thread arm's first step, slow
+    drive(tuner, {1: 0.010, 2: 0.0085}, 1)  # the 1-thread arm, measured once
+    assert tuner.best() == 1
+    chosen = drive(tuner, {1: 0.010, 2: 0.0085}, 200)
+    first_retry = chosen.index(2)
+    assert tuner.best() == 2 and chosen[first_retry + 1 :].count(2) > 0.9 * (len(chosen) - first_retry - 1)
