@@ -175,7 +175,7 @@ def main(args) -> None:
         dtype=dtype,
         weights=weights,
         num_threads=args.threads,
-        adapt_threads=True,  # thread_tuner.py: small steps on 1 thread when 2 measure slower
+        adapt_threads=True,  # thread_tuner.py (the default): 1 thread or all per class of step size
         num_blocks=1024,
         max_num_seqs=max(streams),
         max_num_batched_tokens=2048,
@@ -239,6 +239,13 @@ def main(args) -> None:
             f"{st['one_thread_ms']:.1f} ms, {args.threads} threads {st['all_threads_ms']:.1f} ms; "
             f"explored {st['explore_share']:.1%}"
         )
+        for c in st.get("classes", [])[1:]:
+            if c["one_thread_ms"] > 0 or c["all_threads_ms"] > 0:
+                print(
+                    f"  steps of <= {c['max_rows'] if c['max_rows'] < 1 << 40 else 'any'} rows: on {c['best_threads']} thread(s); per row 1 thread "
+                    f"{c['one_thread_ms']:.2f} ms, {args.threads} threads {c['all_threads_ms']:.2f} ms; "
+                    f"explored {c['explore_share']:.1%}"
+                )
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     lc = run_llamacpp(path, prompts, n, [1, *streams], args.threads, b1)
     print(f"load average after llama.cpp {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

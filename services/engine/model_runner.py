@@ -23,7 +23,7 @@ from services.engine.packing import PackedLinear, can_pack, pack_linears
 from services.engine.quantize import MAX_QUANT_ROWS, quantize_linears
 from services.engine.sampler import Sampler, SampleRow
 from services.engine.sequence import Sequence
-from services.engine.thread_tuner import ThreadTuner, TunerConfig
+from services.engine.thread_tuner import StepThreadTuner
 
 
 @dataclass
@@ -66,7 +66,7 @@ class ModelRunner:
         self._max_threads = cfg.num_threads or torch.get_num_threads()
         self._threads = self._max_threads
         self.thread_tuner = (
-            ThreadTuner(TunerConfig(self._max_threads))
+            StepThreadTuner(self._max_threads)
             if cfg.adapt_threads and self.device.type == "cpu" and self._max_threads > 1
             else None
         )
