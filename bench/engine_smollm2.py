@@ -175,7 +175,7 @@ def main(args) -> None:
         dtype=dtype,
         weights=weights,
         num_threads=args.threads,
-        adapt_threads=True,  # thread_tuner.py: small steps on 1 thread when 2 measure slower
+        adapt_threads=True,  # thread_tuner.py (the default): 1 thread or all per class of step size
         num_blocks=1024,
         max_num_seqs=max(streams),
         max_num_batched_tokens=2048,
@@ -198,12 +198,13 @@ def main(args) -> None:
         hf.generate(prompts[0][:16], 4)
 
     # Batch 1, alternating request by request so that both see the same machine load.
-    ours_s, hf_s, ours_ttft, hf_ttft, match = 0.0, 0.0, [], [], 0
+    ours_s, hf_s, ours_ttft, hf_ttft, match, ours_decode_s = 0.0, 0.0, [], [], 0, 0.0
     for i, p in enumerate(prompts[:b1]):
         engine.reset_prefix_cache()
         w, t, out = run_ours(engine, [p], n, f"b1-{i}-")
         ours_s += w
         ours_ttft += t
+        ours_decode_s += w - t[0]  # after the first token: decode only
         if hf is None:
             continue
         hf_w, hf_out = hf.generate(p, n)
@@ -211,8 +212,10 @@ def main(args) -> None:
         hf_ttft.append(hf.generate(p, 1)[0])
         match += out[f"b1-{i}-0"] == hf_out
     ours_b1, hf_b1 = b1 * n / ours_s, (b1 * n / hf_s if hf_s else float("nan"))
+    ours_decode = b1 * (n - 1) / ours_decode_s
     print(
-        f"batch 1 ({b1} requests): ours {ours_b1:.1f} tok/s, TTFT median {statistics.median(ours_ttft) * 1e3:.0f} ms"
+        f"batch 1 ({b1} requests): ours {ours_b1:.1f} tok/s, TTFT median {statistics.median(ours_ttft) * 1e3:.0f} ms; "
+        f"decode alone (after the first token) {ours_decode:.1f} tok/s"
     )
     if hf is not None:
         print(
@@ -239,6 +242,13 @@ def main(args) -> None:
             f"{st['one_thread_ms']:.1f} ms, {args.threads} threads {st['all_threads_ms']:.1f} ms; "
             f"explored {st['explore_share']:.1%}"
         )
+        for c in st.get("classes", [])[1:]:
+            if c["one_thread_ms"] > 0 or c["all_threads_ms"] > 0:
+                print(
+                    f"  steps of <= {c['max_rows'] if c['max_rows'] < 1 << 40 else 'any'} rows: on {c['best_threads']} thread(s); per row 1 thread "
+                    f"{c['one_thread_ms']:.2f} ms, {args.threads} threads {c['all_threads_ms']:.2f} ms; "
+                    f"explored {c['explore_share']:.1%}"
+                )
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     lc = run_llamacpp(path, prompts, n, [1, *streams], args.threads, b1)
     print(f"load average after llama.cpp {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
@@ -276,4 +286,9 @@ def main(args) -> None:
         best = max(r["tok_s"] for r in lc["streams"].values())
         summary["b1_vs_llamacpp"] = summary["vs_llamacpp_b1"]
         summary["s32_vs_llamacpp"] = f"{ours_n[max(streams)][0] / best:.2f}"
+        if "decode_tok_s" in lc:  # batch 1 without the prompt: the per-token speed alone
+            print(f"  batch 1 decode alone (after the first token): {lc['decode_tok_s']:.1f} tok/s")
+            summary["b1_decode_tok_s"] = f"{ours_decode:.1f}"
+            summary["llamacpp_b1_decode_tok_s"] = f"{lc['decode_tok_s']:.1f}"
+            summary["b1_decode_vs_llamacpp"] = f"{ours_decode / lc['decode_tok_s']:.2f}"
     print("engine_smollm2 " + " ".join(f"{k}={v}" for k, v in summary.items()))

@@ -43,7 +43,7 @@ class PrefillSegment:
 class DecodeGroup:
     rows: torch.Tensor | None  # [b] long: this group's rows among the step's decodes; None = all, in order
     block_ids: torch.Tensor  # [b * M] long, padded block tables, flattened
-    mask: torch.Tensor  # [b, 1, 1, M * bs] bool: key position < context length
+    mask: torch.Tensor  # [b, 1, 1, M * bs] bool: True where the key is padding (position >= context)
 
 
 @dataclass
@@ -110,17 +110,20 @@ def _decode(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) ->
 
 
 def _decode_group(q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-    # Plain matmul + softmax: with 1 query token the flash kernel's tiling costs more than it saves.
+    # Plain bmm + softmax: with 1 query token the flash kernel's tiling costs more than it saves.
+    # bmm on the folded [B * Hkv, ...] views is what matmul of the 4-d ones calls, without its
+    # reshapes (a batch-1 step runs this 30 times; each dispatch is a microsecond or two).
     bsz, num_heads, head_dim = q.shape
     # In float32 whatever the model dtype: CPU bf16 bmm of these shapes takes a slow path
     # ([1, 3, 3, 64] x [1, 3, 64, 64], one thread: 264 us in bf16, 46 us in fp32).
     k, v = _gather_kv(kv_layer, group.block_ids, bsz, torch.float32)  # [B, Hkv, S, Dh]
-    num_kv_heads = k.shape[1]
-    qf = q.float().view(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, Dh]
-    scores = torch.matmul(qf, k.transpose(-1, -2)) * head_dim**-0.5  # [B, Hkv, G, S]
-    scores.masked_fill_(~group.mask, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.matmul(probs, v).view(bsz, num_heads, head_dim).to(q.dtype)
+    num_kv_heads, seq = k.shape[1], k.shape[2]
+    folded = bsz * num_kv_heads
+    qf = q.float().reshape(folded, num_heads // num_kv_heads, head_dim)  # [B * Hkv, G, Dh]
+    scores = torch.bmm(qf, k.view(folded, seq, head_dim).transpose(1, 2)) * head_dim**-0.5
+    scores.view(bsz, num_kv_heads, -1, seq).masked_fill_(group.mask, float("-inf"))
+    probs = scores.softmax(dim=-1)  # [B * Hkv, G, S]
+    return torch.bmm(probs, v.view(folded, seq, head_dim)).view(bsz, num_heads, head_dim).to(q.dtype)
 
 
 def _gather_kv(
@@ -136,14 +139,15 @@ def _gather_kv(
             s = scales[:, i].index_select(0, block_ids).view(-1, 1, hkv, 1)
             out.append((x.to(dtype) * s.to(dtype)).view(bsz, -1, hkv, d).transpose(1, 2).contiguous())
         return out[0], out[1]
-    hkv, d = kv_layer.shape[3:]
-    # Per K/V: rows of whole blocks (one copy), then into attention's head-major layout (a second).
-    k = kv_layer[:, 0].flatten(1).index_select(0, block_ids).view(bsz, -1, hkv, d)
-    v = kv_layer[:, 1].flatten(1).index_select(0, block_ids).view(bsz, -1, hkv, d)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    return k.to(dtype, memory_format=torch.contiguous_format), v.to(
-        dtype, memory_format=torch.contiguous_format
-    )
+    bs, hkv, d = kv_layer.shape[2:]
+    # K and V together: rows of whole blocks (one copy), then into attention's head-major layout
+    # [2, bsz, Hkv, M * bs, Dh] (a second): two ops a layer, where K and V apart took four.
+    rows = kv_layer.flatten(1).index_select(0, block_ids).view(bsz, -1, 2, bs, hkv, d)
+    kv = rows.permute(2, 0, 4, 1, 3, 5)
+    # (`to` returns its input unchanged when the dtype already matches.)
+    kv = kv.contiguous() if kv.dtype == dtype else kv.to(dtype, memory_format=torch.contiguous_format)
+    kv = kv.view(2, bsz, hkv, -1, d)
+    return kv[0], kv[1]
 
 
 def kv_qmax(dtype: torch.dtype) -> float:

@@ -41,11 +41,13 @@ class Attention(nn.Module):
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_layer, meta: AttentionMetadata):
-        t = x.shape[0]
-        q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # [T, H*Dh], [T, Hkv*Dh] x2
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h = x.shape[0], self.num_heads
+        qk_size = self.sizes[0] + self.sizes[1]
+        qkv = self.qkv(x)  # [T, (H + 2 Hkv) * Dh]
+        # q and k rotated together (one set of ops for both heads' kinds), then split.
+        qk = apply_rope(qkv[:, :qk_size].view(t, h + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         return self.o(paged_attention(q, k, v, kv_layer, meta))  # [T, D]
 
 
@@ -94,7 +96,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_layers[i]: pool view [N, 2, bs, Hkv, Dh]. Returns [T, D]."""
         x = self.embed(input_ids)
-        rope = self.rope(positions, x.dtype)  # cos, sin [T, 1, Dh/2]
+        rope = self.rope(positions, x.dtype)  # cos, signed sin [T, 1, Dh]
         for layer, kv_layer in zip(self.layers, kv_layers, strict=True):
             x = layer(x, rope, kv_layer, meta)
         return self.norm(x)

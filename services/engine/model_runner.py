@@ -23,7 +23,7 @@ from services.engine.packing import PackedLinear, can_pack, pack_linears
 from services.engine.quantize import MAX_QUANT_ROWS, quantize_linears
 from services.engine.sampler import Sampler, SampleRow
 from services.engine.sequence import Sequence
-from services.engine.thread_tuner import ThreadTuner, TunerConfig
+from services.engine.thread_tuner import StepThreadTuner
 
 
 @dataclass
@@ -66,7 +66,7 @@ class ModelRunner:
         self._max_threads = cfg.num_threads or torch.get_num_threads()
         self._threads = self._max_threads
         self.thread_tuner = (
-            ThreadTuner(TunerConfig(self._max_threads))
+            StepThreadTuner(self._max_threads)
             if cfg.adapt_threads and self.device.type == "cpu" and self._max_threads > 1
             else None
         )
@@ -183,7 +183,7 @@ class ModelRunner:
             width = max(widths[i] for i in rows)
             tables = [seqs[i].block_table[:width] + [0] * (width - widths[i]) for i in rows]
             ctx = torch.tensor([pos[i] + 1 for i in rows])
-            mask = torch.arange(width * bs)[None, :] < ctx[:, None]  # [b, S]
+            mask = torch.arange(width * bs)[None, :] >= ctx[:, None]  # [b, S]: padding, masked out
             groups.append(
                 DecodeGroup(
                     None if len(parts) == 1 else torch.tensor(rows, dtype=torch.long),

@@ -139,6 +139,10 @@ class Int4Linear(nn.Module):
         shape = x.shape
         if self.dense is not None and x.numel() > MAX_QUANT_ROWS * shape[-1]:
             return self.dense(x)
+        if self.bias is None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            # The decode step's common case: no reshape / cast / view around the kernel (a batch-1
+            # SmolLM2 step calls this 121 times, and each dispatch is a microsecond or two).
+            return torch._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales_and_zeros)
         y = torch._weight_int4pack_mm_for_cpu(
             x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.group, self.scales_and_zeros
         )

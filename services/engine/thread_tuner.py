@@ -1,15 +1,17 @@
-"""Intra-op threads per step: small steps run on one thread or on all, whichever measures faster.
+"""Intra-op threads per step: each class of step size runs on one thread or on all, whichever measures faster.
 
-Why: a decode step of a few rows is some 300 small ops (SmolLM2-135M: 30 layers x ~10), each an
-OpenMP parallel region that ends in a barrier. On a CPU shared with other work the second thread
-is often descheduled and every barrier waits up to a scheduler slice for it. Profiled here
-(SmolLM2 int4, batch 1, load average ~10 on 2 vCPUs, threads alternated in one process): a decode
-step took 70-200 ms of wall and 33-38 ms of CPU on one thread, 1.1-3.7 s of wall and 380-685 ms
-of CPU on two (the waiting thread spins). On a quiet machine the second thread helps instead
-(batch-1 decode reads every weight; issue 22: fp32 SmolLM2 18.4 -> 27.5 tok/s from 1 to 2 threads).
-Neither fixed choice is right everywhere, so the engine measures both on its own small steps and
-keeps the faster; steps of more rows than `small_rows` (prompt chunks, large batches) always get
-every thread, where the ops are large enough to amortise the barrier.
+Why: a step runs many OpenMP parallel regions, each ending in a barrier. On a CPU shared with
+other work the second thread is often descheduled and every barrier waits up to a scheduler
+slice for it. Session 8 (AMD EPYC, 2 vCPUs, one busy process beside; torch.profiler of SmolLM2
+int4 batch-1 decode): 547 ms a step on 2 threads against 42 ms on 1, and the ops that open a
+region (121 int4 matmuls, 60 bmm, 30 softmax a step) averaged ~3.3 ms each against 3-57 us
+alone, while the inline small ops were unchanged; with OMP_WAIT_POLICY=PASSIVE the spinning
+stops (CPU 285 -> 37 ms a step) but the waits do not (80-94 ms). On a quiet machine the second
+thread helps instead (8.3-9.0 ms against 10.0-10.5 on 1). Neither fixed choice is right
+everywhere, so the engine measures both and keeps the faster, per class of step size
+(StepThreadTuner): prompt chunks suffer the same waits (a 71-185 token prompt 3.2 s to its first
+token on 2 threads under load). A step's result does not depend on its thread count (checked
+bitwise in test_thread_tuner.py), so the choice changes timing only.
 
 Exploration is budgeted in time, not steps: the losing arm is tried again only while the time
 spent on tries stays under `explore_share` of the small steps' time, so a losing arm that costs
@@ -19,6 +21,7 @@ runner applies the number.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 
@@ -94,7 +97,15 @@ class ThreadTuner:
         if not self.enabled or rows > self.config.small_rows:
             return
         arm = self._arms[0] if threads == self._arms[0].threads else self._arms[1]
-        arm.add(seconds, self.config.alpha)
+        if self._exploring and arm.samples >= self.config.min_samples and arm.threads != self.best():
+            # A retry of the losing arm: its estimate is as old as its last try (dozens of steps
+            # ago), so the fresh sample replaces it instead of moving it by `alpha`. Otherwise one
+            # slow early sample (the first 2-thread step of a run, the pool starting) kept a faster
+            # arm losing for a hundred steps: SmolLM2 int4 batch 1, near-quiet, 8.5 ms on 2 threads
+            # against 10.4 on 1, and the tuner ran 1.
+            arm.ewma, arm.samples = seconds, arm.samples + 1
+        else:
+            arm.add(seconds, self.config.alpha)
         self._small_time += seconds
         if self._exploring:
             self._explore_time += seconds
@@ -107,3 +118,40 @@ class ThreadTuner:
             "all_threads_ms": -1.0 if full.ewma is None else full.ewma * 1e3,
             "explore_share": self._explore_time / self._small_time if self._small_time else 0.0,
         }
+
+
+# Step sizes tuned apart (rows per step): decode of a few sequences, larger decode batches,
+# prompt chunks, long chunks. Each class has its own two arms; above the first class a sample is
+# time per row, as the rows of a class's steps vary several-fold.
+ROW_CLASSES = (8, 64, 512)
+
+
+class StepThreadTuner:
+    """A ThreadTuner per class of step size, so prompt chunks are tuned too (session 8: SmolLM2
+    int4 at 2 threads beside two busy processes, small steps already on one thread, a 71-185
+    token prompt still took 3.2 s to its first token on 2 threads; llama.cpp's 0.35 s).
+    `stats()` is the first (small-step) class's, with every class's under "classes"."""
+
+    def __init__(self, max_threads: int, bounds: tuple[int, ...] = ROW_CLASSES):
+        self.bounds = bounds
+        limits = (*bounds, 1 << 62)
+        self.tuners = [ThreadTuner(TunerConfig(max_threads, small_rows=b)) for b in limits]
+
+    @property
+    def enabled(self) -> bool:
+        return self.tuners[0].enabled
+
+    def _class(self, rows: int) -> int:
+        return bisect_left(self.bounds, rows)
+
+    def threads_for(self, rows: int) -> int:
+        return self.tuners[self._class(rows)].threads_for(rows)
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        c = self._class(rows)
+        self.tuners[c].record(rows, threads, seconds if c == 0 else seconds / max(rows, 1))
+
+    def stats(self) -> dict:
+        out: dict = dict(self.tuners[0].stats())
+        out["classes"] = [{"max_rows": t.config.small_rows, **t.stats()} for t in self.tuners]
+        return out

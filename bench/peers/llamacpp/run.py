@@ -15,7 +15,8 @@ engine's runs do. Stream count 1 runs the prompts one after another.
 
 Prints one JSON object: for each stream count, output tokens/s (wall, prefill
 included), TTFT (median and p90, from the start of the run), and the tokens of the
-first stream (to compare with the engine's greedy output).
+first stream (to compare with the engine's greedy output); `decode_tok_s`: batch 1's
+tokens after the first over the time after the first (decode alone, prefill excluded).
 """
 
 from __future__ import annotations
@@ -121,13 +122,15 @@ def main() -> None:
     result = {"llama_cpp_version": getattr(L, "__version__", "?"), "streams": {}}
     for n in streams:
         if n == 1:  # one after another
-            wall, ttfts, first = 0.0, [], None
+            wall, ttfts, first, decode_s = 0.0, [], None, 0.0
             for p in prompts[: job.get("batch1_requests", len(prompts))]:
                 w, t, o = runner.run([p], max_tokens)
                 wall += w
                 ttfts += t
+                decode_s += w - t[0]  # after the first token: decode only
                 first = first or o[0]
             tokens = len(ttfts) * max_tokens
+            result["decode_tok_s"] = len(ttfts) * (max_tokens - 1) / decode_s
         else:
             wall, ttfts, outs = runner.run(prompts[:n], max_tokens)
             first, tokens = outs[0], n * max_tokens
