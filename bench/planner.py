@@ -192,6 +192,10 @@ def run_policy(
             # the planner knows its fleet: decode workers that prefill locally absorb a share of the
             # prefill demand (--local-share); a fleet whose decode workers never prefill, none
             "local_prefill_share": a.local_share if (a.local_prefill if local is None else local) else 0.0,
+            # the noise discounts (--rate-floor-z, --length-last-z), where given; else PlannerConfig's
+            **{
+                k: getattr(a, k) for k in ("rate_floor_z", "length_last_z") if getattr(a, k, None) is not None
+            },
             **planner_kw,
         },
     )
@@ -382,7 +386,7 @@ def measure_capacity(a: argparse.Namespace, goal: float) -> CapacityTable:
             for _ in range(6):
                 mid = (lo_c + hi) / 2
                 p, d = (c, ample) if role == "prefill" else (ample, c)
-                ok = stationary_ok(model.profile, lengths, mid, p, d, a, a.seed + 1000)[role == "decode"]
+                ok = stationary_ok(model.profile, lengths, mid, p, d, a, a.table_seed)[role == "decode"]
                 lo_c, hi = (mid, hi) if ok >= goal else (lo_c, mid)
             lo = max(lo_c, lo)
             caps.append(max(lo, 1e-3) * per_len)
@@ -405,7 +409,7 @@ def capacity_table(a: argparse.Namespace) -> tuple[CapacityTable, str]:
         "itl_slo": a.itl_slo,
         "table_s": a.table_s,
         "goal": a.table_goal,
-        "seed": a.seed + 1000,
+        "seed": a.table_seed,
         "ample": a.max_workers,
         "top_rate": 1.5 * a.peak_rate,
     }
@@ -712,6 +716,24 @@ def main(argv: list[str] | None = None) -> int:
         dest="migrate_on_drain",
         action="store_false",
         help="a draining decode worker finishes its sequences instead of migrating them",
+    )
+    ap.add_argument(
+        "--table-seed",
+        type=int,
+        default=1000,
+        help="seed of the capacity table's stationary runs (an offline profile: the same table for every --seed)",
+    )
+    ap.add_argument(
+        "--rate-floor-z",
+        type=float,
+        default=None,
+        help="the planners' rate_floor_z (default: PlannerConfig's): the rate floor less z Poisson standard errors",
+    )
+    ap.add_argument(
+        "--length-last-z",
+        type=float,
+        default=None,
+        help="the planners' length_last_z (default: PlannerConfig's): the last interval's lengths less z standard errors",
     )
     a = ap.parse_args(argv)
     a.day_s = a.day_s or (1200.0 if a.quick else FULL_DAY_S)

@@ -9,7 +9,8 @@ Each tick:
 1. feed the interval's observed arrival rate, mean ISL/OSL and prefix hit rate
    to their forecasters and read them `lead` intervals ahead, where `lead`
    covers a new worker's measured start-up time (so capacity is ready first);
-   the forecast rate is never below what was just observed, and in a bursty
+   the forecast rate is never below what was just observed (less `rate_floor_z`
+   of its count's Poisson standard errors, when set), and in a bursty
    window (its busiest interval > `burst_ratio` x its median) never below the
    busiest interval (a burst shorter than a worker's start-up cannot be caught
    by scaling up when it comes, only by keeping its capacity);
@@ -104,6 +105,18 @@ class PlannerConfig:
         "fast_up", f"planner: the output length decode is sized for, one of {LENGTH_RULES}"
     )
     error_quantile: float = setting(0.5, "planner: the quantile of the forecast-error window sized for")
+    rate_floor_z: float = setting(
+        0.0,
+        "planner: the rate forecast is never below the last interval's rate less this many of its Poisson "
+        "standard errors, (n - z sqrt(n)) / interval for n arrivals (0 = never below the rate observed: one "
+        "interval's count over-reads the rate half the time, and the floor then sizes for the noise)",
+    )
+    length_last_z: float = setting(
+        0.0,
+        "planner: with length_last, the last interval's mean lengths count less this many standard errors "
+        "of a mean of n requests, x (1 - z / sqrt(n)) (a per-request coefficient of variation of 1; 0 = the "
+        "mean as measured): a jump is sized for at once, one interval's sampling noise is not",
+    )
     capacity_table: str = setting(
         "",
         "planner: JSON file of measured pool capacities per size (services/planner/capacity_table.py; "
@@ -172,6 +185,8 @@ class PlannerConfig:
             f"split_prior must be profile/link/workload, got {self.split_prior!r}",
         )
         require(0 < self.error_quantile < 1, "error_quantile must be in (0, 1)")
+        require(self.rate_floor_z >= 0, "rate_floor_z must be >= 0")
+        require(self.length_last_z >= 0, "length_last_z must be >= 0")
         require(0 < self.headroom <= 1, "headroom must be in (0, 1]")
         require(self.max_prefill >= -1 and self.max_decode >= -1, "max_prefill/max_decode must be >= -1")
         require(self.max_decode != 0, "max_decode must not be 0 (at least one decode worker)")
@@ -278,14 +293,18 @@ class Planner:
             self._long["isl"].observe(obs.mean_isl)
             self._long["osl"].observe(obs.mean_osl)
             if self.config.length_last:
-                self._last_len = (obs.mean_isl, obs.mean_osl)
+                k = max(0.0, 1.0 - self.config.length_last_z / math.sqrt(obs.requests))
+                self._last_len = (obs.mean_isl * k, obs.mean_osl * k)
         lead = self.lead
         burst = self._burst_rate()
         # In a bursty window the trend is the bursts' own steps (Holt extrapolates a 5x step to 7x
         # and holds it through the scale-down streak): size for the busiest interval seen instead.
         trend = sig["rate"].predict(lead) if not burst else 0.0
+        # the floor: the load is at least what was just seen, less the count's own Poisson noise
+        z = self.config.rate_floor_z
+        floor = max(obs.requests - z * math.sqrt(obs.requests), 0.0) / self.config.interval_s
         forecast = Load(
-            rate=max(trend, rate_now, burst),
+            rate=max(trend, floor, burst),
             isl=self._length("isl", lead, self._last_len[0]),
             osl=self._length("osl", lead, self._last_len[1]),
             hit_rate=min(max(sig["hit"].predict(1), 0.0), 1.0),
