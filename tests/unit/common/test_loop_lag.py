@@ -10,6 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import LoopLag
 from services.common.server import metric_service
+from tests.support.poll import eventually
+
+
+def ticks(lag: LoopLag) -> int:
+    return lag.histogram.snapshot()[1][-1]
 
 
 async def test_a_blocked_loop_shows_as_a_late_tick():
@@ -17,12 +22,10 @@ async def test_a_blocked_loop_shows_as_a_late_tick():
     lag = LoopLag(registry, "router", interval_s=0.01)
     lag.start()
     try:
-        while lag.histogram.snapshot()[1][-1] < 2:  # a few on-time ticks first
-            await asyncio.sleep(0.01)
-        before = lag.histogram.snapshot()[1][-1]
+        await eventually(lambda: ticks(lag) >= 2, what="a few on-time ticks")
+        before = ticks(lag)
         time.sleep(0.12)  # the loop is blocked: the tick due in this window runs late
-        while lag.histogram.snapshot()[1][-1] == before:
-            await asyncio.sleep(0.005)
+        await eventually(lambda: ticks(lag) > before, what="the late tick")
     finally:
         lag.stop()
     bounds, cumulative, total = lag.histogram.snapshot()
@@ -34,11 +37,11 @@ async def test_a_blocked_loop_shows_as_a_late_tick():
 async def test_stop_ends_the_ticks():
     lag = LoopLag(CollectorRegistry(), "decode", interval_s=0.005)
     lag.start()
-    await asyncio.sleep(0.02)
+    await eventually(lambda: ticks(lag) >= 2, what="ticks")
     lag.stop()
-    count = lag.histogram.snapshot()[1][-1]
-    await asyncio.sleep(0.03)
-    assert lag.histogram.snapshot()[1][-1] == count
+    count = ticks(lag)
+    await asyncio.sleep(0.03)  # six intervals in which a running monitor would tick
+    assert ticks(lag) == count
 
 
 def test_the_interval_must_be_positive():
