@@ -147,9 +147,10 @@ def check(
     seen: set[tuple[str, int, str | None]] = set()  # one report per statement and part
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
-            if any(part.startswith(".") for part in path.relative_to(root).parts):
+            relative = path.relative_to(root)
+            if any(part.startswith(".") for part in relative.parts):
                 continue  # a peer's venv (bench/peers/*/.venv) and other hidden, untracked trees
+            rel = relative.as_posix()
             module = module_name(root, path)
             own = part_of(module)
             if own is None:

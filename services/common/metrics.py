@@ -84,11 +84,12 @@ LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.
 
 class LoopLag:
     """How late the event loop runs a timer: a callback due every `interval_s` records
-    by how much it ran late, in `pdmesh_event_loop_lag_seconds`. A loop busy with other
+    by how much it ran late, in `pdmesh_<service>_event_loop_lag_seconds`. A loop busy with other
     callbacks (a burst of requests being parsed and routed, a batch of KV events, a long
     collection) delays every request's next step by that much, whatever the CPU use
     averages; this is the number that says so (issue 16: the router's TTFT under load).
-    Named `pdmesh_<service>_event_loop_lag_seconds`."""
+    Sampled, so it misses lateness shorter than a tick apart: the millisecond task wakeups
+    the side by side's per-request timeline found (BENCHMARKS.md) barely show in it."""
 
     def __init__(self, registry: CollectorRegistry, service: str, interval_s: float = 0.05):
         if interval_s <= 0:

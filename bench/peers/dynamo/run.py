@@ -559,12 +559,11 @@ def counters(dep: Deployment) -> dict[str, float]:
         hist("gateway_ttft", gateway, "pdmesh_gateway_ttft_seconds")
         hist("engine_ttft", [s for w in workers for s in w], "pdmesh_decode_ttft_seconds")
         # How late each loop ran its 50 ms timer: the router's, and the workers' together.
-        hist("router_lag", front, "pdmesh_router_event_loop_lag_seconds")
-        hist("worker_lag", [s for w in workers for s in w], "pdmesh_decode_event_loop_lag_seconds")
         for name, samples, base in (
             ("router_lag", front, "pdmesh_router_event_loop_lag_seconds"),
             ("worker_lag", [s for w in workers for s in w], "pdmesh_decode_event_loop_lag_seconds"),
         ):
+            hist(name, samples, base)
             out[name + "_le5ms"] = metric(samples, base + "_bucket", le="0.005")
         out["cached_tokens"] = sum(metric(w, "pdmesh_engine_prompt_tokens_cached_total") for w in workers)
         out["preemptions"] = sum(metric(w, "pdmesh_engine_preemptions_total") for w in workers)
