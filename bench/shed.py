@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,7 @@ if __package__ in (None, ""):
 
 import grpc
 
+from bench.machine import cpu_model
 from bench.routing_quality import proc_cpu_s
 from pdmesh.launcher import Launcher, ServiceSpec, flags
 from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(serve_fake(a.port_file, a.service_s))
         return 0
     small, large = core_shed_us(16, a.core_n), core_shed_us(10_000, a.core_n)
+    print(f"cpu: {cpu_model()}; load avg {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"admission core: {small:.1f} us per shed with 16 queued, {large:.1f} us with 10,000 queued")
     capacity = a.slots / a.service_s
     rate = a.burst * capacity

@@ -44,6 +44,7 @@ def main() -> int:
 
 
 async def run(a: argparse.Namespace) -> None:
+    from bench.machine import cpu_model
     from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, write_folder
     from bench.peers.dynamo.run import probe_items
     from pdmesh.launcher import flags
@@ -120,7 +121,7 @@ async def run(a: argparse.Namespace) -> None:
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     s = rt.engine.stats()
     print(
-        f"worker_core mode={a.mode} tree={a.tree} load={os.getloadavg()[0]:.1f} "
+        f'worker_core cpu="{cpu_model()}" mode={a.mode} tree={a.tree} load={os.getloadavg()[0]:.1f} '
         f"us_per_token={cpu / (a.requests * a.tokens) * 1e6:.1f} ms_per_request={cpu / a.requests * 1e3:.3f} "
         f"wall_s={wall:.2f} gc_s={spent[0]:.3f} gc_collections={spent[1]} free_blocks={s.free_blocks}/{s.total_blocks}",
         flush=True,
