@@ -116,6 +116,7 @@ class ZeroCostDecode(decode_pb2_grpc.DecodeServiceServicer):
 
     def __init__(self, address_of):
         self._address_of = address_of
+        self.link_port = 0  # its raw link port (serve_raw_link), offered in Stats like a real worker's
         self._msg = decode_pb2.DecodeServiceGenerateResponse(tokens=decode_pb2.TokenIdsDelta(token_ids=[65]))
 
     async def Generate(self, request, context):
@@ -189,15 +190,55 @@ class ZeroCostDecode(decode_pb2_grpc.DecodeServiceServicer):
             model_id="builtin-tiny",
             block_size=16,
             max_model_len=HUGE,
+            link_port=self.link_port,
         )
         return worker_pb2.StatsResponse(info=info, load=common_pb2.WorkerLoad(free_blocks=1 << 20))
+
+
+async def serve_raw_link(fake: ZeroCostDecode) -> int:
+    """The fake's Link on a raw link port too (services/common/link_wire.py's frames), as a real
+    decode worker serves it (services/decode/link_server.py); returns the port."""
+    from services.common import link_wire
+
+    class Conn(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport, self.inbox = transport, link_wire.FrameInbox()
+            self.frames = link_wire.FrameBuffer(1 << 26)
+            self.writable = asyncio.Event()
+            self.writable.set()
+            self.task = asyncio.get_running_loop().create_task(self.serve())
+
+        def pause_writing(self):  # the router is behind: wait, as a real worker's link does
+            self.writable.clear()
+
+        def resume_writing(self):
+            self.writable.set()
+
+        def data_received(self, data):
+            for body in self.frames.feed(data):
+                self.inbox.put(decode_pb2.DecodeServiceLinkRequest.FromString(body))
+
+        def connection_lost(self, exc):
+            self.inbox.close()
+            self.task.cancel()
+
+        async def serve(self):
+            async for frame in fake.Link(self.inbox, None):
+                self.transport.write(link_wire.encode(frame))
+                await self.writable.wait()
+
+    server = await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", 0)
+    return server.sockets[0].getsockname()[1]
 
 
 async def serve_fake(port_file: str) -> None:
     from services.common.server import MeshServer, ServerConfig
 
     server = MeshServer(ServerConfig(port=0, port_file=port_file, drain_grace_s=1), "pdmesh.v1.DecodeService")
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(ZeroCostDecode(lambda: server.address), server.server)
+    fake = ZeroCostDecode(lambda: server.address)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(fake, server.server)
+    if RAW_LINK:
+        fake.link_port = await serve_raw_link(fake)
     await server.start()
     await server.set_ready(True)
     server.install_signal_handlers()
@@ -365,11 +406,13 @@ def pct(xs: list[float], q: float) -> float:
 
 
 LINK = True  # the router reaches the fake over DecodeService.Link (--no-link: Generate per request)
+RAW_LINK = True  # ... on the fake's raw link port (--grpc-link: Link over gRPC)
 
 
 def start_router(launcher: Launcher, name: str, fake: str, port: int = 0):
     args = flags(
         decode_link=str(LINK).lower(),
+        raw_link=str(RAW_LINK).lower(),
         port=port,
         http_port=0,  # the OpenAI-compatible door of the same process (http_msgs_per_s)
         so_reuseport=1,
@@ -571,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         help="part 1: run the simulated GPUs this many times slower, for a busy machine (model figures stay)",
     )
     p.add_argument("--no-link", action="store_true", help="part 2: the router calls Generate per request")
+    p.add_argument(
+        "--grpc-link", action="store_true", help="part 2: the Link over gRPC, not the fake's raw link port"
+    )
     p.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -585,8 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         r = run_decision()
         print("routing_decision " + " ".join(f"{k}={v}" for k, v in r.items()))
         return 0
-    global LINK
+    global LINK, RAW_LINK
     LINK = not args.no_link
+    RAW_LINK = not args.grpc_link
     studies = (
         [QUICK]
         if args.quick

@@ -123,12 +123,14 @@ class LinkCancel(_message.Message):
     def __init__(self, link_id: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceLinkResponse(_message.Message):
-    __slots__ = ("tokens", "ends")
+    __slots__ = ("tokens", "ends", "status")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[LinkTokens]
     ends: _containers.RepeatedCompositeFieldContainer[LinkEnd]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[LinkTokens, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ...) -> None: ...
+    status: LinkStatus
+    def __init__(self, tokens: _Optional[_Iterable[_Union[LinkTokens, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ..., status: _Optional[_Union[LinkStatus, _Mapping]] = ...) -> None: ...
 
 class LinkTokens(_message.Message):
     __slots__ = ("link_id", "token_ids")

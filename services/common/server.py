@@ -299,6 +299,12 @@ class MeshServer:
     def draining(self) -> bool:
         return self._gate.draining
 
+    def track_call(self) -> Callable[[], None]:
+        """Count a call that does not come through gRPC (the raw token link) as in flight,
+        so the drain waits for it like any other; returns its end (call it once)."""
+        self._gate._enter()
+        return self._gate._exit
+
     def bind(self) -> int:
         """Bind the listening port (before servicers that need our address are made)."""
         if not self.port:

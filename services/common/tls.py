@@ -260,9 +260,11 @@ class _HttpsWatcher:
     the SNI callback runs on every handshake (with or without SNI), stats the
     files and hands the connection a context made from the new ones."""
 
-    def __init__(self, config: TlsConfig):
+    def __init__(self, config: TlsConfig, client_ca: str = ""):
+        """`client_ca`: require a client certificate that this CA bundle signed ('' = none)."""
         self.config = config
-        self._paths = (config.cert_file, config.key_file)
+        self.client_ca = client_ca
+        self._paths = (config.cert_file, config.key_file, client_ca)
         self._sig = _signature(self._paths)
         self.context = self._make()
 
@@ -270,6 +272,9 @@ class _HttpsWatcher:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.load_cert_chain(self.config.cert_file, self.config.key_file)
+        if self.client_ca:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(self.client_ca)
         ctx.sni_callback = self._on_hello
         return ctx
 

@@ -31,11 +31,17 @@ class DecodeConfig:
     max_request_s: float = setting(
         3600.0, "longest a Generate call may run: its deadline when the client set none, and a cap on one"
     )
+    link_port: int = setting(
+        0,
+        "TCP port of the raw token link (DecodeService.Link's frames on a plain stream, TLS as the gRPC"
+        " port; routers use it when offered): 0 = any free port, -1 = off (routers use Link over gRPC)",
+    )
 
     def __post_init__(self) -> None:
         require(self.prefill_timeout_s > 0, "prefill_timeout_s must be > 0")
         require(self.kv_lease_ms >= 100, "kv_lease_ms must be >= 100")
         require(self.max_request_s > 0, "max_request_s must be > 0")
+        require(-1 <= self.link_port <= 65535, "link_port must be -1 (off), 0 (any) or a port")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pdmesh.v1 import decode_pb2_grpc
 from services.common.gc_tuning import tune_gc
 from services.decode.config import SECTIONS, DecodeSettings, make_parser, parse_settings
 from services.decode.disagg_policy import Candidate, DisaggregationPolicy
+from services.decode.link_server import LinkServer
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import PrefillLoadProbe
 from services.decode.prefix_pull import PrefixPuller, PrefixPullMetrics
@@ -95,6 +96,17 @@ def wire(rt: WorkerRuntime, settings: DecodeSettings) -> DecodeParts:
 async def serve(settings: DecodeSettings) -> None:
     rt = await start_runtime("decode", SERVICE_NAME, settings)
     parts = wire(rt, settings)
+    if settings.decode.link_port >= 0:  # before serving: the port goes into our WorkerInfo
+        link = LinkServer(
+            parts.servicer.link_session,
+            rt.server,
+            settings.server.host,
+            settings.decode.link_port,
+            settings.tls,
+            settings.server.max_message_bytes,
+        )
+        rt.link_port = parts.servicer.info.link_port = await link.start()
+        rt.on_shutdown.append(link.close)
     if parts.source is not None:
         parts.source.start()
     tune_gc()  # start-up's heap frozen, collections rarer (services/common/gc_tuning.py)

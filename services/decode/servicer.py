@@ -105,9 +105,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     @grpc_errors
     async def Link(self, request_iterator, context: grpc.aio.ServicerContext):
-        session = LinkSession(self.worker, self._job, _final, self._draining)
-        async for frame in session.run(request_iterator):
+        async for frame in self.link_session().run(request_iterator):
             yield frame
+
+    def link_session(self) -> LinkSession:
+        """A session of the token link (over gRPC here, or services/decode/link_server.py)."""
+        return LinkSession(self.worker, self._job, _final, self._draining)
 
     # -- validation and inputs ---------------------------------------------------
     def _job(self, r: decode_pb2.DecodeServiceGenerateRequest, timeout_s: float | None) -> DecodeJob:

@@ -122,6 +122,11 @@ class RouterConfig:
         True,
         "reach decode workers over one multiplexed Link stream each (false: a Generate call per request)",
     )
+    raw_link: bool = setting(
+        True,
+        "run the Link on a decode worker's raw link port when its WorkerInfo offers one (a plain"
+        " stream: no awaited gRPC write per frame); false: Link over gRPC",
+    )
     max_buffered_tokens: int = setting(
         4096,
         "tokens buffered for a client that is not reading before its request is cancelled (0 = no limit)",

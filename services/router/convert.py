@@ -36,6 +36,7 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         engine_backend=msg.engine_backend,
         max_model_len=msg.max_model_len,
         kv_agent_name=msg.kv_agent_name,
+        link_port=msg.link_port,
     )
 
 
@@ -51,6 +52,7 @@ def info_to_proto(info: WorkerInfo) -> common_pb2.WorkerInfo:
         engine_backend=info.engine_backend,
         max_model_len=info.max_model_len,
         kv_agent_name=info.kv_agent_name,
+        link_port=info.link_port,
     )
 
 

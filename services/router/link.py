@@ -36,14 +36,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from pdmesh.v1 import decode_pb2
+from services.common import link_wire
 from services.router.attempt import AttemptError
 
 log = structlog.get_logger()
@@ -176,21 +179,29 @@ class DecodeLink:
         generate: Callable[[Any, float | None], Any],
         on_unimplemented: Callable[[], None] = lambda: None,
     ):
-        self.worker_id = worker_id
-        self._generate = generate
-        self._on_unimplemented = on_unimplemented
+        self._setup(worker_id, generate, on_unimplemented)
         self._call = open_call()
-        self._calls: dict[int, LinkCall] = {}
-        self._ending: set[int] = set()  # cancelled by us; their LinkEnd is still to come
-        self._ids = itertools.count(1)
         self._out: deque[decode_pb2.DecodeServiceLinkRequest] = deque()
         self._out_ready = asyncio.Event()
-        self.broken: str | None = None  # why the link ended; None while it is up
-        self._retiring = False
-        self._heard = False  # a frame came back on this link
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read(), name=f"link-read:{worker_id}")
         self._writer = loop.create_task(self._write(), name=f"link-write:{worker_id}")
+
+    def _setup(
+        self,
+        worker_id: str,
+        generate: Callable[[Any, float | None], Any],
+        on_unimplemented: Callable[[], None],
+    ) -> None:
+        self.worker_id = worker_id
+        self._generate = generate
+        self._on_unimplemented = on_unimplemented
+        self._calls: dict[int, LinkCall] = {}
+        self._ending: set[int] = set()  # cancelled by us; their LinkEnd is still to come
+        self._ids = itertools.count(1)
+        self.broken: str | None = None  # why the link ended; None while it is up
+        self._retiring = False
+        self._heard = False  # a frame came back on this link
 
     @property
     def alive(self) -> bool:
@@ -257,55 +268,63 @@ class DecodeLink:
             self._break(f"the router could not write to the link ({type(e).__name__})")
 
     async def _read(self) -> None:
-        calls, ending = self._calls, self._ending
         why = "the worker ended the link"
         try:
             async for frame in self._call:
-                self._heard = True
-                for t in frame.tokens:
-                    call = calls.get(t.link_id)
-                    if call is not None:
-                        if call.sink is not None:
-                            call.sink.push_tokens(t.token_ids)
-                    elif t.link_id not in ending:
-                        raise LinkBroken(f"tokens for link_id {t.link_id}, which is not open")
-                for e in frame.ends:
-                    if e.WhichOneof("outcome") is None:
-                        raise LinkBroken(f"an end of link_id {e.link_id} with neither final nor error")
-                    call = calls.get(e.link_id)
-                    if call is not None:
-                        call._end(e)
-                    elif e.link_id in ending:
-                        ending.discard(e.link_id)
-                    else:
-                        raise LinkBroken(f"an end for link_id {e.link_id}, which is not open")
+                self._take(frame)
         except LinkBroken as e:
             why = f"the worker broke the link protocol: {e}"
             log.warning("link_malformed", worker=self.worker_id, error=str(e))
             self._call.cancel()
         except grpc.aio.AioRpcError as e:
-            if e.code() is grpc.StatusCode.UNIMPLEMENTED:
-                self.broken = "the worker does not serve Link"
-                self._on_unimplemented()
-                self._generate_instead()
-                return
-            if not self._heard:
-                # Nothing came back on this link, so none of its requests has a token: run
-                # them as Generate calls (a worker without Link can surface as INTERNAL when
-                # the router's writes race its UNIMPLEMENTED; a dead worker fails those too,
-                # and they recover as usual).
-                self.broken = f"{e.code().name}: {e.details()}"
-                self._generate_instead()
-                return
-            why = f"{e.code().name}: {e.details()}"
+            self._ended(e.code(), e.details() or "")
+            return
         self._break(why)
+
+    def _take(self, frame: decode_pb2.DecodeServiceLinkResponse) -> None:
+        """One frame of the worker: tokens into the requests' buffers, then their ends."""
+        self._heard = True
+        calls, ending = self._calls, self._ending
+        for t in frame.tokens:
+            call = calls.get(t.link_id)
+            if call is not None:
+                if call.sink is not None:
+                    call.sink.push_tokens(t.token_ids)
+            elif t.link_id not in ending:
+                raise LinkBroken(f"tokens for link_id {t.link_id}, which is not open")
+        for e in frame.ends:
+            if e.WhichOneof("outcome") is None:
+                raise LinkBroken(f"an end of link_id {e.link_id} with neither final nor error")
+            call = calls.get(e.link_id)
+            if call is not None:
+                call._end(e)
+            elif e.link_id in ending:
+                ending.discard(e.link_id)
+            else:
+                raise LinkBroken(f"an end for link_id {e.link_id}, which is not open")
+
+    def _ended(self, code: grpc.StatusCode, details: str) -> None:
+        """The link ended with a status (not OK)."""
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            self.broken = "the worker does not serve Link"
+            self._on_unimplemented()
+            self._generate_instead()
+            return
+        if not self._heard:
+            # Nothing came back on this link, so none of its requests has a token: run
+            # them as Generate calls (a worker without Link can surface as INTERNAL when
+            # the router's writes race its UNIMPLEMENTED; a dead worker fails those too,
+            # and they recover as usual).
+            self.broken = f"{code.name}: {details}"
+            self._generate_instead()
+            return
+        self._break(f"{code.name}: {details}")
 
     def _break(self, why: str) -> None:
         if self.broken is not None:
             return
         self.broken = why
-        self._call.cancel()
-        self._out_ready.set()
+        self._stop()
         calls, self._calls = list(self._calls.values()), {}
         if calls:
             log.info("link_broken", worker=self.worker_id, requests=len(calls), reason=why)
@@ -314,7 +333,176 @@ class DecodeLink:
             call._fail(error)
 
     def _generate_instead(self) -> None:
-        self._call.cancel()
+        self._stop()
         calls, self._calls = list(self._calls.values()), {}
         for call in calls:
             call._generate_instead(self._generate)
+
+    def _stop(self) -> None:
+        """End the transport (the worker sees the call cancelled; its requests' KV is freed)."""
+        self._call.cancel()
+        self._out_ready.set()
+
+
+class RawDecodeLink(DecodeLink):
+    """The same link on the worker's raw link port (services/decode/link_server.py).
+
+    Everything per request is DecodeLink's; only the transport differs, and it
+    costs no task and no awaited write: `open` and `cancel` write their frame
+    into the connection at once (frames written before the connection is up
+    wait in a list and go in order when it is), and the protocol's callback
+    hands each frame of the worker to `_take` as it is parsed. Where gRPC ends
+    a call with a status the worker's last frame carries it; a connection that
+    closes without one broke (UNAVAILABLE). A connection that cannot be made in
+    `connect_timeout_s` (no listener, a TLS failure) fails like a link on
+    which nothing came back: its requests run as Generate calls, and
+    `on_connect_failed` lets the caller use gRPC for a while.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        host: str,
+        port: int,
+        generate: Callable[[Any, float | None], Any],
+        ssl_context: Any = None,
+        server_hostname: str | None = None,
+        on_connect_failed: Callable[[str], None] = lambda why: None,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        connect_timeout_s: float = 5.0,
+    ):
+        self._setup(worker_id, generate, lambda: None)
+        self._transport: Any = None
+        self._early: list[bytes] = []  # frames before the connection is up
+        self._frames = link_wire.FrameBuffer(max_frame_bytes)
+        self._backlog: deque[bytes] = deque()  # frames read, not yet taken (_next_frame)
+        self._paused = False
+        self._on_connect_failed = on_connect_failed
+        self._connect = asyncio.get_running_loop().create_task(
+            self._dial(host, port, ssl_context, server_hostname, connect_timeout_s),
+            name=f"link-dial:{worker_id}",
+        )
+
+    async def _dial(
+        self, host: str, port: int, ssl_context: Any, server_hostname: str | None, timeout: float
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                transport, _ = await loop.create_connection(
+                    lambda: _RawLinkProtocol(self),
+                    host,
+                    port,
+                    ssl=ssl_context,
+                    server_hostname=server_hostname if ssl_context is not None else None,
+                )
+        except (OSError, TimeoutError, ssl.SSLError) as e:
+            why = f"raw link to {host}:{port} failed: {type(e).__name__}: {e}"
+            log.warning("link_connect_failed", worker=self.worker_id, error=why)
+            self._on_connect_failed(why)
+            self._ended(grpc.StatusCode.UNAVAILABLE, why)
+            return
+        if self.broken is not None:  # closed while connecting
+            transport.abort()
+            return
+        self._transport = transport
+        early, self._early = self._early, []
+        if early:
+            transport.write(b"".join(early))
+
+    def _send(self, frame: decode_pb2.DecodeServiceLinkRequest) -> None:
+        if self.broken is not None:
+            return
+        data = link_wire.encode(frame)
+        if self._transport is not None:
+            self._transport.write(data)
+        else:
+            self._early.append(data)
+
+    def _stop(self) -> None:
+        self._connect.cancel()
+        if self._transport is not None:
+            self._transport.abort()  # the worker sees the connection drop: it cancels the requests
+
+    async def close(self) -> None:
+        self._break("the router closed the link")
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._connect
+
+    # ---- from the protocol --------------------------------------------------------
+
+    def _received(self, data: bytes) -> None:
+        if self.broken is not None:
+            return
+        try:
+            self._backlog.extend(self._frames.feed(data))
+        except link_wire.FrameTooLarge as e:
+            self._malformed(e)
+            return
+        if not self._paused:
+            self._next_frame()
+
+    def _next_frame(self) -> None:
+        """Take one frame; the rest of a burst one per loop turn, reading paused meanwhile.
+
+        Over gRPC the reader task took one frame per wake-up, and the stream's flow
+        control held the worker back while the router was behind. Here one read can
+        carry hundreds of frames: taken at once they would wake every flow with
+        tokens faster than its client drains them. So between two frames the flows
+        woken by the first run, and the socket is not read until the backlog is
+        gone: a router that is behind holds the worker back through TCP (its writes
+        wait, and its session puts the tokens of every request into the next frame).
+        No request waits for another's client: the buffers are per request."""
+        backlog = self._backlog
+        if self.broken is not None or not backlog:
+            return
+        try:
+            frame = decode_pb2.DecodeServiceLinkResponse.FromString(backlog.popleft())
+            self._take(frame)
+            if frame.HasField("status"):
+                self._status(frame.status)
+                return
+        except (LinkBroken, DecodeError) as e:
+            self._malformed(e)
+            return
+        transport = self._transport
+        if backlog:
+            if not self._paused and transport is not None:
+                transport.pause_reading()
+            self._paused = True
+            asyncio.get_running_loop().call_soon(self._next_frame)
+        elif self._paused:
+            self._paused = False
+            if transport is not None and self.broken is None:
+                transport.resume_reading()
+
+    def _malformed(self, e: Exception) -> None:
+        log.warning("link_malformed", worker=self.worker_id, error=str(e))
+        self._break(f"the worker broke the link protocol: {e}")
+
+    def _status(self, status: decode_pb2.LinkStatus) -> None:
+        code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+        if code is grpc.StatusCode.OK:
+            self._break("the worker ended the link")
+        else:
+            self._ended(code, status.message)
+        if self._transport is not None:
+            self._transport.close()
+
+    def _lost(self, exc: Exception | None) -> None:
+        if self.broken is None:
+            self._ended(grpc.StatusCode.UNAVAILABLE, f"the link's connection closed ({exc or 'EOF'})")
+
+
+class _RawLinkProtocol(asyncio.Protocol):
+    def __init__(self, link: RawDecodeLink):
+        self.link = link
+
+    def data_received(self, data: bytes) -> None:
+        self.link._received(data)
+
+    def eof_received(self) -> bool:
+        return False  # close; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link._lost(exc)

@@ -62,6 +62,7 @@ class WorkerInfo:
     engine_backend: str = ""
     max_model_len: int = 0
     kv_agent_name: str = ""
+    link_port: int = 0  # the raw token link's port on the address's host (0 = Link over gRPC)
 
 
 @dataclass(frozen=True)

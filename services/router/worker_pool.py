@@ -27,17 +27,19 @@ import contextlib
 import dataclasses
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from services.common import link_wire
 from services.common.tls import TlsConfig, aio_channel, client_tls
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.convert import KvResync, apply_kv_message, info_from_proto, load_from_proto
-from services.router.link import DecodeLink
+from services.router.link import DecodeLink, RawDecodeLink
 from services.router.prefix_index import EventSequencer, IndexOverflow, PrefixIndex
 from services.router.registry import (
     JoinRefused,
@@ -56,6 +58,8 @@ READY_NAMES = {WorkerRole.DECODE: "pdmesh.v1.DecodeService", WorkerRole.PREFILL:
 # with "tcp handshaker shutdown" and took its calls with it (the chaos suite under a CPU hog,
 # tests/chaos/harness.py); 5 s is a handshake's worst case, not a delay: a refused connect
 # still fails at once, and the retry backoff stays 100 ms .. 2 s.
+# A raw link port that refused a connection is not tried again for this long (Link over gRPC).
+RAW_LINK_RETRY_S = 30.0
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 5000),
@@ -96,6 +100,7 @@ class WorkerConnection:
         self._probe_now = asyncio.Event()
         self._link: DecodeLink | None = None  # decode role: the token path (services/router/link.py)
         self.link_unsupported = False  # the worker answered Link with UNIMPLEMENTED
+        self._raw_off_until = 0.0  # its raw link port failed to connect: gRPC until then
         self._main: asyncio.Task[None] | None = None
         self._kv: asyncio.Task[None] | None = None
 
@@ -108,13 +113,39 @@ class WorkerConnection:
             return None
         link = self._link
         if link is None or not link.alive:
-            link = self._link = DecodeLink(
-                self.worker_id or self.address,
-                self.decode.Link,
-                lambda request, timeout: self.decode.Generate(request, timeout=timeout),
-                self._no_link,
-            )
+            link = self._link = self._new_link()
         return link
+
+    def _new_link(self) -> DecodeLink:
+        name = self.worker_id or self.address
+        generate = lambda request, timeout: self.decode.Generate(request, timeout=timeout)  # noqa: E731
+        port = self._raw_link_port()
+        if port:
+            host = self.address.rpartition(":")[0].strip("[]")
+            tls = self.pool.tls
+            return RawDecodeLink(
+                name,
+                host,
+                port,
+                generate,
+                ssl_context=self.pool.link_ssl_context(),
+                server_hostname=(tls.config.server_name or host) if tls is not None else None,
+                on_connect_failed=self._raw_failed,
+            )
+        return DecodeLink(name, self.decode.Link, generate, self._no_link)
+
+    def _raw_link_port(self) -> int:
+        """The worker's raw link port, when it offers one and it is to be used now (0: gRPC)."""
+        if not self.pool.config.raw_link or self.worker_id is None:
+            return 0
+        if asyncio.get_running_loop().time() < self._raw_off_until:
+            return 0
+        rec = self.pool.registry.get(self.worker_id)
+        return rec.info.link_port if rec is not None else 0
+
+    def _raw_failed(self, why: str) -> None:
+        """The raw link could not connect: Link over gRPC for a while, then try it again."""
+        self._raw_off_until = asyncio.get_running_loop().time() + RAW_LINK_RETRY_S
 
     def _no_link(self) -> None:
         log.info("worker_without_link", worker=self.worker_id, address=self.address)
@@ -309,10 +340,20 @@ class WorkerPool:
         self._by_address: dict[str, WorkerConnection] = {}
         self._dns_task: asyncio.Task[None] | None = None
         self.drain_grace_s = 30.0
+        self._link_ssl: Any = None
         # Set by the Router: a worker's probe said not serving (its unstarted requests move,
         # issue 18); a removed worker's state is cleared (the outlier detector's too).
         self.on_unhealthy: Callable[[str], None] = lambda worker_id: None
         self.on_forget: Callable[[str], None] = lambda worker_id: None
+
+    def link_ssl_context(self) -> Any:
+        """The client SSLContext of raw links (None: plaintext); made again when the files change."""
+        if self.tls is None:
+            return None
+        version = self.tls.version()
+        if self._link_ssl is None or self._link_ssl[0] != version:
+            self._link_ssl = (version, link_wire.client_context(self.tls.config))
+        return self._link_ssl[1]
 
     # ---- membership ---------------------------------------------------------
 

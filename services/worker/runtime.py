@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -119,6 +119,9 @@ class WorkerRuntime:
         )
         self.worker_id = ""
         self.address = ""
+        self.link_port = 0  # a decode worker's raw token link, once listening (WorkerInfo.link_port)
+        # Run first at shutdown, after the drain (a decode worker's raw link listener closes).
+        self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
     async def setup(self) -> None:
         """Load the engine, bind, bring up the KV transport (agent registered)."""
@@ -178,6 +181,7 @@ class WorkerRuntime:
             engine_backend=e.backend,
             max_model_len=e.max_model_len,
             kv_agent_name=self.transport.agent_name if self.transport else "",
+            link_port=self.link_port,
         )
 
     async def serve(self, load: Callable[[], common_pb2.WorkerLoad]) -> None:
@@ -197,6 +201,8 @@ class WorkerRuntime:
 
     async def shutdown(self) -> None:
         """After the drain: leave the router, close KV and the engine."""
+        for hook in self.on_shutdown:
+            await hook()
         if self.health is not None:
             await self.health.stop()
         if self.membership is not None:

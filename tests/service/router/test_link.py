@@ -35,7 +35,8 @@ from services.decode.metrics import DecodeMetrics
 from services.decode.servicer import DecodeServicer
 from services.engine.config import EngineConfig
 from services.router.generate import FlowFinal, FlowRequest, RequestFlow
-from services.router.link import DecodeLink
+from services.decode.link_server import LinkServer
+from services.router.link import DecodeLink, RawDecodeLink
 from services.worker.runtime import WorkerConfig, WorkerRuntime
 from tests.support.poll import eventually
 
@@ -46,8 +47,10 @@ LIMITS = RequestLimits(max_tokens_limit=100_000, max_prompt_tokens=1024)
 class SimDecode:
     """A real decode worker (sim engine) on loopback; `kill()` drops its connections."""
 
-    def __init__(self, worker_id: str, speedup: float = 20.0):
+    def __init__(self, worker_id: str, speedup: float = 20.0, raw: bool = False):
         self.worker_id = worker_id
+        self.raw = raw  # also serve the raw link port (WorkerInfo.link_port), as `pdmesh up` does
+        self.link_server: LinkServer | None = None
         engine = EngineConfig(backend="sim", sim_speedup=speedup, num_blocks=BLOCKS, max_model_len=200_000)
         self.rt = WorkerRuntime(
             "decode",
@@ -72,6 +75,10 @@ class SimDecode:
             draining=self.rt.server.drain_started,
         )
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.rt.server.server)
+        if self.raw:
+            self.link_server = LinkServer(self.servicer.link_session, self.rt.server, "127.0.0.1", 0)
+            self.rt.link_port = self.servicer.info.link_port = await self.link_server.start()
+            self.rt.on_shutdown.append(self.link_server.close)
         await self.rt.server.start()
         await self.rt.server.set_ready(True)
         self.address = self.rt.address
@@ -88,6 +95,8 @@ class SimDecode:
     async def kill(self) -> None:
         """The server goes away at once (grace 0): every connection breaks."""
         self.alive = False
+        if self.link_server is not None:
+            await self.link_server.close()
         await self.rt.server.server.stop(0)
 
     async def close(self) -> None:
@@ -96,12 +105,14 @@ class SimDecode:
         await self.rt.shutdown()
 
 
-@pytest.fixture
-async def sims():
+@pytest.fixture(params=["grpc", "raw"])
+async def sims(request):
+    """Workers whose link is Link over gRPC, or the raw link port (the default of a real worker)."""
     made: list[SimDecode] = []
+    raw = request.param == "raw"
 
     async def make(worker_id: str, **kw) -> SimDecode:
-        w = await SimDecode(worker_id, **kw).start()
+        w = await SimDecode(worker_id, raw=raw, **kw).start()
         made.append(w)
         return w
 
@@ -155,6 +166,7 @@ async def test_the_router_uses_one_link_per_worker_for_concurrent_requests(mesh,
     assert all(len(toks) == 40 and f.migrations == 0 for toks, f in results)
     links = links_of(h.router)
     assert list(links) == ["d0"] and links["d0"].alive and links["d0"].open_requests == 0
+    assert isinstance(links["d0"], RawDecodeLink) is w.raw  # the worker's offer was taken
     assert not h.router.pool.connections()[0].link_unsupported
     await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
 
