@@ -111,6 +111,7 @@ class Setup:
     model_folder: Path
     dynamo_python: Path
     pdmesh_router_flags: tuple[str, ...] = ()  # extra router flags (experiments; none by default)
+    pdmesh_routers: int = 1  # router processes on the same ports (SO_REUSEPORT), as `pdmesh up --routers N`
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -170,8 +171,8 @@ class Deployment:
     stop: object  # () -> None, stops everything it started, by PID
     direct: str = ""  # grpc address of one worker (pdmesh only)
     router: str = ""  # grpc address of the router (pdmesh only)
-    metrics_url: str = ""  # the front's /metrics (pdmesh: the router's)
-    gateway_metrics_url: str = ""
+    metrics_url: str = ""  # the front's /metrics (Dynamo)
+    metrics_urls: list[str] = field(default_factory=list)  # pdmesh: each router process's page
     worker_metrics_urls: list[str] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
@@ -351,14 +352,17 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
         ]
         for d in decodes:
             launcher.wait_ready(d, timeout_s)
-        router = launcher.start_ready(
-            ServiceSpec(
-                "router",
+
+        def router_spec(i: int, port: int, http_port: int) -> ServiceSpec:
+            return ServiceSpec(
+                "router" if i == 0 else f"router-{i}",
                 "services.router.main",
                 flags(
+                    port=port,
+                    http_port=http_port,
+                    so_reuseport=1 if setup.pdmesh_routers > 1 else None,
                     decode_workers=[d.address for d in decodes],
                     model_path=folder,
-                    http_port=0,
                     http_served_model_name=MODEL_NAME,  # what the old gateway served it as  # the OpenAI HTTP API, in the router process (no gateway)
                     block_size=setup.block_size,
                     policy=POLICIES[policy][1],
@@ -370,24 +374,31 @@ def start_pdmesh(setup: Setup, policy: str, workdir: Path, timeout_s: float = 18
                 )
                 + setup.pdmesh_router_flags,
                 ready_service="pdmesh.v1.RouterService",
-            ),
-            timeout_s,
-        )
+            )
+
+        router = launcher.start_ready(router_spec(0, 0, 0), timeout_s)
+        # More routers join the first one's ports; the kernel spreads the connections.
+        others = [
+            launcher.start_ready(router_spec(i, router.port, router.http_port or 0), timeout_s)
+            for i in range(1, setup.pdmesh_routers)
+        ]
     except BaseException:
         launcher.close()
         raise
     return Deployment(
         "pdmesh",
         f"http://{router.http_address}",
-        {"router": router.proc.pid},
+        {"router": router.proc.pid, **{f"router-{i}": r.proc.pid for i, r in enumerate(others, 1)}},
         [d.proc.pid for d in decodes],
         setup.workers,
         launcher.close,
         direct=decodes[0].address,
         router=router.address,
-        metrics_url=f"http://127.0.0.1:{router.metrics_port}/metrics" if router.metrics_port else "",
-        # The HTTP door's pdmesh_gateway_* metrics are on the router's own registry.
-        gateway_metrics_url=f"http://{router.http_address}/metrics",
+        # Each router's own page (the HTTP door's pdmesh_gateway_* metrics are on its registry
+        # too): the counters are summed over them.
+        metrics_urls=[
+            f"http://127.0.0.1:{r.metrics_port}/metrics" for r in (router, *others) if r.metrics_port
+        ],
         worker_metrics_urls=[f"http://127.0.0.1:{d.metrics_port}/metrics" for d in decodes if d.metrics_port],
         logs=[s.log_path for s in launcher.services],
     )
@@ -534,8 +545,9 @@ def counters(dep: Deployment) -> dict[str, float]:
     """Raw counters (sums, counts) of each system's own /metrics pages, read before and
     after the load so that `load_metrics` sees the load alone (not the probes)."""
     front = parse_prometheus(http_get(dep.metrics_url)[1]) if dep.metrics_url else []
+    front += [s for u in dep.metrics_urls for s in parse_prometheus(http_get(u)[1])]
     workers = [parse_prometheus(http_get(u)[1]) for u in dep.worker_metrics_urls]
-    gateway = parse_prometheus(http_get(dep.gateway_metrics_url)[1]) if dep.gateway_metrics_url else []
+    gateway = front  # pdmesh: the HTTP door's metrics are on each router's registry
     out: dict[str, float] = {}
 
     def hist(name: str, samples, base: str) -> None:
@@ -631,6 +643,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dynamo-venv", type=Path, default=HERE / ".venv")
     p.add_argument("--model-folder", type=Path, default=HERE / "model")
     p.add_argument(
+        "--pdmesh-routers",
+        type=int,
+        default=1,
+        help="pdmesh router processes sharing the ports (SO_REUSEPORT, as `pdmesh up --routers N`); default 1",
+    )
+    p.add_argument(
         "--pdmesh-router-flags",
         default="",
         help="extra flags for pdmesh's router, space-separated (experiments, e.g. --stats-interval-s 0.1)",
@@ -682,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model_folder.resolve(),
         dyn_python,
         tuple(args.pdmesh_router_flags.split()),
+        args.pdmesh_routers,
     )
     capacity = setup.num_blocks * setup.block_size
     rates = [float(x) for x in args.rates.split(",")]
@@ -717,6 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if setup.pdmesh_router_flags
             else ""
         )
+        + (f"; pdmesh router processes: {setup.pdmesh_routers}" if setup.pdmesh_routers > 1 else "")
     )
     print(
         f"trace mooncake_conversation, length_factor {args.length_factor:g}, first {args.num_requests} "
@@ -820,8 +840,10 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
     )
     front = {"dynamo": 0.0, "pdmesh": 0.0}  # CPU s of the processes in front of the workers
     for r in results:
-        front[r.row.system] += r.row.extra.get(
-            "cpu_frontend_s" if r.row.system == "dynamo" else "cpu_router_s", 0
+        front[r.row.system] += sum(
+            v
+            for k, v in r.row.extra.items()
+            if k == "cpu_frontend_s" or (k.startswith("cpu_router") and k.endswith("_s"))
         )
     print(
         f"front CPU over all runs: pdmesh router process {front['pdmesh']:.1f} s, "

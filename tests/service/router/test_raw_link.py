@@ -45,7 +45,9 @@ def _open(link_id: int, rid: str, max_tokens: int = 5_000, p=None) -> decode_pb2
         open=decode_pb2.LinkOpen(
             link_id=link_id,
             request=decode_pb2.DecodeServiceGenerateRequest(
-                request_id=rid, prompt_token_ids=prompt(link_id) if p is None else p, sampling=greedy(max_tokens)
+                request_id=rid,
+                prompt_token_ids=prompt(link_id) if p is None else p,
+                sampling=greedy(max_tokens),
             ),
         )
     )
@@ -112,7 +114,8 @@ async def test_the_worker_ends_only_a_raw_link_with_a_malformed_frame(sims):
         good.send(
             decode_pb2.DecodeServiceLinkRequest(
                 open=decode_pb2.LinkOpen(
-                    link_id=2, request=decode_pb2.DecodeServiceGenerateRequest(request_id="e", sampling=greedy(4))
+                    link_id=2,
+                    request=decode_pb2.DecodeServiceGenerateRequest(request_id="e", sampling=greedy(4)),
                 )
             )
         )
@@ -206,7 +209,9 @@ async def test_the_router_drops_only_the_raw_link_whose_worker_broke_the_protoco
         RawDecodeLink("good", "127.0.0.1", w.link_server.port, _no_generate),
     ]
     try:
-        req = decode_pb2.DecodeServiceGenerateRequest(request_id="q", prompt_token_ids=prompt(1), sampling=greedy(20))
+        req = decode_pb2.DecodeServiceGenerateRequest(
+            request_id="q", prompt_token_ids=prompt(1), sampling=greedy(20)
+        )
         sinks = []
         for link in links:
             s = Sink()
@@ -277,7 +282,9 @@ async def test_over_mtls_only_a_router_certificate_may_open_a_raw_link(sims, cer
     w = await sims("d0")
     free = w.free()
     server = await _tls_link_server(w, certs.tls("decode"))
-    req = decode_pb2.DecodeServiceGenerateRequest(request_id="t", prompt_token_ids=prompt(3), sampling=greedy(12))
+    req = decode_pb2.DecodeServiceGenerateRequest(
+        request_id="t", prompt_token_ids=prompt(3), sampling=greedy(12)
+    )
 
     # The router's certificate: served, over TLS.
     link = RawDecodeLink(
