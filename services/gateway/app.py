@@ -58,27 +58,59 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the answer was complete."""
 
 
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Run `work`; if the client disconnects first, cancel it and raise ClientGone."""
+class DisconnectWatch:
+    """Watches one request's client for `http.disconnect` while the work runs in the
+    request's own task.
 
-    async def disconnected() -> None:
+    `run(work)` awaits `work` in the calling task; if the client disconnects meanwhile,
+    the watcher cancels that task (the work unwinds: the flow is cancelled, the worker frees
+    the request's blocks) and `run` raises ClientGone. A disconnect between two `run`s is
+    remembered and the next `run` raises at once. One watcher task per request and no task
+    per await: the first token and every SSE event used to cross two tasks and an
+    `asyncio.wait` each (loop turns that queued behind a burst's other requests). Start it
+    after the body is read (the watcher reads the rest of the request's messages); `close()`
+    before the last response message is sent, since `receive` reports a disconnect once
+    the response is complete."""
+
+    def __init__(self, receive: Receive):
+        self.gone = False
+        self._task = asyncio.current_task()
+        self._running = False
+        self._closed = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        if self._closed:
+            return
+        self.gone = True
+        if self._running and self._task is not None:
+            self._task.cancel()
 
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            # Wait for it to unwind without raising here: an error it ends with (instead of
-            # being cancelled) is re-raised by task.result() below, not swallowed.
-            await asyncio.wait({task})
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
+    async def run(self, work: Awaitable[T]) -> T:
+        if self.gone:
+            _discard(work)
+            raise ClientGone()
+        self._running = True
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self.gone and self._task is not None and self._task.uncancel() == 0:
+                raise ClientGone() from None
+            raise
+        finally:
+            self._running = False
+
+    def close(self) -> None:
+        self._closed = True
+        self._watcher.cancel()
+
+
+def _discard(work: Awaitable[Any]) -> None:
+    close = getattr(work, "close", None)
+    if close is not None:  # a coroutine never awaited: no "never awaited" warning
+        close()
 
 
 @dataclass
@@ -102,7 +134,11 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(
-        self, events: AsyncIterator[bytes], on_close: Callable[[bool], None], headers: dict[str, str]
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[bool], None],
+        headers: dict[str, str],
+        watch: DisconnectWatch,
     ):
         # No body attribute: init_headers must not declare a Content-Length.
         self.status_code = 200
@@ -110,20 +146,25 @@ class EventStream(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
         self._events = events
         self._on_close = on_close
+        self._watch = watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = self._watch
+
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for data in self._events:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
+            watch.close()  # the last message completes the response: no disconnect after it
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         gone = False
         try:
-            await until_disconnect(receive, pump())
+            await watch.run(pump())
         except (ClientGone, OSError):
             gone = True
         finally:
+            watch.close()
             try:
                 await self._events.aclose()  # type: ignore[attr-defined]
             except Exception:  # closing the relay must not lose the log line below; say why
@@ -228,18 +269,22 @@ class Gateway:
         assert self.client is not None
         upstream = self.client.generate(plan, credentials)
         self.metrics.inflight.inc()
+        watch = DisconnectWatch(request.receive)
         try:
-            first = await until_disconnect(request.receive, _next(upstream))
+            first = await watch.run(_next(upstream))
             self._first_token(out, first)
             # Known before the final message, so a stream the client closes logs it too.
-            out.prompt_tokens = await upstream.prompt_tokens() or 0
+            out.prompt_tokens = await watch.run(upstream.prompt_tokens()) or 0
             if plan.stream:
-                return EventStream(
+                streaming = EventStream(
                     self._events(out, upstream, first),
                     on_close=lambda gone: self._close(out, upstream, gone),
                     headers={"x-request-id": plan.request_id},
+                    watch=watch,
                 )
-            text, final = await until_disconnect(request.receive, self._collect(out, upstream, first))
+                watch = None  # the stream closes it
+                return streaming
+            text, final = await watch.run(self._collect(out, upstream, first))
         except ClientGone:
             self._close(out, upstream, gone=True)
             return Response(status_code=CLIENT_CLOSED)
@@ -247,6 +292,9 @@ class Gateway:
             out.status, out.error = e.status, e.message
             self._close(out, upstream, gone=False)
             return _error_response(request, e)
+        finally:
+            if watch is not None:
+                watch.close()
         body = R.full_body(plan, int(time.time()), text, final)
         self._close(out, upstream, gone=False)
         return JSONResponse(body, headers={"x-request-id": plan.request_id})

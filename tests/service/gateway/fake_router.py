@@ -9,7 +9,8 @@ stream that never ends (to watch cancellation arrive).
 Scripts (the prompt text): "ok" -> "Hel" + "lo", final STOP with usage 2 + 2;
 "shed" -> RESOURCE_EXHAUSTED with retry-after-ms 2500; "midfail" -> one delta then
 UNAVAILABLE; "nofinal" -> one delta then end; "deadline" -> DEADLINE_EXCEEDED;
-"bad" -> INVALID_ARGUMENT; "slow" -> one delta, then wait until cancelled.
+"bad" -> INVALID_ARGUMENT; "slow" -> one delta, then wait until cancelled; "hold" -> wait
+until cancelled before any delta.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: too large")
         # As the router does: the prompt's token count rides in the initial metadata.
         await context.send_initial_metadata((("x-prompt-tokens", str(len(script))),))
+        if script == "hold":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         yield _delta("a" if script != "ok" else "Hel")
         if script == "midfail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker lost, no migration left")

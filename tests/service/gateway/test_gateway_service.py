@@ -145,6 +145,31 @@ async def test_client_disconnect_cancels_the_router_call(gw, fake, stream):
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_gone_before_the_first_token_cancels_the_call_and_the_gateway_serves_on(
+    gw, fake, stream
+):
+    with structlog.testing.capture_logs() as logs:
+        sock = await asyncio.to_thread(
+            httpio.open_request, gw, "/v1/completions", {"prompt": "hold", "stream": stream}
+        )
+        await eventually(lambda: fake.requests, what="the call to reach the router")
+        httpio.hang_up(sock)
+        await asyncio.wait_for(fake.cancelled.wait(), 10)
+
+        async def logged() -> None:
+            while not [e for e in logs if e["event"] == "request"]:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(logged(), 10)
+    (line,) = [e for e in logs if e["event"] == "request"]
+    assert line["status"] == 499 and line["upstream_cancelled"] is True
+    assert line["completion_tokens"] == 0 and line["ttft_ms"] is None
+    # The same app answers the next request in full (nothing of the cancel is left behind).
+    status, _, raw = await post(gw, "/v1/completions", {"prompt": "ok", "stream": stream})
+    assert status == 200 and b"Hel" in raw
+
+
 async def test_the_log_of_a_stream_the_client_closed_has_its_real_counts(gw, fake):
     with structlog.testing.capture_logs() as logs:
         sock = await asyncio.to_thread(
