@@ -31,6 +31,31 @@ HEADER = struct.Struct(">I")
 LINK_METHOD = "/pdmesh.v1.DecodeService/Link"
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_DOUBLE = struct.Struct("<d")
+
+
+def encode_open(link_id: int, request: bytes, timeout_s: float) -> bytes:
+    """The frame `DecodeServiceLinkRequest(open=LinkOpen(link_id, request, timeout_s))` with its
+    length prefix, from the request's serialized bytes: what `encode` gives for that message
+    (tests/unit/common/test_link_wire.py), without copying the request into a LinkOpen first
+    (~90 us for a 2k-token prompt, a third of the message's cost).
+    Fields: LinkOpen 1 link_id (varint), 2 request (bytes), 3 timeout_s (double, left out at 0)."""
+    body = b"\x08" + _varint(link_id) + b"\x12" + _varint(len(request)) + request
+    if timeout_s:
+        body += b"\x19" + _DOUBLE.pack(timeout_s)
+    frame = b"\x0a" + _varint(len(body)) + body  # DecodeServiceLinkRequest field 1, `open`
+    return HEADER.pack(len(frame)) + frame
+
+
 class FrameTooLarge(Exception):
     """A frame's length prefix is above the limit: the stream is not a link, or is hostile."""
 

@@ -118,7 +118,15 @@ class ChatBody(SamplingBody):
     max_completion_tokens: PositiveInt32 | None = None
 
 
+class TokenIdsCompletionBody(SamplingBody, kw_only=True):
+    """A completion whose prompt is one non-empty list of token ids: the form a tokenizing
+    client sends, whose ids msgspec's decoder checks in C (`decode_token_ids`)."""
+
+    prompt: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
+
+
 _DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionBody, ChatBody)}
+_TOKEN_IDS_DECODER = msgspec.json.Decoder(TokenIdsCompletionBody)
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # \uD800-\uDFFF, paired or not
 
@@ -140,6 +148,18 @@ def decode(raw: bytes, cls: type[B]) -> B:
         raise bad_request("the request body is nested too deeply") from None
     if body.seed is not None and body.seed > UINT64_MAX:
         raise bad_request(f"seed: {RULES['seed']}", "seed")
+    return body
+
+
+def decode_token_ids(raw: bytes) -> TokenIdsCompletionBody | None:
+    """The body when its prompt is a list of token ids and it is otherwise valid; None for
+    anything else (`decode(raw, CompletionBody)` then says what is wrong, or takes it)."""
+    try:
+        body = _TOKEN_IDS_DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    if body.seed is not None and body.seed > UINT64_MAX:
+        return None
     return body
 
 

@@ -62,10 +62,17 @@ class FlowStream:
     """One generation request on the flow, read like the gateway's `UpstreamStream`
     (GenerateResponse messages; a failure raises its GatewayError)."""
 
-    def __init__(self, upstream: FlowUpstream, request: router_pb2.GenerateRequest, metadata: Any):
+    def __init__(
+        self,
+        upstream: FlowUpstream,
+        request: router_pb2.GenerateRequest,
+        metadata: Any,
+        prompt_ids: tuple[int, ...] | None = None,
+    ):
         self._upstream = upstream
         self._request = request
         self._metadata = metadata
+        self._prompt_ids = prompt_ids  # a token-id prompt, kept out of `request`
         self._gen: Generation | None = None
         self._it: Any = None
         self._closing: asyncio.Task[None] | None = None
@@ -83,7 +90,9 @@ class FlowStream:
                 if self._upstream.draining:
                     raise Unavailable("the router is draining")
                 up = self._upstream
-                self._gen = Generation(up.router, self._request, self._metadata, up.timeout_s)
+                self._gen = Generation(
+                    up.router, self._request, self._metadata, up.timeout_s, prompt_ids=self._prompt_ids
+                )
                 self._it = self._gen.light()
             msg = await self._it.__anext__()
         except StopAsyncIteration:
@@ -141,7 +150,7 @@ class FlowUpstream:
         self.draining = False
 
     def generate(self, plan: GenerationPlan, metadata: tuple[tuple[str, str], ...] = ()) -> FlowStream:
-        return FlowStream(self, plan.to_proto(), metadata)
+        return FlowStream(self, plan.to_proto(token_ids=False), metadata, plan.prompt_token_ids)
 
     async def ready(self) -> tuple[bool, str]:
         if self.draining:

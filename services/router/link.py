@@ -215,12 +215,15 @@ class DecodeLink:
         lid = next(self._ids)
         call = LinkCall(self, lid, request, timeout)
         self._calls[lid] = call
+        self._send_open(lid, request, timeout or 0.0)
+        return call
+
+    def _send_open(self, lid: int, request: decode_pb2.DecodeServiceGenerateRequest, timeout: float) -> None:
         self._send(
             decode_pb2.DecodeServiceLinkRequest(
-                open=decode_pb2.LinkOpen(link_id=lid, request=request, timeout_s=timeout or 0.0)
+                open=decode_pb2.LinkOpen(link_id=lid, request=request, timeout_s=timeout)
             )
         )
-        return call
 
     def cancel(self, link_id: int) -> None:
         if self.broken is None:
@@ -411,9 +414,14 @@ class RawDecodeLink(DecodeLink):
             transport.write(b"".join(early))
 
     def _send(self, frame: decode_pb2.DecodeServiceLinkRequest) -> None:
+        self._put(link_wire.encode(frame))
+
+    def _send_open(self, lid: int, request: decode_pb2.DecodeServiceGenerateRequest, timeout: float) -> None:
+        self._put(link_wire.encode_open(lid, request.SerializeToString(), timeout))
+
+    def _put(self, data: bytes) -> None:
         if self.broken is not None:
             return
-        data = link_wire.encode(frame)
         if self._transport is not None:
             self._transport.write(data)
         else:

@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -131,9 +131,15 @@ def _serialize_response(msg: Any) -> bytes:
 
 
 def parse_generate(
-    request: router_pb2.GenerateRequest, model: ModelSpec, limits: RequestLimits, timeout_s: float | None
+    request: router_pb2.GenerateRequest,
+    model: ModelSpec,
+    limits: RequestLimits,
+    timeout_s: float | None,
+    prompt_ids: Sequence[int] | None = None,
 ) -> FlowRequest:
-    """Validate a GenerateRequest and tokenize its prompt (raises InvalidArgument)."""
+    """Validate a GenerateRequest and tokenize its prompt (raises InvalidArgument).
+    `prompt_ids`: the prompt's token ids when the caller kept them out of `request` (the
+    HTTP door, in-process), checked exactly as `token_ids` would be."""
     check_ident(request.request_id, "request_id", limits.max_request_id_bytes)
     # The id goes back in the "x-request-id" header, whose values are printable ASCII.
     if not all(" " <= c <= "~" for c in request.request_id):
@@ -149,8 +155,12 @@ def parse_generate(
     sampling = check_sampling(  # public field names: this is what clients (and HTTP) see
         request.sampling if request.HasField("sampling") else None, limits, model.vocab_size, prefix=""
     )
-    kind = request.WhichOneof("prompt")
-    if kind == "text":
+    kind = request.WhichOneof("prompt") if prompt_ids is None else "ids"
+    if kind == "ids":
+        assert prompt_ids is not None
+        check_prompt_length(len(prompt_ids), model.max_model_len, limits, "prompt")
+        ids = prompt_ids
+    elif kind == "text":
         if not request.text:
             raise InvalidArgument("prompt: the prompt is empty")
         if len(request.text) > limits.max_prompt_tokens * 8:  # bound tokenizer work before tokenizing
@@ -241,11 +251,13 @@ class Generation:
         request: router_pb2.GenerateRequest,
         metadata: Iterable[tuple[str, Any]] | None,
         timeout_s: float | None,
+        prompt_ids: Sequence[int] | None = None,
     ):
+        """`prompt_ids`: a token-id prompt kept out of `request` (the HTTP door's)."""
         auth = router.auth
         grant = auth.authenticate(metadata) if auth is not None else None  # Unauthenticated
         try:
-            req = parse_generate(request, router.model, router.settings.limits, timeout_s)
+            req = parse_generate(request, router.model, router.settings.limits, timeout_s, prompt_ids)
         except InvalidArgument:
             router.metrics.invalid()
             raise
@@ -261,6 +273,11 @@ class Generation:
         self.shared: SharedFlow | None = None
         key = idempotency_key(metadata)
         if key is not None and router.retried is not None:
+            if prompt_ids is not None:  # the fingerprint covers the prompt, as a gRPC request's does
+                full = type(request)()
+                full.CopyFrom(request)
+                full.token_ids.ids.extend(prompt_ids)
+                request = full
             print_ = fingerprint(request)
             self.shared = router.follow_retry(req.tenant, key, print_) or router.open_shared(
                 req, self.client_id, key, print_

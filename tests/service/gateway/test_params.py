@@ -102,6 +102,34 @@ def test_completion_refuses_what_it_cannot_honour(body, param):
     assert refused(parse_completion, body, MODEL).param == param
 
 
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": [1, 2], "n": 2}, "n"),
+        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1, 2], "seed": 2**64}, "seed"),
+        ({"prompt": [1, -1]}, "prompt[1]"),
+        ({"prompt": [1, True]}, "prompt[1]"),
+        ({"prompt": [1, 2.0]}, "prompt[1]"),
+        ({"prompt": [1, 2**32]}, "prompt[1]"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+    ],
+)
+def test_token_id_prompts_are_refused_as_any_other_body(body, param):
+    """Token-id prompts are decoded by a schema of their own first (msgspec checks each id
+    in C): whatever it does not take goes through the general path, with its errors."""
+    assert refused(parse_completion, body, MODEL).param == param
+
+
+def test_the_token_id_schema_takes_only_plain_token_id_prompts():
+    from services.gateway.schema import decode_token_ids
+
+    assert decode_token_ids(json.dumps({"prompt": [5, 0, 7], "max_tokens": 3}).encode()).prompt == [5, 0, 7]
+    for body in ({"prompt": "x"}, {"prompt": [[1]]}, {"prompt": []}, {"prompt": [1, True]}, {}):
+        assert decode_token_ids(json.dumps(body).encode()) is None, body
+
+
 def test_unknown_model_is_a_404_naming_the_served_one():
     # OpenAI and vLLM answer 404 (the SDK raises openai.NotFoundError).
     with pytest.raises(GatewayError) as info:

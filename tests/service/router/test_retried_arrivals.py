@@ -154,6 +154,27 @@ async def test_the_http_door_reads_the_idempotency_key_header(mesh):
     assert len(d.calls) == 1 and counter(h.router, "replayed") == 1
 
 
+async def test_over_http_a_token_id_prompt_is_part_of_what_the_key_names(mesh):
+    # The door hands token ids to the flow without the request's repeated field: the
+    # fingerprint must still cover them (same ids replay, other ids under the key conflict).
+    d = await mesh.decode("d1")
+    h = await mesh.router([d])
+    door = HttpDoor(h.router, HttpDoorConfig(port=0, request_timeout_s=30), ServerConfig(port=0), TlsConfig())
+    await door.start()
+    try:
+        body = {"model": "builtin-tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4}
+        s1, b1 = await asyncio.to_thread(_post, door.address, body, "ids-1")
+        s2, b2 = await asyncio.to_thread(_post, door.address, body, "ids-1")
+        other = {**body, "prompt": [5, 6, 7, 9]}
+        s3, b3 = await asyncio.to_thread(_post, door.address, other, "ids-1")
+    finally:
+        await door.stop()
+    assert s1 == s2 == 200 and json.loads(b1)["choices"] == json.loads(b2)["choices"]
+    assert counter(h.router, "replayed") == 1
+    assert s3 == 400 and "idempotency-key" in json.loads(b3)["error"]["message"]
+    assert len(d.calls) == 1 and counter(h.router, "conflict") == 1
+
+
 async def test_with_a_real_worker_the_retry_costs_no_second_request_and_the_pool_comes_back(mesh):
     from tests.service.router.test_link import SimDecode
     from tests.service.router.test_slow_workers import Hold
