@@ -31,11 +31,11 @@ from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, worker_pb2
 from services.common.server import ServerConfig
 from services.common.validation import RequestLimits
 from services.decode.disagg_policy import DisaggConfig, DisaggregationPolicy
+from services.decode.link_server import LinkServer
 from services.decode.metrics import DecodeMetrics
 from services.decode.servicer import DecodeServicer
 from services.engine.config import EngineConfig
 from services.router.generate import FlowFinal, FlowRequest, RequestFlow
-from services.decode.link_server import LinkServer
 from services.router.link import DecodeLink, RawDecodeLink
 from services.worker.runtime import WorkerConfig, WorkerRuntime
 from tests.support.poll import eventually
