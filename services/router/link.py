@@ -409,6 +409,7 @@ class RawDecodeLink(DecodeLink):
             transport.abort()
             return
         self._transport = transport
+        log.info("link_connected", worker=self.worker_id, transport="raw", tls=ssl_context is not None)
         early, self._early = self._early, []
         if early:
             transport.write(b"".join(early))

@@ -108,6 +108,9 @@ class Stack:
         )
         return out.stdout[-8000:]
 
+    def service_logs(self, service: str) -> str:
+        return self.run("logs", "--no-color", service, timeout=60)
+
     def down(self) -> None:
         self.run("down", "--volumes", "--remove-orphans", "--timeout", "10", timeout=180, check=False)
 
@@ -193,6 +196,18 @@ def test_generate_through_the_router(stack):
     tokens, final = collect(generate(client, 8))
     assert len(tokens) == 8 and final.usage.completion_tokens == 8
     assert final.worker_id.startswith("decode-")
+
+
+def test_the_router_reaches_the_decode_workers_over_their_raw_link(stack):
+    # Requests would still succeed over gRPC if the raw link failed (the fallback), so the
+    # router's own log says which transport it got, TLS included in the TLS stack.
+    s, client = stack
+    collect(generate(client, 2))
+    logs = s.service_logs("router")
+    assert '"link_connected"' in logs or "link_connected" in logs, logs[-3000:]
+    assert "link_connect_failed" not in logs, logs[-3000:]
+    if client.tls_env:
+        assert "tls=True" in logs or '"tls": true' in logs, logs[-3000:]
 
 
 def test_completion_through_the_gateway(stack):
