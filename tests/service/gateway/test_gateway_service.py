@@ -156,12 +156,7 @@ async def test_a_client_gone_before_the_first_token_cancels_the_call_and_the_gat
         await eventually(lambda: fake.requests, what="the call to reach the router")
         httpio.hang_up(sock)
         await asyncio.wait_for(fake.cancelled.wait(), 10)
-
-        async def logged() -> None:
-            while not [e for e in logs if e["event"] == "request"]:
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(logged(), 10)
+        await eventually(lambda: [e for e in logs if e["event"] == "request"], what="the request's log line")
     (line,) = [e for e in logs if e["event"] == "request"]
     assert line["status"] == 499 and line["upstream_cancelled"] is True
     assert line["completion_tokens"] == 0 and line["ttft_ms"] is None

@@ -10,6 +10,7 @@ import pytest
 
 from pdmesh.v1 import common_pb2, decode_pb2
 from services.common import link_wire
+from tests.support.poll import eventually
 
 
 def _request(n: int, rid: str = "r") -> decode_pb2.DecodeServiceGenerateRequest:
@@ -74,9 +75,10 @@ async def test_the_inbox_hands_frames_in_order_then_ends_or_raises():
             got.append(x)
 
     task = asyncio.create_task(consume())
+    await eventually(lambda: inbox._waiter is not None, what="the consumer waiting")
     inbox.put(1)
     inbox.put(2)
-    await asyncio.sleep(0)
+    await eventually(lambda: got == [1, 2], what="both handed over")
     inbox.put(3)
     inbox.close()
     inbox.put(4)  # after the close: still handed over before the end (the frames already in)
