@@ -361,6 +361,25 @@ async def test_the_worker_ends_only_a_link_with_a_malformed_frame(sims):
     )
 
 
+class Sink:
+    """What a LinkCall feeds (services/router/link.py `Sink`), recording it."""
+
+    def __init__(self):
+        self.tokens, self.final, self.error = [], None, None
+        self.done = asyncio.Event()
+
+    def push_tokens(self, ids):
+        self.tokens.extend(ids)
+
+    def push_final(self, final):
+        self.final = final
+        self.done.set()
+
+    def push_error(self, error):
+        self.error = error
+        self.done.set()
+
+
 class BadLinkDecode(decode_pb2_grpc.DecodeServiceServicer):
     """A STAND-IN worker that breaks the protocol: an end for an id it was never given."""
 
@@ -388,22 +407,6 @@ async def test_the_router_drops_only_the_link_whose_worker_broke_the_protocol(si
         req = decode_pb2.DecodeServiceGenerateRequest(
             request_id="q", prompt_token_ids=prompt(1), sampling=greedy(20)
         )
-
-        class Sink:
-            def __init__(self):
-                self.tokens, self.final, self.error = [], None, None
-                self.done = asyncio.Event()
-
-            def push_tokens(self, ids):
-                self.tokens.extend(ids)
-
-            def push_final(self, final):
-                self.final = final
-                self.done.set()
-
-            def push_error(self, error):
-                self.error = error
-                self.done.set()
 
         sinks = []
         for link in links:

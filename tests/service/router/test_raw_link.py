@@ -21,7 +21,7 @@ from pdmesh.v1 import decode_pb2
 from services.common import link_wire
 from services.decode.link_server import LinkServer
 from services.router.link import DecodeLink, RawDecodeLink
-from tests.service.router.test_link import SimDecode, greedy, links_of, prompt, run_flow
+from tests.service.router.test_link import SimDecode, Sink, greedy, links_of, prompt, run_flow
 from tests.service.tls_mesh import foreign_client, make_certs
 from tests.support.poll import eventually
 
@@ -176,23 +176,6 @@ class BadRawWorker:
 
         self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
         return self.server.sockets[0].getsockname()[1]
-
-
-class Sink:
-    def __init__(self):
-        self.tokens, self.final, self.error = [], None, None
-        self.done = asyncio.Event()
-
-    def push_tokens(self, ids):
-        self.tokens.extend(ids)
-
-    def push_final(self, final):
-        self.final = final
-        self.done.set()
-
-    def push_error(self, error):
-        self.error = error
-        self.done.set()
 
 
 def _no_generate(request, timeout):
