@@ -467,7 +467,8 @@ class RawDecodeLink(DecodeLink):
             return
         try:
             frame = decode_pb2.DecodeServiceLinkResponse.FromString(backlog.popleft())
-            self._take(frame)
+            if frame.tokens or frame.ends:  # a status alone is not "heard" (a refused link's)
+                self._take(frame)
             if frame.HasField("status"):
                 self._status(frame.status)
                 return

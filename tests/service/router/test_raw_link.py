@@ -242,6 +242,26 @@ async def test_a_draining_worker_refuses_new_raw_links(sims):
             c.close()
         assert status.code == grpc.StatusCode.UNAVAILABLE.value[0] and "draining" in status.message
         assert closed and w.rt.server.inflight == 0
+        # The router's side: nothing came back on that link but its refusal, so its request
+        # runs as a Generate call (which the drain answers as it would any), not failed here.
+        sent = []
+
+        async def generate_stub():
+            yield decode_pb2.DecodeServiceGenerateResponse(final=decode_pb2.DecodeFinal())
+
+        def generate(request, timeout):
+            sent.append(request.request_id)
+            return generate_stub()
+
+        link = RawDecodeLink("d0", "127.0.0.1", w.link_server.port, generate)
+        sink = Sink()
+        req = decode_pb2.DecodeServiceGenerateRequest(
+            request_id="late", prompt_token_ids=prompt(1), sampling=greedy(3)
+        )
+        link.open(req, 30).attach(sink)
+        await asyncio.wait_for(sink.done.wait(), 30)
+        assert sent == ["late"] and sink.error is None and sink.final is not None
+        await link.close()
     finally:
         w.rt.server._gate.draining = False
 
