@@ -380,6 +380,21 @@ class Sink:
         self.done.set()
 
 
+async def only_the_bad_link_breaks(bad_link: DecodeLink, good_link: DecodeLink) -> None:
+    """Open the same request on both links: the one whose worker broke the protocol fails it
+    over (UNAVAILABLE, retryable) and is dropped; the other serves it whole and stays up."""
+    req = decode_pb2.DecodeServiceGenerateRequest(
+        request_id="q", prompt_token_ids=prompt(1), sampling=greedy(20)
+    )
+    bad, good = Sink(), Sink()
+    bad_link.open(req, 30).attach(bad)
+    good_link.open(req, 30).attach(good)
+    await asyncio.wait_for(asyncio.gather(bad.done.wait(), good.done.wait()), 30)
+    assert bad.error is not None and bad.error.code is grpc.StatusCode.UNAVAILABLE and bad.error.retryable
+    assert "broke the link protocol" in bad.error.details and not bad_link.alive
+    assert good.final is not None and len(good.tokens) == 20 and good_link.alive
+
+
 class BadLinkDecode(decode_pb2_grpc.DecodeServiceServicer):
     """A STAND-IN worker that breaks the protocol: an end for an id it was never given."""
 
@@ -404,21 +419,7 @@ async def test_the_router_drops_only_the_link_whose_worker_broke_the_protocol(si
         for ch in chans:
             stub = decode_pb2_grpc.DecodeServiceStub(ch)
             links.append(DecodeLink("x", stub.Link, lambda r, t, s=stub: s.Generate(r, timeout=t)))
-        req = decode_pb2.DecodeServiceGenerateRequest(
-            request_id="q", prompt_token_ids=prompt(1), sampling=greedy(20)
-        )
-
-        sinks = []
-        for link in links:
-            s = Sink()
-            link.open(req, 30).attach(s)
-            sinks.append(s)
-        await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in sinks)), 30)
-        bad, good = sinks
-        assert bad.error is not None and bad.error.code is grpc.StatusCode.UNAVAILABLE and bad.error.retryable
-        assert "broke the link protocol" in bad.error.details
-        assert not links[0].alive
-        assert good.final is not None and len(good.tokens) == 20 and links[1].alive
+        await only_the_bad_link_breaks(*links)
         for link in links:
             await link.close()
     finally:

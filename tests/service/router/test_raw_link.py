@@ -21,7 +21,15 @@ from pdmesh.v1 import decode_pb2
 from services.common import link_wire
 from services.decode.link_server import LinkServer
 from services.router.link import DecodeLink, RawDecodeLink
-from tests.service.router.test_link import SimDecode, Sink, greedy, links_of, prompt, run_flow
+from tests.service.router.test_link import (
+    SimDecode,
+    Sink,
+    greedy,
+    links_of,
+    only_the_bad_link_breaks,
+    prompt,
+    run_flow,
+)
 from tests.service.tls_mesh import foreign_client, make_certs
 from tests.support.poll import eventually
 
@@ -192,19 +200,7 @@ async def test_the_router_drops_only_the_raw_link_whose_worker_broke_the_protoco
         RawDecodeLink("good", "127.0.0.1", w.link_server.port, _no_generate),
     ]
     try:
-        req = decode_pb2.DecodeServiceGenerateRequest(
-            request_id="q", prompt_token_ids=prompt(1), sampling=greedy(20)
-        )
-        sinks = []
-        for link in links:
-            s = Sink()
-            link.open(req, 30).attach(s)
-            sinks.append(s)
-        await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in sinks)), 30)
-        bad, good = sinks
-        assert bad.error is not None and bad.error.code is grpc.StatusCode.UNAVAILABLE and bad.error.retryable
-        assert "broke the link protocol" in bad.error.details and not links[0].alive
-        assert good.final is not None and len(good.tokens) == 20 and links[1].alive
+        await only_the_bad_link_breaks(*links)
     finally:
         for link in links:
             await link.close()
