@@ -79,6 +79,11 @@ class EngineConfig:
     )
     sim_profile: str = setting("dynamo-mocker", "sim backend: timing profile in services/model/profiles.json")
     sim_speedup: float = setting(1.0, "sim backend: wall time = modeled time / this factor")
+    sim_slowdown_file: str | None = setting(
+        None,
+        "sim backend: a file holding a factor that multiplies every pass's wall time, reread at most "
+        "every 0.1 s (missing or unreadable: 1): a degraded accelerator, for fault studies",
+    )
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

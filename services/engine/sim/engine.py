@@ -11,6 +11,10 @@ one machine, like Dynamo's mocker and llm-d's inference simulator.
 Where time is modeled:
 - every scheduler pass: SimRunner.run sleeps prefill_ms + decode_ms (timing.py)
   / speedup on the step thread;
+- a degraded accelerator (fault studies): with `sim_slowdown_file` set, every
+  pass's wall time is multiplied by the factor in that file (runner.py's
+  `SlowdownFile`). Stopping the process (SIGSTOP) is no slowdown: a pass
+  that overran its modeled time while stopped counts as done;
 - a KV handoff: the bytes are real but tiny, so `generate_external` (decode
   side, after the transport pulled the blocks) waits
   `profile.transfer_s(transferred tokens) / speedup` on the event loop before
@@ -28,7 +32,7 @@ from functools import partial
 from services.engine.api import EngineRequest, ExternalKvReservation, RequestOutput, UnknownRequestError
 from services.engine.async_engine import TorchEngine
 from services.engine.config import EngineConfig
-from services.engine.sim.runner import SimRunner
+from services.engine.sim.runner import SimRunner, SlowdownFile
 from services.engine.sim.spec import sim_spec
 from services.model.timing import TimingProfile, load_profile
 
@@ -39,7 +43,9 @@ class SimEngine(TorchEngine):
         spec = sim_spec(config, profile)
         # Decode utilisation is of *this* pool (as the mocker uses its own block count).
         self.profile = profile.scaled_to(spec.num_blocks, config.block_size)
-        super().__init__(config, spec, partial(SimRunner, profile=self.profile, speedup=config.sim_speedup))
+        slowdown = SlowdownFile(config.sim_slowdown_file) if config.sim_slowdown_file else None
+        runner = partial(SimRunner, profile=self.profile, speedup=config.sim_speedup, slowdown=slowdown)
+        super().__init__(config, spec, runner)
         self._transfer_tokens: dict[str, int] = {}  # request id -> tokens its handoff moves
 
     @property

@@ -21,6 +21,7 @@ bytes; `import_blocks` / `export_blocks` copy them as ModelRunner does.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -55,6 +56,33 @@ class PassCost:
         return self.prefill_ms + self.decode_ms + self.restore_ms
 
 
+class SlowdownFile:
+    """A factor read from a file, at most every `every_s`: how much slower than modeled the
+    simulated accelerator runs now (a degraded GPU). A fault study writes 5 into it for a
+    minute, then 1; the worker process keeps running (its probes, Stats and streams answer),
+    only its passes take longer. A missing, empty or unparsable file, or a factor that is not
+    a finite number > 0, reads as 1."""
+
+    def __init__(self, path: str, every_s: float = 0.1, clock: Callable[[], float] = time.monotonic):
+        self.path, self.every_s, self._clock = path, every_s, clock
+        self._factor, self._read_at = 1.0, -math.inf
+
+    def __call__(self) -> float:
+        now = self._clock()
+        if now - self._read_at >= self.every_s:
+            self._read_at = now
+            self._factor = self._read()
+        return self._factor
+
+    def _read(self) -> float:
+        try:
+            with open(self.path, encoding="ascii") as f:
+                value = float(f.read().strip() or 1.0)
+        except (OSError, ValueError):
+            return 1.0
+        return value if math.isfinite(value) and value > 0 else 1.0
+
+
 class SimRunner:
     def __init__(
         self,
@@ -62,6 +90,7 @@ class SimRunner:
         profile: TimingProfile,
         speedup: float = 1.0,
         *,
+        slowdown: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
     ):
@@ -69,6 +98,7 @@ class SimRunner:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         self.profile = profile
         self.speedup = speedup
+        self._slowdown = slowdown  # the wall-time multiplier now (SlowdownFile), None: 1
         self._sleep, self._clock = sleep, clock
         self.kv_pool = spec.layout.allocate_pool(spec.num_blocks)
         # Tokens a sequence may emit: bytes, minus any EOS id of the vocabulary.
@@ -122,6 +152,8 @@ class SimRunner:
         self.modeled_s += cost.ms / 1000.0
         self.last_pass = cost
         wall = cost.ms / 1000.0 / self.speedup
+        if self._slowdown is not None:
+            wall *= self._slowdown()
         start = now
         if any(seq.status in _RUNNING for seq in self._previous):
             start = max(self._deadline, now - wall)

@@ -39,6 +39,7 @@ def sim_core(
     waits: list[float] | None = None,
     profile: str = "dynamo-mocker",
     clock: FakeClock | None = None,
+    slowdown=None,
     **overrides,
 ) -> LLMEngine:
     """A synchronous sim LLMEngine on a fake clock; its runner appends each wall wait to `waits`."""
@@ -47,7 +48,9 @@ def sim_core(
     spec = sim_spec(config, prof)
     prof = prof.scaled_to(spec.num_blocks, config.block_size)
     clock = clock or FakeClock(waits if waits is not None else [])
-    factory = partial(SimRunner, profile=prof, speedup=config.sim_speedup, sleep=clock.sleep, clock=clock)
+    factory = partial(
+        SimRunner, profile=prof, speedup=config.sim_speedup, slowdown=slowdown, sleep=clock.sleep, clock=clock
+    )
     return LLMEngine(config, spec, factory)
 
 

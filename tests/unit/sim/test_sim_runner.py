@@ -6,9 +6,11 @@ import pytest
 
 from services.engine.api import EngineRequest, SamplingParams
 from services.engine.llm_engine import LLMEngine
+from services.engine.sim.engine import SimEngine
+from services.engine.sim.runner import SlowdownFile
 from services.model.timing import load_profile
-from tests.unit.engine.conftest import prompt_of, request, tiny_config
-from tests.unit.sim.conftest import FakeClock, sim_core
+from tests.unit.engine.conftest import assert_pool_restored, prompt_of, request, tiny_config
+from tests.unit.sim.conftest import FakeClock, sim_config, sim_core
 
 
 def first_pass(core: LLMEngine, req):
@@ -141,3 +143,49 @@ def test_python_work_between_passes_overlaps_the_modeled_time(make_core):
     clock.now += 0.002
     first_pass(core, request("b", prompt_of(40, 12), max_tokens=1))
     assert waits[-1] == pytest.approx(core.runner.last_pass.ms / 1000)
+
+
+def test_a_slowdown_file_multiplies_each_pass_and_is_reread(make_core, tmp_path):
+    """A degraded accelerator: the factor in the file multiplies every pass's wall time, and a
+    fault study changes it while the worker runs."""
+    path = tmp_path / "slowdown"
+    clock, read_clock = FakeClock([]), FakeClock([])  # the runner's, and the file's rereads'
+    slowdown = SlowdownFile(str(path), every_s=0.1, clock=read_clock)
+    core = make_core(clock=clock, slowdown=slowdown, max_num_batched_tokens=4096)
+    core.add_request(request("a", prompt_of(64, 8), max_tokens=40))
+    core.step()  # no file yet: factor 1
+    assert clock.waits[-1] == pytest.approx(core.runner.last_pass.ms / 1000)
+    path.write_text("5\n")
+    read_clock.now += 0.1
+    core.step()
+    assert clock.waits[-1] == pytest.approx(5 * core.runner.last_pass.ms / 1000)
+    path.write_text("1")
+    core.step()  # reread at most every 0.1 s: this pass still runs 5x slower ...
+    assert clock.waits[-1] == pytest.approx(5 * core.runner.last_pass.ms / 1000)
+    read_clock.now += 0.1
+    core.step()  # ... and the next at full speed again
+    assert clock.waits[-1] == pytest.approx(core.runner.last_pass.ms / 1000)
+    drain(core)
+
+
+@pytest.mark.parametrize("text", ["", "fast", "0", "-2", "nan", "inf"])
+def test_an_unusable_slowdown_file_reads_as_no_slowdown(tmp_path, text):
+    path = tmp_path / "slowdown"
+    path.write_text(text)
+    assert SlowdownFile(str(path))() == 1.0
+    assert SlowdownFile(str(tmp_path / "missing"))() == 1.0
+
+
+def test_the_sim_engine_reads_the_slowdown_file_it_is_configured_with(tmp_path):
+    path = tmp_path / "slowdown"
+    path.write_text("3")
+    engine = SimEngine(sim_config(sim_slowdown_file=str(path)))
+    runner = engine._runner_factory(engine._spec)  # what the step thread builds at start
+    waits: list[float] = []
+    runner._sleep = waits.append
+    core = LLMEngine(engine.config, engine._spec, lambda spec: runner)
+    core.add_request(request("a", prompt_of(32, 9), max_tokens=2))
+    core.step()
+    assert waits[-1] == pytest.approx(3 * runner.last_pass.ms / 1000, rel=0.05)
+    drain(core)
+    assert_pool_restored(core)
