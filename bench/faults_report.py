@@ -175,6 +175,7 @@ def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s:
         *_error_lines(res),
         f"    healthy workers' peak queue (waiting+running) {peak}, waiting alone {peak_wait}; "
         f"leaked blocks at the end {res.leaked_blocks}",
+        *_miss_lines(res, slo_ttft_s, slo_tpot_s),
     ]
     if res.slow_end > res.slow_at:
         lines.append(
@@ -183,6 +184,17 @@ def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s:
             f"{slow_share(res, res.slow_at + 10, res.slow_end):.3f}"
         )
     return lines
+
+
+def _miss_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, bin_s: float = 5.0) -> list[str]:
+    """Requests that missed the SLOs (or failed), by arrival time: which fault cost them."""
+    misses = Counter(
+        int(r.arrival_s // bin_s) for r in res.records if not meets_slo(r, slo_ttft_s, slo_tpot_s)
+    )
+    if not misses:
+        return []
+    text = ", ".join(f"{b * bin_s:g}-{(b + 1) * bin_s:g} s: {n}" for b, n in sorted(misses.items()))
+    return [f"    missed the SLOs, by arrival: {text}"]
 
 
 def _error_lines(res: RunResult, top: int = 4) -> list[str]:

@@ -53,7 +53,7 @@ from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
 from services.router.hash_memo import HashMemo, MemoHashChain
 from services.router.hedge import HedgeConfig
-from services.router.hedge_race import HedgeRace
+from services.router.hedge_race import HedgeRace, expected_first_token_s
 from services.router.load_view import LoadView
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
 from services.router.outlier import OutlierDetector
@@ -556,13 +556,14 @@ class RequestFlow:
         return None
 
     def _first_token_timeout(self, worker_id: str, prefill_blocks: int) -> float:
-        """A multiple of the worker's predicted TTFT, within [floor, first_token_timeout_s];
-        the fixed cap without a prediction (or with the multiple 0)."""
+        """A multiple of when its first message is expected (`expected_first_token_s`: the
+        predicted TTFT plus the worker's reported queue wait), within [floor,
+        first_token_timeout_s]; the fixed cap without a prediction (or with the multiple 0)."""
         cfg, outliers = self.ctx.config, self.ctx.outliers
         cap = cfg.first_token_timeout_s
         if cap <= 0 or cfg.first_token_timeout_multiple <= 0 or outliers is None:
             return cap
-        predicted = outliers.predicted_ttft(worker_id, prefill_blocks)
+        predicted = expected_first_token_s(self.ctx, worker_id, prefill_blocks)
         if predicted is None:
             return cap
         return min(max(cfg.first_token_timeout_multiple * predicted, cfg.first_token_timeout_floor_s), cap)

@@ -29,6 +29,19 @@ from services.router.registry import WorkerRole
 log = structlog.get_logger()
 
 
+def expected_first_token_s(ctx, worker_id: str, prefill_blocks: int) -> float | None:
+    """When an attempt sent to `worker_id` now should see its first message: the detector's
+    predicted TTFT for its work there plus the queue wait the worker last reported (None
+    with no prediction). The first-token timeout and the hedge delay are multiples of it: a
+    request waiting its turn behind a queue is not late, and a copy of it (or a failover)
+    loses its place in that queue and adds to another."""
+    predicted = ctx.outliers.predicted_ttft(worker_id, prefill_blocks)
+    if predicted is None:
+        return None
+    rec = ctx.registry.get(worker_id)
+    return predicted + (max(rec.load.estimated_wait_ms, 0.0) / 1000.0 if rec is not None else 0.0)
+
+
 def leg_of(attempt: DecodeAttempt) -> Leg:
     if attempt.messages:
         return Leg.STARTED
@@ -70,8 +83,7 @@ class HedgeRace:
         deadline: float | None,
     ) -> None:
         """Hedge `primary` (just started, nothing delivered yet) if it is late."""
-        outliers = self.ctx.outliers
-        predicted = outliers.predicted_ttft(primary.worker_id, primary.prefill_blocks)
+        predicted = expected_first_token_s(self.ctx, primary.worker_id, primary.prefill_blocks)
         delay = hedge_delay(self.ctx.hedge, predicted, self._hedges)
         if delay is None:
             return

@@ -29,14 +29,24 @@ terms, so microsecond noise on an idle mesh is no outlier).
 
     score >= deprioritise_ratio: the worker's routing cost is multiplied by
         min(score, max_factor) (`rerank`, one call after the policy ranks);
-    score >= eject_ratio: EJECTED for min(base_ejection_s * multiplier ** k,
+    ITL score >= eject_ratio: EJECTED for min(base_ejection_s * multiplier ** k,
         max_ejection_s), k = ejections since it last stayed healthy for
         backoff_reset_s; never more than max(1, floor(share * workers)) of a
-        role at once, and never the last one;
+        role out at once, counting those out for another reason (`is_out`: not
+        serving, breaker open), and never the last one;
     ejection over: PROBING, like the breaker's half-open: `probe_requests`
         requests at a time go through; each probe's samples are judged on their
         own against the peers: `probe_successes` good ones -> HEALTHY (its old
         samples dropped), one bad one -> EJECTED again, for longer.
+
+Only the ITL (decode speed, and the gap a stream is in now) ejects. A worker's TTFT
+includes the wait in its queue, which is the router's own doing: a worker that was sent
+more work, or the work of a worker that just failed, answers later without being any
+slower. Ejecting it for that moves its queue to its peers, whose TTFT then rises in turn:
+in the faults study (bench/faults.py) the TTFT ejections of healthy workers under a burst
+of failovers took half the mesh out. So TTFT only deprioritises (its cost grows, new work
+goes elsewhere, the queue drains); a degraded accelerator is slow at every step and shows
+in the ITL; a hung worker is also seen by its health (forward progress, probes).
 
 Pure, synchronous and clock-injected; the router calls `is_available` (the
 registry's eligibility, with the breaker's), `allow_request` / `release` around
@@ -152,10 +162,12 @@ class OutlierDetector:
         config: OutlierConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_transition: Callable[[str, OutlierState, OutlierState], None] | None = None,
+        is_out: Callable[[str], bool] | None = None,
     ):
         self.config = config or OutlierConfig()
         self._clock = clock
         self._on_transition = on_transition
+        self._is_out = is_out  # out of routing for another reason (not serving, breaker open)
         self._workers: dict[str, _Worker] = {}
         self._last_eval = -math.inf
         self._role_median: dict[str, float] = {}  # TTFT median over a role's samples
@@ -329,19 +341,22 @@ class OutlierDetector:
         for wid, w in self._workers.items():
             self._advance(wid, w, now)
             if w.state is OutlierState.PROBING and cfg.live_enabled:
-                # A probe that is already far slower than the peers in flight: out again, now.
-                if self._live_score(wid, w) >= cfg.eject_ratio:
+                # A probe that is already far slower than the peers in flight: out again, now
+                # (a probe has the worker to itself: no queue in its TTFT).
+                if max(self._live_score(wid, w)) >= cfg.eject_ratio:
                     self._eject(wid, w, now)
                 continue
             if w.state is not OutlierState.HEALTHY:
                 continue
             window, live = self._score(wid, w), self._live_score(wid, w)
-            w.score = max(window, live)
+            w.score = max(max(window), max(live))
             w.factor = min(w.score, cfg.max_factor) if w.score >= cfg.deprioritise_ratio else 1.0
-            # The live view steers new requests away at once (the factor) but ejects only when
-            # it has said so for live_eject_after_s: on a CPU-starved machine a healthy worker's
-            # streams can all be late for a moment, and ejecting it then takes capacity away
-            # when it is needed most (the faults study's fault-free run cascaded that way).
+            # Only the ITL ejects (the module docstring: TTFT carries the queue). The live view
+            # steers new requests away at once (the factor) but ejects only when it has said so
+            # for live_eject_after_s: on a CPU-starved machine a healthy worker's streams can
+            # all be late for a moment, and ejecting it then takes capacity away when it is
+            # needed most (the faults study's fault-free run cascaded that way).
+            window, live = window[ITL], live[ITL]
             if live >= cfg.eject_ratio:
                 if w.live_bad_since is None:
                     w.live_bad_since = now
@@ -351,6 +366,7 @@ class OutlierDetector:
             if (window >= cfg.eject_ratio or sustained) and self._may_eject(w.role):
                 w.live_bad_since = None
                 self._eject(wid, w, now)
+        self._probe_early_where_short(now)
         self.inflated = any(w.factor > 1 for w in self._workers.values())
 
     def _peer_median(self, worker_id: str, role: str, metric: int) -> float | None:
@@ -368,12 +384,13 @@ class OutlierDetector:
             return 1.0
         return value / peer if peer > 0 else math.inf
 
-    def _score(self, worker_id: str, w: _Worker) -> float:
-        score = 1.0
+    def _score(self, worker_id: str, w: _Worker) -> list[float]:
+        """[TTFT, ITL] ratio of the worker's window quantile to its peers' (1: none)."""
+        score = [1.0, 1.0]
         for m in _METRICS:
             q = w.quantiles[m]
             if q is not None:
-                score = max(score, self._ratio(worker_id, w.role, m, q))
+                score[m] = self._ratio(worker_id, w.role, m, q)
         return score
 
     def _live(self, w: _Worker, now: float) -> None:
@@ -398,11 +415,11 @@ class OutlierDetector:
             quantile(itl, 0.5) if len(itl) >= need else None,
         ]
 
-    def _live_score(self, worker_id: str, w: _Worker) -> float:
-        """The worker's live medians against its healthy peers', each peer taken at the larger
-        of its live median and its window quantile (so a lag in one view does not make a
-        peer look fast), ratios counted as in `_ratio`."""
-        score = 1.0
+    def _live_score(self, worker_id: str, w: _Worker) -> list[float]:
+        """[TTFT, ITL]: the worker's live medians against its healthy peers', each peer taken
+        at the larger of its live median and its window quantile (so a lag in one view does
+        not make a peer look fast), ratios counted as in `_ratio`."""
+        score = [1.0, 1.0]
         for m in _METRICS:
             value = w.live_values[m]
             if value is None:
@@ -417,14 +434,38 @@ class OutlierDetector:
                 continue
             peer = quantile(refs, 0.5)
             if value - peer >= self.config.min_excess_s:
-                score = max(score, value / peer if peer > 0 else math.inf)
+                score[m] = value / peer if peer > 0 else math.inf
         return score
 
-    def _may_eject(self, role: str) -> bool:
-        members = [w for w in self._workers.values() if w.role == role]
-        out = sum(w.state is not OutlierState.HEALTHY for w in members)
+    def _out_of(self, role: str) -> tuple[int, int]:
+        """(workers of `role` out now, how many may be): out = ejected or probing, or out for
+        another reason (`is_out`: not serving, breaker open); may = max(1, floor(share x
+        workers)), never all of them."""
+        is_out = self._is_out
+        members = [(wid, w) for wid, w in self._workers.items() if w.role == role]
+        out = sum(
+            w.state is not OutlierState.HEALTHY or (is_out is not None and is_out(wid)) for wid, w in members
+        )
         allowed = min(max(1, math.floor(self.config.max_ejected_share * len(members))), len(members) - 1)
-        return self.config.max_ejected_share > 0 and out < allowed
+        return out, (allowed if self.config.max_ejected_share > 0 else 0)
+
+    def _may_eject(self, role: str) -> bool:
+        out, allowed = self._out_of(role)
+        return out < allowed
+
+    def _probe_early_where_short(self, now: float) -> None:
+        """A role with more workers out than the share allows (one ejected as slow, then
+        another stopped answering) probes its ejected workers now instead of at the end of
+        their backoff: a slow worker, or one that has recovered meanwhile, is better than
+        none. Probing lets one request through at a time, judged on its own."""
+        for role in {w.role for w in self._workers.values() if w.state is OutlierState.EJECTED}:
+            out, allowed = self._out_of(role)
+            if out <= allowed:
+                continue
+            for wid, w in self._workers.items():
+                if w.role == role and w.state is OutlierState.EJECTED:
+                    w.until = min(w.until, now)
+                    self._advance(wid, w, now)
 
     # ---- transitions ----------------------------------------------------------
 

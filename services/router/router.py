@@ -136,7 +136,7 @@ class Router:
         self.metrics = RouterMetrics(self.stats)
         self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
         # Always there: with --outlier-enabled false it only predicts TTFTs (nobody is ejected).
-        self.outliers = OutlierDetector(settings.outlier, clock, self._on_outlier)
+        self.outliers = OutlierDetector(settings.outlier, clock, self._on_outlier, self._out_otherwise)
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = TieredPrefixIndex(settings.index)  # pool blocks + host tiers
@@ -430,6 +430,12 @@ class Router:
         if not self.breakers.is_available(worker_id):
             return False
         return self.outliers is None or self.outliers.is_available(worker_id)
+
+    def _out_otherwise(self, worker_id: str) -> bool:
+        """Is the worker out of routing for a reason of its own (not serving, breaker open)?
+        The outlier detector counts these against its ejection share."""
+        rec = self.registry.get(worker_id)
+        return rec is None or not rec.healthy or not self.breakers.is_available(worker_id)
 
     def _forget_latency(self, worker_id: str) -> None:
         if self.outliers is not None:

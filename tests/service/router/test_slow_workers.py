@@ -19,6 +19,7 @@ import threading
 import grpc
 import pytest
 
+from pdmesh.v1 import common_pb2
 from services.common.errors import MeshError
 from services.router.generate import FlowRequest, RequestFlow
 from services.router.hedge import HedgeConfig
@@ -47,7 +48,7 @@ class Hold:
         return self
 
     def release(self) -> None:
-        if self.engine._step is not self._real:
+        if "_step" in vars(self.engine):
             del self.engine._step  # the class's method again
         self.gate.set()
 
@@ -129,6 +130,47 @@ async def test_the_first_token_timeout_follows_the_predicted_ttft(mesh, sims):
     await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
 
 
+async def reports_queue(h, worker: SimDecode, wait_s: float) -> None:
+    """From now on `worker`'s load reports say `wait_s` of queue ahead; wait until the router heard."""
+    load = worker.servicer.load
+
+    def queued() -> common_pb2.WorkerLoad:
+        out = load()
+        out.estimated_wait_ms = 1000.0 * wait_s
+        return out
+
+    worker.servicer.load = queued
+    rec = lambda: h.router.registry.get(worker.worker_id)  # noqa: E731
+    await eventually(lambda: rec().load.estimated_wait_ms >= 1000.0 * wait_s, what="queue heard", timeout=30)
+
+
+async def test_the_first_token_timeout_counts_the_queue_the_worker_reports(mesh, sims):
+    """A request behind a queue is not stalled: failing it over at the floor would lose its
+    place (and in a burst of failovers, move the burst on to the next worker)."""
+    a, b = await sims("a"), await sims("b")
+    h = await mesh.router(
+        decode=[a, b],
+        policy="round_robin",
+        first_token_timeout_s=120.0,
+        first_token_timeout_multiple=10.0,
+        first_token_timeout_floor_s=0.5,
+        outlier=OutlierConfig(min_samples=2, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
+    )
+    free_a = a.free()
+    await warm(h, 4)  # predicted TTFT a few ms: without the queue the timeout is the 0.5 s floor
+    await reports_queue(h, a, 3.0)
+    want, _ = await run_flow(h.router, "ref", prompt(9), 20)  # on a
+    await run_flow(h.router, "to-b", prompt(3), 4)  # b's turn
+    with Hold(a) as hold:
+        task = await start_on(h, "a", "r", prompt(9), 20)
+        attempt = h.router.flows["r"]._attempt
+        assert attempt is not None and attempt._first_timeout >= 10 * 3.0
+        hold.release()
+        toks, final = await task
+    assert toks == want and final.worker_id == "a" and h.router.budget.retries_granted == 0
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
+
+
 async def test_a_much_slower_worker_is_ejected_and_gets_no_new_requests(mesh, sims):
     fast, slow = await sims("fast", speedup=50.0), await sims("slow", speedup=0.5)
     cfg = OutlierConfig(min_samples=3, eval_interval_s=0.0, base_ejection_s=100.0)
@@ -168,6 +210,35 @@ async def test_a_hedge_to_the_next_worker_wins_when_the_first_is_hung(mesh, sims
     assert counter(h.router, "pdmesh_router_wasted_tokens_by_cause_total", cause="hedged") > 0
     assert h.router.stats().wasted_tokens > 0  # the primary's prefill, thrown away
     await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)
+
+
+async def test_a_hedge_waits_out_the_queue_the_worker_reports(mesh, sims):
+    """Late means later than the queue ahead implies: no copy (which would lose the
+    request's place and add to another worker's queue) while it waits its turn."""
+    a, b = await sims("a"), await sims("b")
+    h = await mesh.router(
+        decode=[a, b],
+        policy="round_robin",
+        first_token_timeout_multiple=0,
+        hedge=HedgeConfig(enabled=True, multiple=3.0, min_delay_s=0.05),
+        outlier=OutlierConfig(min_samples=2, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
+        retry_budget=RetryBudgetConfig(min_retries_per_second=1.0),
+    )
+    free_a = a.free()
+    await warm(h, 4)
+    await reports_queue(h, a, 2.0)
+    want, _ = await run_flow(h.router, "ref", prompt(11), 16)  # on a
+    await run_flow(h.router, "to-b", prompt(3), 4)
+    with Hold(a) as hold:
+        task = await start_on(h, "a", "r", prompt(11), 16)
+        flow = h.router.flows["r"]
+        timer, primary = flow._race._timer, flow._attempt
+        assert timer is not None and timer.when() - primary.started >= 3 * 2.0
+        hold.release()
+        toks, final = await task
+    assert toks == want and final.worker_id == "a"
+    assert counter(h.router, "pdmesh_router_hedges_total", outcome="sent") == 0
+    await eventually(lambda: a.free() == free_a, what="a's pool free", timeout=30)
 
 
 async def test_a_hedge_that_loses_is_cancelled_and_counted_as_waste(mesh, sims):

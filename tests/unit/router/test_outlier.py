@@ -31,7 +31,7 @@ def mesh(cfg: OutlierConfig = CFG, workers: int = 4):
     transitions: list[tuple[str, OutlierState, OutlierState]] = []
     det = OutlierDetector(cfg, clock, lambda w, old, new: transitions.append((w, old, new)))
     for i in range(workers):
-        feed(det, f"w{i}", 0.05)
+        feed(det, f"w{i}", 0.05, itl=0.03)
     return det, clock, transitions
 
 
@@ -74,7 +74,7 @@ def test_small_absolute_differences_are_no_outlier():
 
 def test_a_very_slow_worker_is_ejected_then_probed_back_in():
     det, clock, transitions = mesh()
-    feed(det, "w0", 0.5)  # 10x its peers
+    feed(det, "w0", 0.5, itl=0.3)  # 10x its peers
     assert det.state("w0") is OutlierState.EJECTED
     assert not det.is_available("w0") and not det.allow_request("w0")
     assert det.predicted_ttft("w1") == pytest.approx(0.05)
@@ -95,7 +95,7 @@ def test_a_very_slow_worker_is_ejected_then_probed_back_in():
 
 def test_a_bad_probe_ejects_again_for_twice_as_long():
     det, clock, _ = mesh()
-    feed(det, "w0", 0.5)
+    feed(det, "w0", 0.5, itl=0.3)
     clock.t += 5.0
     assert det.allow_request("w0")
     det.record_ttft("w0", 0.5)
@@ -108,7 +108,7 @@ def test_a_bad_probe_ejects_again_for_twice_as_long():
 
 def test_a_cancelled_probe_frees_its_slot():
     det, clock, _ = mesh()
-    feed(det, "w0", 0.5)
+    feed(det, "w0", 0.5, itl=0.3)
     clock.t += 5.0
     assert det.allow_request("w0")
     det.release("w0")
@@ -117,7 +117,7 @@ def test_a_cancelled_probe_frees_its_slot():
 
 def test_a_lost_probe_frees_its_slot_after_the_probe_timeout():
     det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, probe_timeout_s=3.0))
-    feed(det, "w0", 0.5)
+    feed(det, "w0", 0.5, itl=0.3)
     clock.t += 5.0
     assert det.allow_request("w0") and not det.allow_request("w0")
     clock.t += 3.0
@@ -126,8 +126,8 @@ def test_a_lost_probe_frees_its_slot_after_the_probe_timeout():
 
 def test_never_more_than_the_share_of_workers_is_ejected():
     det, _, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, max_ejected_share=0.25))
-    feed(det, "w0", 0.5)
-    feed(det, "w1", 0.5)
+    feed(det, "w0", 0.5, itl=0.3)
+    feed(det, "w1", 0.5, itl=0.3)
     states = [det.state(f"w{i}") for i in range(4)]
     assert states.count(OutlierState.EJECTED) == 1  # floor(0.25 * 4) = 1
     # the one left in is still deprioritised
@@ -137,9 +137,9 @@ def test_never_more_than_the_share_of_workers_is_ejected():
 
 def test_of_two_workers_one_may_be_ejected_never_both():
     det, _, _ = mesh(workers=2)
-    feed(det, "w0", 0.5)
+    feed(det, "w0", 0.5, itl=0.3)
     assert det.state("w0") is OutlierState.EJECTED
-    feed(det, "w1", 5.0)  # its only peer is ejected: no one to compare with, and it is the last
+    feed(det, "w1", 5.0, itl=3.0)  # its only peer is ejected: no one to compare with, and it is the last
     assert det.state("w1") is OutlierState.HEALTHY
 
 
@@ -148,10 +148,54 @@ def test_samples_leave_the_window():
     feed(det, "w0", 0.1)
     assert det.factor("w0") > 1
     clock.t += 11.0
-    feed(det, "w0", 0.05)
+    feed(det, "w0", 0.05, itl=0.03)
     for i in range(1, 4):
-        feed(det, f"w{i}", 0.05)
+        feed(det, f"w{i}", 0.05, itl=0.03)
     assert det.factor("w0") == 1.0
+
+
+def test_a_long_queue_deprioritises_but_only_a_slow_decode_ejects():
+    """TTFT carries the wait in the worker's queue, which the router made: a worker 10x
+    later to its first token than its peers, but decoding as fast, is steered away from
+    (its queue drains), never ejected; 10x slower per token, it is ejected."""
+    det, _, transitions = mesh()
+    feed(det, "w0", 0.5, itl=0.03)
+    assert det.factor("w0") == pytest.approx(10.0)
+    assert det.state("w0") is OutlierState.HEALTHY and transitions == []
+    feed(det, "w1", 0.05, itl=0.3)
+    assert det.state("w1") is OutlierState.EJECTED
+
+
+def test_a_worker_queued_up_now_is_deprioritised_not_ejected():
+    """The live view's TTFT (requests waiting there for a first message) is a queue too."""
+    det, clock, _ = mesh(OutlierConfig(min_samples=4, eval_interval_s=0.0, live_eject_after_s=2.0))
+    for i in (1, 2, 3):
+        streaming(det, clock, f"w{i}", 0.03)
+    for _ in range(4):  # four requests waiting on w0 for 3 s with nothing back
+        det.track(Flight("w0", clock.t - 3.0))
+    for _ in range(3):
+        advance(det, clock, ("w1", "w2", "w3"), 1.0)
+        det.evaluate()
+    assert det.factor("w0") == pytest.approx(OutlierConfig().max_factor)
+    assert det.state("w0") is OutlierState.HEALTHY
+
+
+def test_workers_out_for_other_reasons_count_against_the_share():
+    """One of four not serving (is_out) and one ejected: with share 0.5 no third goes out,
+    and when a second stops answering, the ejected one is probed at once."""
+    out = {"w3"}
+    clock = Clock()
+    cfg = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0, max_ejected_share=0.5)
+    det = OutlierDetector(cfg, clock, is_out=out.__contains__)
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    feed(det, "w0", 0.5, itl=0.3)
+    assert det.state("w0") is OutlierState.EJECTED  # 2 of 4 out: the share
+    feed(det, "w1", 0.5, itl=0.3)
+    assert det.state("w1") is OutlierState.HEALTHY and det.factor("w1") > 1
+    out.add("w2")  # three out of four now: the slow one is better than none
+    det.evaluate()
+    assert det.state("w0") is OutlierState.PROBING and det.allow_request("w0")
 
 
 def test_itl_counts_as_much_as_ttft():
@@ -167,7 +211,7 @@ def test_backoff_resets_after_a_long_healthy_stretch():
         OutlierConfig(min_samples=4, eval_interval_s=0.0, probe_successes=1, backoff_reset_s=60)
     )
     for _ in range(2):  # eject, probe back in, twice: the second ejection is 10 s
-        feed(det, "w0", 0.5)
+        feed(det, "w0", 0.5, itl=0.3)
         assert det.state("w0") is OutlierState.EJECTED
         clock.t += 10.0
         assert det.allow_request("w0")
@@ -175,8 +219,8 @@ def test_backoff_resets_after_a_long_healthy_stretch():
         assert det.state("w0") is OutlierState.HEALTHY
     clock.t += 61.0
     for i in range(1, 4):
-        feed(det, f"w{i}", 0.05)
-    feed(det, "w0", 0.5)
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    feed(det, "w0", 0.5, itl=0.3)
     assert det.state("w0") is OutlierState.EJECTED
     clock.t += 5.0
     assert det.state("w0") is OutlierState.PROBING
@@ -331,7 +375,7 @@ def test_one_live_attempt_is_not_enough_and_a_slow_probe_is_ejected_again():
     streaming(det, clock, "w0", 0.3, n=1)  # one slow stream: below live_min_attempts
     det.evaluate()
     assert det.state("w0") is OutlierState.HEALTHY
-    feed(det, "w0", 0.5)  # the window ejects it
+    feed(det, "w0", 0.5, itl=0.3)  # the window ejects it
     assert det.state("w0") is OutlierState.EJECTED
     for f in (f for o in det._workers.values() for f in o.live):
         f.ended = True
