@@ -3,7 +3,7 @@
 Cores and engines raise domain errors; `status_of` maps any of them to a gRPC
 status once (this module imports neither the engine nor the kvtransfer library:
 their errors name their own status, see `status_of`), and `grpc_errors` wraps a servicer method so that a domain error
-becomes `context.abort(code, message)` and an unexpected exception becomes
+becomes the call's status (code, message) and an unexpected exception becomes
 INTERNAL with a generic message (the traceback goes to the log, never to the
 client).
 """
@@ -109,7 +109,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException, method: str = "?") -> None:
-    """Abort the call with the status of `exc` (INTERNAL for unknown errors).
+    """End the call with the status of `exc` (INTERNAL for unknown errors): the caller
+    returns right after (the `grpc_errors` wrappers do).
 
     `method` names the servicer method in the log of an unknown error (grpc.aio
     offers no public way to read it from the context, and the private one it once
@@ -124,7 +125,28 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException, metho
     retry_ms = retry_after_ms(exc, code)
     if retry_ms is not None:
         context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
-    await context.abort(code, message)
+    drop_tracebacks(exc)
+    # The status is set and the handler returns, rather than `context.abort`, which raises
+    # an AbortError that grpc.aio keeps in a cycle with the handler's frames (~26 objects per
+    # call for the collector, more with ours): under a shed storm the collections of those
+    # cycles were the router's longest pauses.
+    context.set_code(code)
+    context.set_details(message)
+
+
+def drop_tracebacks(exc: BaseException | None) -> None:
+    """Let go of the frames an error (and the errors it was raised from) passed through, once
+    its status is known. Each frame keeps its locals after its function returned (the request's
+    flow, its task, its closures), and one of them usually refers back to the error: every
+    rejected request then left a cycle of ~100 objects for the garbage collector, whose
+    collections of them (~20k objects each) stopped the router's loop for 8-19 ms every ~0.7 s
+    of a 20x burst (bench/shed.py, issue 18's rejection p99). Without the tracebacks reference
+    counting frees them at once."""
+    seen = 0
+    while exc is not None and seen < 8:  # a chain is short; a cyclic chain must not loop
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
 
 
 def grpc_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,7 +163,7 @@ def grpc_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             except (grpc.aio.AbortError, GeneratorExit):
                 raise
             except Exception as e:  # the edge: every error becomes a status
-                await abort_for(context, e, method)
+                await abort_for(context, e, method)  # and the stream ends with that status
 
         return stream_wrapper
 
@@ -153,5 +175,6 @@ def grpc_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as e:  # the edge: every error becomes a status
             await abort_for(context, e, method)
+            return None  # no response: the call ends with the status abort_for set
 
     return unary_wrapper

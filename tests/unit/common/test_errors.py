@@ -121,3 +121,65 @@ def test_unavailable_always_carries_a_hint_and_other_errors_none():
     assert retry_after_ms(Unavailable("x", retry_after_s=0.2), S.UNAVAILABLE, rand=lambda: 0.0) == 200
     assert retry_after_ms(InvalidArgument("bad"), S.INVALID_ARGUMENT) is None
     assert retry_after_ms(ResourceExhausted("no hint"), S.RESOURCE_EXHAUSTED) is None
+
+
+class _Shedder:
+    """Refuses every call the way the router's admission does: a domain error raised deep in
+    the handler, from another one, with the handler's own state in its frames."""
+
+    def __init__(self) -> None:
+        self.flows: list[object] = []
+
+    def _admit(self, flow: dict) -> None:
+        try:
+            raise LookupError("no slot")
+        except LookupError as e:
+            flow["error"] = e  # the flow keeps its error: a cycle through the frames
+            raise ResourceExhausted("queue full", retry_after_s=0.5) from e
+
+    @grpc_errors
+    async def Unary(self, request, context):
+        self._admit({"request": request})
+
+    @grpc_errors
+    async def Stream(self, request, context):
+        self._admit({"request": request})
+        yield b""
+
+
+async def test_a_refused_call_leaves_nothing_for_the_garbage_collector():
+    """The edge sets the status and returns instead of `context.abort` (whose AbortError
+    grpc.aio keeps in a cycle with the handler's frames) and drops the error's tracebacks:
+    in a shed storm the collections of those cycles were the router's longest pauses
+    (bench/shed.py's rejection p99, issue 18). The status and retry hint still arrive."""
+    import gc
+
+    shedder = _Shedder()
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(shedder.Unary),
+        "Stream": grpc.unary_stream_rpc_method_handler(shedder.Stream),
+    }
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Shed", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for _ in range(20):
+                with pytest.raises(grpc.aio.AioRpcError) as unary:
+                    await channel.unary_unary("/test.Shed/Unary")(b"", timeout=10)
+                with pytest.raises(grpc.aio.AioRpcError) as stream:
+                    async for _ in channel.unary_stream("/test.Shed/Stream")(b"", timeout=10):
+                        pass
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, (ResourceExhausted, grpc.aio.AbortError))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        await server.stop(None)
+    for err in (unary.value, stream.value):
+        assert (err.code(), err.details()) == (S.RESOURCE_EXHAUSTED, "queue full")
+        assert int(dict(err.trailing_metadata())["retry-after-ms"]) >= 500
+    assert left == []
