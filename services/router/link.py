@@ -89,6 +89,10 @@ class LinkCall:
     def attach(self, sink: Sink) -> None:
         self.sink = sink
 
+    def detach(self) -> None:
+        """The attempt is done with this call: nothing more goes to it (see DecodeAttempt._release)."""
+        self.sink = None
+
     def cancel(self) -> bool:
         if self._pump is not None:
             self._pump.cancel()

@@ -16,10 +16,13 @@ import ssl
 
 from services.common.server import ServerConfig
 from services.common.tls import TlsConfig
+from services.gateway.app import DisconnectWatch
 from services.router.config import HttpDoorConfig
+from services.router.generate import RequestFlow
 from services.router.http_door import HttpDoor
 from tests.service.gateway import httpio
 from tests.service.tls_mesh import make_certs
+from tests.support.cycles import CycleWatch
 from tests.support.poll import eventually
 
 MODEL = "builtin-tiny"
@@ -134,3 +137,19 @@ async def test_a_drain_does_not_wait_on_an_idle_https_client_that_keeps_its_sock
     finally:
         client.close()
         await door.stop()
+
+
+async def test_a_finished_http_request_leaves_nothing_in_a_cycle(mesh):
+    """The door's per-request disconnect watcher ends without keeping its CancelledError
+    (a cycle with its frame and task per request, for the garbage collector otherwise)."""
+    a = await mesh.decode("a")
+    h = await mesh.router([a])
+    async with door_of(h) as door:
+        await post(door.address, {"prompt": "warm", "max_tokens": 2})
+        with CycleWatch() as watch:
+            for stream in (True, False, True, False):
+                status, _, _ = await post(door.address, {"prompt": "hi", "max_tokens": 4, "stream": stream})
+                assert status == 200
+            await eventually(lambda: not h.router.flows, what="every flow ended", timeout=30)
+            h.router.outliers.evaluate()
+    assert watch.left(DisconnectWatch, RequestFlow) == []

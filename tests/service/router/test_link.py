@@ -22,6 +22,7 @@ gRPC. Every test checks each worker's pool is back to its free count.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from contextlib import aclosing
 
 import grpc
@@ -35,9 +36,11 @@ from services.decode.link_server import LinkServer
 from services.decode.metrics import DecodeMetrics
 from services.decode.servicer import DecodeServicer
 from services.engine.config import EngineConfig
+from services.router.attempt import DecodeAttempt
 from services.router.generate import FlowFinal, FlowRequest, RequestFlow
-from services.router.link import DecodeLink, RawDecodeLink
+from services.router.link import DecodeLink, LinkCall, RawDecodeLink
 from services.worker.runtime import WorkerConfig, WorkerRuntime
+from tests.support.cycles import CycleWatch
 from tests.support.poll import eventually
 
 BLOCKS = 512
@@ -427,3 +430,24 @@ async def test_the_router_drops_only_the_link_whose_worker_broke_the_protocol(si
             await ch.close()
         await server.stop()
     await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
+
+
+async def test_a_finished_request_leaves_nothing_in_a_cycle(mesh, sims):
+    """The attempt, its link call and its flow are freed by reference counting, not left
+    for the garbage collector (tests/support/cycles.py): done, cancelled and migrated."""
+    a = await sims("a")
+    h = await mesh.router(decode=[a], policy="round_robin")
+    free = a.free()
+    await run_flow(h.router, "warm", prompt(1), 4)
+    with CycleWatch() as watch:
+        for i in range(5):
+            await run_flow(h.router, f"r{i}", prompt(i), 8)
+        task = asyncio.create_task(run_flow(h.router, "cut", prompt(7), 4000))
+        await eventually(lambda: "cut" in h.router.flows, what="the long request running", timeout=30)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await eventually(lambda: not h.router.flows, what="every flow ended", timeout=30)
+        h.router.outliers.evaluate()  # its live view lets go of the ended attempts
+    assert watch.left(RequestFlow, DecodeAttempt, LinkCall) == []
+    await eventually(lambda: a.free() == free, what="the pool back to its free count", timeout=30)
