@@ -362,6 +362,7 @@ METRICS = (
     "pdmesh_router_outlier_transitions",
     "pdmesh_router_retried_arrivals",
     "pdmesh_router_breaker_transitions",
+    "pdmesh_router_reroute_first_token_seconds",  # a histogram: its buckets, count and sum
 )
 
 
@@ -378,8 +379,11 @@ def scrape(mesh: Mesh) -> dict[str, float]:
         if line.startswith("#") or not line.startswith(METRICS):
             continue
         key, _, value = line.rpartition(" ")
-        if key.split("{")[0].endswith("_total"):
+        name = key.split("{")[0]
+        if name.endswith("_total"):
             out[key.replace("_total", "", 1)] = float(value)
+        elif name.endswith(("_bucket", "_count")):  # histograms
+            out[key] = float(value)
     return out
 
 

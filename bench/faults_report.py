@@ -210,12 +210,31 @@ def _label(key: str) -> str:
     return key.split("=", 1)[1].strip('"}') if "=" in key else key
 
 
+REROUTE_FIRST = "pdmesh_router_reroute_first_token_seconds"
+REROUTE_BOUND_S = 2.0  # issue 18: their first token elsewhere within 2 s of the router noticing
+
+
+def rerouted_within(metrics: dict) -> tuple[float, float]:
+    """(requests moved before a first token that got one elsewhere, those within the bound),
+    from the router's histogram deltas."""
+    n = metrics.get(f"{REROUTE_FIRST}_count", 0.0)
+    within = metrics.get(f'{REROUTE_FIRST}_bucket{{le="{REROUTE_BOUND_S}"}}', 0.0)
+    return n, within
+
+
 def _metric_lines(res: RunResult) -> list[str]:
     if not res.metrics:
         return []
     by_cause = {k: v for k, v in res.metrics.items() if k.startswith("pdmesh_router_wasted_tokens_by_cause")}
-    rest = {k: v for k, v in res.metrics.items() if k not in by_cause}
+    reroute = {k: v for k, v in res.metrics.items() if k.startswith(REROUTE_FIRST)}
+    rest = {k: v for k, v in res.metrics.items() if k not in by_cause and k not in reroute}
     lines = []
+    if reroute:
+        n, within = rerouted_within(res.metrics)
+        lines.append(
+            f"    moved off an unhealthy worker before a first token: {n:g}, first token elsewhere "
+            f"within {REROUTE_BOUND_S:g} s of the router noticing: {within:g}"
+        )
     if by_cause:
         text = ", ".join(f"{_label(k)} {v:,.0f}" for k, v in sorted(by_cause.items()))
         lines.append(f"    router's wasted tokens by cause: {text}")
@@ -261,6 +280,7 @@ FIGURES = (
     "naive_queue_peak_vs_clean",
     "hung",
     "slow_share_10s",
+    "rerouted_late",
     "clean_slo",
 )
 # A repetition whose fault-free run met its SLOs for less than this share of requests ran on
@@ -289,6 +309,9 @@ def figures(results: dict[str, RunResult], slo_ttft_s: float, slo_tpot_s: float,
         "naive_queue_peak_vs_clean": ratio(healthy_peak(nv)[0], clean_peak) if nv else nan,
         "hung": float(hung(pd.records, slack_s)) if pd else nan,
         "slow_share_10s": slow_share(pd, pd.slow_at + 10, pd.slow_end) if pd else nan,
+        # moved off a worker that went unhealthy before their first token, and that first token
+        # came later than REROUTE_BOUND_S after (the router's histogram; target 0)
+        "rerouted_late": (lambda n, w: n - w)(*rerouted_within(pd.metrics)) if pd else nan,
         "clean_slo": (
             sum(meets_slo(x, slo_ttft_s, slo_tpot_s) for x in cl.records) / max(len(cl.records), 1)
             if cl
@@ -304,7 +327,7 @@ def valid(fig: dict) -> bool:
 
 
 def _fmt(name: str, v: float) -> str:
-    if name == "hung":
+    if name in ("hung", "rerouted_late"):
         return str(int(v)) if v == v else "nan"
     return f"{v:.3f}" if name in ("slow_share_10s", "clean_slo") else f"{v:.2f}"
 
@@ -314,20 +337,21 @@ def summary_line(fig: dict) -> str:
 
 
 def mean_figures(reps: list[dict]) -> dict:
-    """Mean over the valid repetitions (hung: the sum, as any hung request is a miss); over
+    """Mean over the valid repetitions (hung and rerouted_late: the sum, as each is a miss); over
     all of them when none is valid (the line then says so through its clean_slo)."""
     reps = [r for r in reps if valid(r)] or reps
     out = {}
     for n in FIGURES:
-        vals = [r[n] for r in reps if r[n] == r[n]]
-        out[n] = (sum(vals) if n == "hung" else sum(vals) / len(vals)) if vals else float("nan")
+        vals = [v for r in reps if (v := r.get(n, float("nan"))) == v]
+        summed = n in ("hung", "rerouted_late")  # counts of misses
+        out[n] = (sum(vals) if summed else sum(vals) / len(vals)) if vals else float("nan")
     return out
 
 
 def spread_line(reps: list[dict]) -> str:
     parts = []
     for n in FIGURES:
-        vals = [r[n] for r in reps if r[n] == r[n]]
+        vals = [v for r in reps if (v := r.get(n, float("nan"))) == v]
         if vals:
             parts.append(f"{n} {_fmt(n, sum(vals) / len(vals))} [{_fmt(n, min(vals))}, {_fmt(n, max(vals))}]")
     return "; ".join(parts) + f" (n={len(reps)})"

@@ -184,6 +184,7 @@ class RequestFlow:
         self._loop = loop
         self._started = loop.time()
         self._last_sent = self._started  # when the last tokens left (inter-token latency)
+        self._rerouted_at: float | None = None  # first moved off an unhealthy worker (before a token)
         self._deadline = None if req.timeout_s is None else self._started + req.timeout_s
         self.worker_id = ""
         self._routed: int | None = None  # this attempt's LoadView key
@@ -331,6 +332,8 @@ class RequestFlow:
                         if ctx.metrics is not None:
                             if first:
                                 ctx.metrics.ttft(now - self._started)
+                                if self._rerouted_at is not None:  # moved off an unhealthy worker
+                                    ctx.metrics.reroute_first_token(now - self._rerouted_at)
                             else:
                                 ctx.metrics.itl(now - self._last_sent, len(ids))
                         first = False
@@ -358,6 +361,8 @@ class RequestFlow:
                 return
             err = attempt.error
             assert err is not None
+            if err.reroute and first and self._rerouted_at is None:
+                self._rerouted_at = self._loop.time()
             if err.worker_fault:
                 ctx.breakers.record_failure(worker)
                 if attempt.stalled and attempt.messages:  # hung mid-stream: the others there too

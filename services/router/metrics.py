@@ -176,6 +176,13 @@ class RouterMetrics:
             ["cause"],
             registry=r,
         )
+        self._reroute_first = LoopHistogram(
+            "pdmesh_router_reroute_first_token_seconds",
+            "Time from moving a request off a worker that went unhealthy before its first token "
+            "(the router noticing) to that first token leaving the router from another worker",
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),  # issue 18's bound: 2 s
+        )
+        r.register(self._reroute_first)
         self._outlier = Counter(
             "pdmesh_router_outlier_transitions",
             "Latency outlier detector transitions, by new state (ejected, probing, healthy)",
@@ -215,6 +222,9 @@ class RouterMetrics:
 
     def hedge(self, outcome: str) -> None:
         self._hedges.labels(outcome).inc()
+
+    def reroute_first_token(self, seconds: float) -> None:
+        self._reroute_first.observe(seconds)
 
     def reroute(self, cause: str, n: int = 1) -> None:
         self._reroutes.labels(cause).inc(n)

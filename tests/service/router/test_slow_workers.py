@@ -105,6 +105,9 @@ async def test_a_request_on_a_worker_that_goes_not_serving_is_rerouted_before_it
         toks, final = await task
     assert toks == want and final.worker_id == "b" and final.migrations == 0
     assert counter(h.router, "pdmesh_router_reroutes_total", cause="not_serving") >= 1
+    assert (
+        counter(h.router, "pdmesh_router_reroute_first_token_seconds_count") == 1
+    )  # its first token elsewhere
     assert h.router.budget.retries_granted == 0  # a re-route spends no retry budget
     await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)
 

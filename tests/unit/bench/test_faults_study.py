@@ -124,3 +124,16 @@ def test_figures_and_their_mean_over_repetitions():
     assert m["naive_queue_peak_vs_clean"] == 2.0  # a missing run does not count
     assert summary_line(m).startswith("faults goodput_vs_clean=0.95 waste_vs_naive=0.40 ")
     assert "queue_peak_vs_clean 2.00 [1.00, 3.00]" in spread_line(reps)
+
+
+def test_rerouted_late_counts_first_tokens_past_the_bound_from_the_routers_histogram():
+    from bench.faults_report import REROUTE_FIRST, rerouted_within
+
+    deltas = {
+        f'{REROUTE_FIRST}_bucket{{le="1.0"}}': 3.0,
+        f'{REROUTE_FIRST}_bucket{{le="2.0"}}': 4.0,
+        f'{REROUTE_FIRST}_bucket{{le="5.0"}}': 6.0,
+        f"{REROUTE_FIRST}_count": 6.0,
+    }
+    assert rerouted_within(deltas) == (6.0, 4.0)  # 2 of 6 came after 2 s
+    assert rerouted_within({}) == (0.0, 0.0)
