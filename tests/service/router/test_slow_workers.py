@@ -112,9 +112,10 @@ async def test_a_request_on_a_worker_that_goes_not_serving_is_rerouted_before_it
     await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)
 
 
-async def test_the_first_token_timeout_follows_the_predicted_ttft(mesh, sims):
-    a, b = await sims("a"), await sims("b")
-    h = await mesh.router(
+async def predicting_router(mesh, a: SimDecode, b: SimDecode):
+    """Round robin over a and b, a first-token timeout of 10x the expected time (floor 0.5 s),
+    and an outlier detector that predicts TTFTs but never steers or ejects."""
+    return await mesh.router(
         decode=[a, b],
         policy="round_robin",
         first_token_timeout_s=120.0,
@@ -122,6 +123,11 @@ async def test_the_first_token_timeout_follows_the_predicted_ttft(mesh, sims):
         first_token_timeout_floor_s=0.5,
         outlier=OutlierConfig(min_samples=2, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
     )
+
+
+async def test_the_first_token_timeout_follows_the_predicted_ttft(mesh, sims):
+    a, b = await sims("a"), await sims("b")
+    h = await predicting_router(mesh, a, b)
     free_a = a.free()
     await warm(h, 4)  # TTFT samples on both: predicted a few ms, so the timeout is the floor
     want, _ = await run_flow(h.router, "ref", prompt(9), 20)  # on a
@@ -151,14 +157,7 @@ async def test_the_first_token_timeout_counts_the_queue_the_worker_reports(mesh,
     """A request behind a queue is not stalled: failing it over at the floor would lose its
     place (and in a burst of failovers, move the burst on to the next worker)."""
     a, b = await sims("a"), await sims("b")
-    h = await mesh.router(
-        decode=[a, b],
-        policy="round_robin",
-        first_token_timeout_s=120.0,
-        first_token_timeout_multiple=10.0,
-        first_token_timeout_floor_s=0.5,
-        outlier=OutlierConfig(min_samples=2, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
-    )
+    h = await predicting_router(mesh, a, b)
     free_a = a.free()
     await warm(h, 4)  # predicted TTFT a few ms: without the queue the timeout is the 0.5 s floor
     await reports_queue(h, a, 3.0)
