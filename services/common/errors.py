@@ -139,7 +139,7 @@ def drop_tracebacks(exc: BaseException | None) -> None:
     its status is known. Each frame keeps its locals after its function returned (the request's
     flow, its task, its closures), and one of them usually refers back to the error: every
     rejected request then left a cycle of ~100 objects for the garbage collector, whose
-    collections of them (~20k objects each) stopped the router's loop for 8-19 ms every ~0.7 s
+    collections of them (~20k objects each) stopped the router's loop for 8-37 ms every ~0.7 s
     of a 20x burst (bench/shed.py, issue 18's rejection p99). Without the tracebacks reference
     counting frees them at once."""
     seen = 0
