@@ -86,6 +86,11 @@ class AttemptError:
         return Unavailable(f"decode worker {worker_id} failed: {self.code.name}: {self.details}{suffix}")
 
 
+# A watchdog that fires later than this (s) was held up by the router's own loop; it looks
+# again before it blames the worker (`DecodeAttempt._check`).
+LATE_TIMER_S = 0.01
+
+
 class DecodeAttempt:
     """One attempt; the flow takes tokens with `take` when woken.
 
@@ -137,6 +142,7 @@ class DecodeAttempt:
         self._on_first = on_first
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when the watchdog was due to run
         attach = getattr(call, "attach", None)
         if attach is not None:
             attach(self)
@@ -315,7 +321,8 @@ class DecodeAttempt:
     def _arm(self) -> None:
         limit = self._limit()
         if limit > 0 and not self.done:
-            self._watchdog = self._loop.call_at(self._last + limit, self._check)
+            self._due = self._last + limit
+            self._watchdog = self._loop.call_at(self._due, self._check)
         else:
             self._watchdog = None
 
@@ -329,7 +336,18 @@ class DecodeAttempt:
         if self.done:
             return
         limit = self._limit()
-        if limit > 0 and self._loop.time() - self._last >= limit:
+        now = self._loop.time()
+        late = now - self._due  # how far behind the router's own loop ran this timer
+        if limit > 0 and late > LATE_TIMER_S:
+            # A loop that was busy in an I/O callback (a batch of frames, a burst of requests)
+            # runs its due timers *before* it polls the sockets again (libuv's order, so uvloop's;
+            # asyncio's own loop polls first): the message this timer gives up on may have been
+            # waiting in the socket for as long as the loop was behind. The router's lateness is
+            # not the worker's: look again after the next poll, given as long again to catch up.
+            self._due = now + min(late, limit)
+            self._watchdog = self._loop.call_at(self._due, self._check)
+            return
+        if limit > 0 and now - self._last >= limit:
             self._stalled = True
             got = "its first message" if self.messages == 0 else "a token"
             self.push_error(

@@ -1,0 +1,102 @@
+"""The stall watchdog does not blame a worker for the router's own lateness.
+
+On uvloop (the loop every service runs on), a loop that was busy in an I/O callback
+runs its due timers before it polls the sockets again, so a first-token timeout that
+fell due during the busy callback used to fail over an attempt whose first message had
+been sitting in the socket for most of that time. These tests run on uvloop on purpose
+(asyncio's own loop polls first and would pass without the fix) with real sockets: a
+socketpair carries the worker's message, another one triggers the busy callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import uvloop
+
+from services.router.attempt import DecodeAttempt
+
+
+class SocketCall:
+    """A link call stand-in: the link's protocol callback pushes what the socket brings
+    into the attached attempt, as `RawDecodeLink` does for its frames."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.sink: DecodeAttempt | None = None
+        self.cancelled = False
+        asyncio.get_running_loop().add_reader(sock, self._readable)
+
+    def attach(self, sink: DecodeAttempt) -> None:
+        self.sink = sink
+
+    def _readable(self) -> None:
+        data = self.sock.recv(64)
+        if data and self.sink is not None:
+            self.sink.push_tokens(list(data))
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        asyncio.get_running_loop().remove_reader(self.sock)
+        return True
+
+
+def scenario(first_timeout_s: float, send_after_s: float | None, busy_s: float) -> DecodeAttempt:
+    """One attempt with `first_timeout_s`; the worker's first message is written at
+    `send_after_s` (None: never); the loop is held in an I/O callback for `busy_s` from
+    10 ms on. Returns the attempt once its fate is settled."""
+    worker, router_end = socket.socketpair()
+    busy_w, busy_r = socket.socketpair()
+    timers: list[threading.Timer] = []
+
+    async def main() -> DecodeAttempt:
+        loop = asyncio.get_running_loop()
+        assert "uvloop" in type(loop).__module__
+        for s in (router_end, busy_r):
+            s.setblocking(False)
+        call = SocketCall(router_end)
+        attempt = DecodeAttempt(
+            "w", call, asyncio.Event(), first_timeout_s=first_timeout_s, stall_timeout_s=60
+        )
+        loop.add_reader(busy_r, lambda: (busy_r.recv(64), time.sleep(busy_s)))
+        timers.append(threading.Timer(0.01, busy_w.send, (b"x",)))
+        if send_after_s is not None:
+            timers.append(threading.Timer(send_after_s, worker.send, (b"\x07",)))
+        for t in timers:
+            t.start()
+        deadline = loop.time() + first_timeout_s + busy_s + 2.0
+        while not attempt.done and attempt.messages == 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        loop.remove_reader(busy_r)
+        attempt.cancel()
+        return attempt
+
+    try:
+        return uvloop.run(main())
+    finally:
+        for t in timers:
+            t.cancel()
+        for s in (worker, router_end, busy_w, busy_r):
+            s.close()
+
+
+def test_a_first_message_that_arrived_while_the_loop_was_busy_is_not_a_stall():
+    # Due at 0.2 s, the message is in the socket at 0.05 s, the loop is busy 0.01-0.41 s.
+    attempt = scenario(first_timeout_s=0.2, send_after_s=0.05, busy_s=0.4)
+    assert attempt.error is None, attempt.error
+    assert attempt.messages == 1 and attempt.take() == [7]
+
+
+def test_a_worker_that_sends_nothing_still_stalls_after_a_busy_loop():
+    attempt = scenario(first_timeout_s=0.2, send_after_s=None, busy_s=0.4)
+    assert attempt.error is not None and "stalled: no its first message" in attempt.error.details
+    assert attempt.error.worker_fault and attempt.error.retryable
+
+
+def test_a_worker_that_sends_nothing_stalls_when_the_loop_is_idle():
+    # (scenario gives up waiting 2 s after the limit: an error here means the watchdog fired.)
+    attempt = scenario(first_timeout_s=0.2, send_after_s=None, busy_s=0.0)
+    assert attempt.error is not None and "stalled" in attempt.error.details
