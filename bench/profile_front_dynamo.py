@@ -15,7 +15,7 @@ serve (`CATEGORIES`: the first marker a stack contains decides). `--probe`
 profiles the near-zero-load probe instead (64-token prompts sent one at a time,
 as run.py's, through the HTTP door and over gRPC).
 
-Run: `python bench/profile_front_dynamo.py [--requests 500] [--probe] [--rate 250]`.
+Run: `python bench/profile_front_dynamo.py [--requests 500] [--probe] [--rate 40]`.
 Last line: `profile_front_dynamo router_ms_per_request=.. router_us_per_token=.. gc=.. kv_events=..`.
 """
 
@@ -83,7 +83,9 @@ def categories(raw: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=500)
-    p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    # --native pauses the router at every sample: at 250 Hz on 2 cores the mesh overloaded and
+    # 334 of 500 requests failed (BENCHMARKS.md, issue 16 session 11); 40 Hz left it undisturbed.
+    p.add_argument("--rate", type=int, default=40, help="py-spy samples per second")
     p.add_argument("--probe", action="store_true", help="profile the near-zero-load probe instead")
     p.add_argument("--seconds", type=float, default=20.0, help="--probe: seconds of probing")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
