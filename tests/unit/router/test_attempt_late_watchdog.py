@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import uvloop
@@ -44,59 +43,62 @@ class SocketCall:
         return True
 
 
-def scenario(first_timeout_s: float, send_after_s: float | None, busy_s: float) -> DecodeAttempt:
-    """One attempt with `first_timeout_s`; the worker's first message is written at
-    `send_after_s` (None: never); the loop is held in an I/O callback for `busy_s` from
-    10 ms on. Returns the attempt once its fate is settled."""
+def scenario(first_timeout_s: float, send: bool, busy_s: float) -> DecodeAttempt:
+    """One attempt with `first_timeout_s`, created inside an I/O callback that then holds the
+    loop for `busy_s`; with `send`, the worker's first message is written into the socket
+    in that callback too, so it waits there while the loop is busy (no timing between
+    threads). Returns the attempt once its fate is settled."""
     worker, router_end = socket.socketpair()
     busy_w, busy_r = socket.socketpair()
-    timers: list[threading.Timer] = []
 
     async def main() -> DecodeAttempt:
         loop = asyncio.get_running_loop()
         assert "uvloop" in type(loop).__module__
         for s in (router_end, busy_r):
             s.setblocking(False)
-        call = SocketCall(router_end)
-        attempt = DecodeAttempt(
-            "w", call, asyncio.Event(), first_timeout_s=first_timeout_s, stall_timeout_s=60
-        )
-        loop.add_reader(busy_r, lambda: (busy_r.recv(64), time.sleep(busy_s)))
-        timers.append(threading.Timer(0.01, busy_w.send, (b"x",)))
-        if send_after_s is not None:
-            timers.append(threading.Timer(send_after_s, worker.send, (b"\x07",)))
-        for t in timers:
-            t.start()
+        made: list[DecodeAttempt] = []
+
+        def busy() -> None:
+            busy_r.recv(64)
+            loop.remove_reader(busy_r)
+            call = SocketCall(router_end)
+            made.append(
+                DecodeAttempt("w", call, asyncio.Event(), first_timeout_s=first_timeout_s, stall_timeout_s=60)
+            )
+            if send:
+                worker.send(b"\x07")
+            time.sleep(busy_s)  # the busy callback: the fault this test injects
+
+        loop.add_reader(busy_r, busy)
+        busy_w.send(b"x")
         deadline = loop.time() + first_timeout_s + busy_s + 2.0
-        while not attempt.done and attempt.messages == 0 and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        loop.remove_reader(busy_r)
-        attempt.cancel()
-        return attempt
+        while (not made or (not made[0].done and made[0].messages == 0)) and loop.time() < deadline:
+            await asyncio.sleep(0.01)  # a poll with a deadline
+        assert made, "the busy callback never ran"
+        made[0].cancel()
+        return made[0]
 
     try:
         return uvloop.run(main())
     finally:
-        for t in timers:
-            t.cancel()
         for s in (worker, router_end, busy_w, busy_r):
             s.close()
 
 
 def test_a_first_message_that_arrived_while_the_loop_was_busy_is_not_a_stall():
-    # Due at 0.2 s, the message is in the socket at 0.05 s, the loop is busy 0.01-0.41 s.
-    attempt = scenario(first_timeout_s=0.2, send_after_s=0.05, busy_s=0.4)
+    # Due 0.2 s after the attempt starts; its message is in the socket from the start; the loop is busy 0.4 s.
+    attempt = scenario(first_timeout_s=0.2, send=True, busy_s=0.4)
     assert attempt.error is None, attempt.error
     assert attempt.messages == 1 and attempt.take() == [7]
 
 
 def test_a_worker_that_sends_nothing_still_stalls_after_a_busy_loop():
-    attempt = scenario(first_timeout_s=0.2, send_after_s=None, busy_s=0.4)
+    attempt = scenario(first_timeout_s=0.2, send=False, busy_s=0.4)
     assert attempt.error is not None and "stalled: no its first message" in attempt.error.details
     assert attempt.error.worker_fault and attempt.error.retryable
 
 
 def test_a_worker_that_sends_nothing_stalls_when_the_loop_is_idle():
     # (scenario gives up waiting 2 s after the limit: an error here means the watchdog fired.)
-    attempt = scenario(first_timeout_s=0.2, send_after_s=None, busy_s=0.0)
+    attempt = scenario(first_timeout_s=0.2, send=False, busy_s=0.0)
     assert attempt.error is not None and "stalled" in attempt.error.details
