@@ -15,7 +15,15 @@ serve (`CATEGORIES`: the first marker a stack contains decides). `--probe`
 profiles the near-zero-load probe instead (64-token prompts sent one at a time,
 as run.py's, through the HTTP door and over gRPC).
 
-Run: `python bench/profile_front_dynamo.py [--requests 500] [--probe] [--rate 40]`.
+Three more ways to watch the same load: `--perf` samples the router's on-CPU time
+with Linux perf (libraries and C symbols: uvloop, libpython, upb, the kernel;
+py-spy samples wall time and cannot see below uvloop's `Runner.run`);
+`--cprofile` counts every Python call of the router's loop with cProfile, timed
+in thread CPU time (bench/cprofile_hook: between two SIGUSR1s; it inflates small
+functions, so its calls per output token are the firmer figure); `--rate 0`
+runs no profiler and prints only the router's CPU (for before/after runs).
+
+Run: `python bench/profile_front_dynamo.py [--requests 500] [--probe] [--rate 40] [--perf | --cprofile]`.
 Last line: `profile_front_dynamo router_ms_per_request=.. router_us_per_token=.. gc=.. kv_events=..`.
 """
 
@@ -25,6 +33,9 @@ import argparse
 import asyncio
 import collections
 import os
+import pstats
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,13 +91,98 @@ def categories(raw: Path) -> dict[str, float]:
     return {k: v / max(total, 1) for k, v in counts.most_common()}
 
 
+PERF_HZ = 997  # perf samples on-CPU time in the kernel: no pause of the router, unlike py-spy
+
+
+def start_perf(pid: int, seconds: float, out: Path) -> subprocess.Popen:
+    """`perf record` of the router's threads: where its CPU goes, down to C symbols (uvloop's
+    Cython, libpython, upb, httptools, the kernel). py-spy samples wall time and cannot see
+    below uvloop's `Runner.run`; perf counts only time on a CPU."""
+    cmd = ["perf", "record", "-F", str(PERF_HZ), "-p", str(pid), "-o", str(out), "--", "sleep", str(seconds)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def perf_rows(raw: Path, sort: str) -> list[tuple[float, str]]:
+    text = subprocess.run(
+        [
+            "perf",
+            "report",
+            "-i",
+            str(raw),
+            "--stdio",
+            "--no-children",
+            "--sort",
+            sort,
+            "--percent-limit",
+            "0.3",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = []
+    for line in text.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and parts[0].endswith("%") and not line.startswith("#"):
+            rows.append((float(parts[0].rstrip("%")), " ".join(parts[1].split())))
+    return rows
+
+
+def print_perf(raw: Path) -> None:
+    print(f"\n== router on-CPU samples by library (perf, {PERF_HZ} Hz); raw {raw}")
+    for share, name in perf_rows(raw, "dso")[:15]:
+        print(f"  {share:6.1f}%  {name}")
+    print("  by symbol (self):")
+    for share, name in perf_rows(raw, "dso,sym")[:40]:
+        print(f"  {share:6.1f}%  {name[:150]}")
+
+
+def wait_for_file(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():  # the hook renames the whole file into place
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router wrote no cProfile stats to {path}")
+        time.sleep(0.1)  # polling a file another process writes, with a deadline
+
+
+def print_cprofile(path: Path, tokens: int) -> None:
+    """The functions with the most own time, with their calls per output token (cProfile
+    inflates the cost of small functions, so the calls per token are the firmer figure)."""
+    st = pstats.Stats(str(path))
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # type: ignore[attr-defined]
+    total = sum(v[2] for _, v in rows)
+    calls = sum(v[1] for _, v in rows)
+    print(
+        f"\n== router loop, cProfile: {total:.2f} s own time, {calls / tokens:.0f} Python calls per output token"
+    )
+    print("  own%   own us/token  calls/token  function")
+    for (file, line, name), (_cc, nc, tt, _ct, _callers) in rows[:45]:
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
+        print(f"  {tt / total * 100:5.1f}  {tt / tokens * 1e6:10.1f}  {nc / tokens:11.2f}  {name} ({where})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=500)
     # --native pauses the router at every sample: at 250 Hz on 2 cores the mesh overloaded and
     # 334 of 500 requests failed (BENCHMARKS.md, issue 16 session 11); 40 Hz left it undisturbed.
-    p.add_argument("--rate", type=int, default=40, help="py-spy samples per second")
+    p.add_argument(
+        "--rate",
+        type=int,
+        default=40,
+        help="py-spy samples per second (0: no profiler, the router's CPU only)",
+    )
     p.add_argument("--probe", action="store_true", help="profile the near-zero-load probe instead")
+    p.add_argument(
+        "--perf",
+        action="store_true",
+        help="sample the router's CPU with Linux perf (on-CPU time, C symbols) instead of py-spy",
+    )
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="count every Python call of the router's loop with cProfile (bench/cprofile_hook) instead",
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="--probe: seconds of probing")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     a = p.parse_args(argv)
@@ -97,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     D.write_folder(folder, D.DEFAULT_VOCAB)
     setup = D.Setup(4, 16, 16384, 1.0, 256, 8192, folder, Path("/nonexistent"))
     print(f"cpu: {cpu_model()} x{os.cpu_count()}; load avg {os.getloadavg()[0]:.1f}")
+    stats = out / "router_dynamo_load.pstats"
+    if a.cprofile:  # the hook reads these in the router process only
+        stats.unlink(missing_ok=True)
+        os.environ["PDMESH_CPROFILE_OUT"] = str(stats)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).parent / "cprofile_hook"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
     dep = D.start_pdmesh(setup, "kv", tmp)
     pid = dep.front_pids["router"]
     results: dict[str, str] = {}
@@ -118,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"router CPU {cpu:.2f} s over ~{n} probe requests (a third of them bypass it)")
             what = "near-zero-load probe"
         else:
-            raw = out / "router_dynamo_load.raw"
+            raw = out / ("router_dynamo_load.perf" if a.perf else "router_dynamo_load.raw")
             items = build_workload(
                 "mooncake",
                 num_requests=a.requests,
@@ -132,13 +235,23 @@ def main(argv: list[str] | None = None) -> int:
             span, tokens = items[-1].arrival_s, sum(it.max_tokens for it in items)
             print(f"{len(items)} requests over {span:.1f} s, {tokens} output tokens")
             cpu0 = run_cpu_s(pid)
-            prof = start_profile(pid, span + 2, a.rate, raw)
+            if a.cprofile:
+                os.kill(pid, signal.SIGUSR1)  # start counting
+                prof = None
+            elif a.rate == 0:  # no profiler: the router's CPU alone
+                prof = None
+            else:
+                prof = start_perf(pid, span + 2, raw) if a.perf else start_profile(pid, span + 2, a.rate, raw)
             client = D.HttpClient(dep.url, D.MODEL_NAME)
             recs = asyncio.run(
                 run_load(items, client, max_requests=len(items), max_duration_s=span + 1.0, timeout_s=60)
             )
             cpu = run_cpu_s(pid) - cpu0
-            prof.wait()
+            if a.cprofile:
+                os.kill(pid, signal.SIGUSR1)  # stop and write the stats
+                wait_for_file(stats, 30.0)
+            elif prof is not None:
+                prof.wait()
             errors = collections.Counter(f"{r.error_code}: {r.error_detail[:80]}" for r in recs if not r.ok)
             for why, n in errors.most_common(3):
                 print(f"  {n} failed: {why}")
@@ -152,6 +265,17 @@ def main(argv: list[str] | None = None) -> int:
             what = "load"
     finally:
         dep.stop()
+    if a.cprofile:
+        print_cprofile(stats, tokens)
+        print("profile_front_dynamo " + " ".join(f"{k}={v}" for k, v in results.items()))
+        return 0
+    if a.rate == 0 and not a.perf:
+        print("profile_front_dynamo " + " ".join(f"{k}={v}" for k, v in results.items()))
+        return 0
+    if a.perf:
+        print_perf(raw)
+        print("profile_front_dynamo " + " ".join(f"{k}={v}" for k, v in results.items()))
+        return 0
     print_summary(f"router ({what})", summarize(raw, 25), f"raw profile {raw}")
     cats = categories(raw)
     print("  busy samples by what they serve:")
