@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from services.model.gguf import is_gguf, read_gguf
 from services.model.model_config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
@@ -53,6 +54,15 @@ class HfTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
+
+    def decode_stream(self) -> tuple[Any, Any]:
+        """A `tokenizers` DecodeStream for one generated text and the tokenizer it steps
+        with: the text a token completes, in one call into Rust (the window decode below
+        costs two decodes per token). It starts after the same one-token anchor as
+        `IncrementalDetokenizer`, so a continuation's first piece keeps its leading space."""
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(self._tok.encode("a", add_special_tokens=False).ids[-1:], True), self._tok
 
 
 def _eos_from_tokenizer_config(folder: Path, tok) -> tuple[int, ...]:

@@ -6,8 +6,11 @@ tokens (or over deltas) comes out whole in the delta that completes it.
 
 - `ByteDetokenizer`: the built-in byte-level tokenizer (token i < 256 is byte i,
   specials have no text); a stdlib incremental UTF-8 decoder, O(1) per token.
-- `WindowDetokenizer`: any tokenizer with `decode`, through the engine's
+- `StreamDetokenizer`: a Hugging Face tokenizer (`HfTokenizer`), through
+  `tokenizers`' own DecodeStream: one call into Rust per delta.
+- `WindowDetokenizer`: any other tokenizer with `decode`, through the engine's
   `IncrementalDetokenizer` (decodes a short window per token, as vLLM does).
+  For an `HfTokenizer` both give the same pieces (tests/unit/model).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from services.model.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from services.model.tokenizer import ByteTokenizer, HfTokenizer, IncrementalDetokenizer
 
 
 class Detokenizer(Protocol):
@@ -46,7 +49,25 @@ class WindowDetokenizer:
         return "".join([push(t) for t in token_ids])
 
 
+class StreamDetokenizer:
+    # Per token the window decode was ~8-11 us of the router's CPU (two decodes and the
+    # bookkeeping around them); DecodeStream is ~0.5-1 us (BENCHMARKS.md, issue 16 session 13).
+    def __init__(self, tokenizer: HfTokenizer):
+        stream, self._tok = tokenizer.decode_stream()
+        self._step = stream.step
+
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        # A step per token, not one for the list: a list whose last token ends inside a
+        # character would hold back the complete text before it too (lost if it ends there).
+        step, tok = self._step, self._tok
+        if len(token_ids) == 1:
+            return step(tok, token_ids[0]) or ""
+        return "".join([step(tok, t) or "" for t in token_ids])
+
+
 def make_detokenizer(tokenizer: Any) -> Detokenizer:
     if isinstance(tokenizer, ByteTokenizer):
         return ByteDetokenizer()
+    if isinstance(tokenizer, HfTokenizer):
+        return StreamDetokenizer(tokenizer)
     return WindowDetokenizer(tokenizer)

@@ -3,6 +3,7 @@ reference does, and incremental detokenization as the router streams it."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from services.model.catalog import ModelNotFoundError, resolve_model, smollm2_path
 from services.model.model_config import ModelConfig
 from services.model.tokenizer import HfTokenizer
-from services.router.detokenizer import make_detokenizer
+from services.router.detokenizer import StreamDetokenizer, WindowDetokenizer, make_detokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -73,6 +74,26 @@ def test_multibyte_character_split_over_tokens_comes_out_once(tok):
     assert len(ids) > 1  # byte-level pieces of one character
     detok = make_detokenizer(tok)
     assert [detok.push_many([t]) for t in ids] == [""] * (len(ids) - 1) + ["🙂"]
+
+
+def test_stream_detokenizer_gives_the_window_detokenizers_pieces(tok):
+    """The router streams with tokenizers' DecodeStream (one Rust call per delta); the text of
+    every delta is the one the window decode gives, for texts and for arbitrary token ids
+    (byte-fallback runs, specials, pieces that are not valid UTF-8 alone)."""
+    assert isinstance(make_detokenizer(tok), StreamDetokenizer)
+    rng = random.Random(0)
+    vocab = tok._tok.get_vocab_size()
+    runs = [tok.encode(t) for t in TEXTS] + [[rng.randrange(vocab) for _ in range(300)] for _ in range(20)]
+    for ids in runs:
+        stream, window = StreamDetokenizer(tok), WindowDetokenizer(tok)
+        assert [stream.push_many([t]) for t in ids] == [window.push_many([t]) for t in ids]
+        # Deltas of several tokens (a coalesced frame, a migration's catch-up) and empty ones.
+        stream, window, i = StreamDetokenizer(tok), WindowDetokenizer(tok), 0
+        while i < len(ids):
+            n = rng.randrange(0, 5)
+            delta = ids[i : i + n]
+            assert stream.push_many(delta) == window.push_many(delta), (i, delta)
+            i += n
 
 
 def test_catalog_names(path):
