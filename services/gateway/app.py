@@ -157,11 +157,15 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self._watch
+        # The server's own send for the events: starlette's wrappers around `send` only note
+        # that the response started (the start message below goes through them), and cost
+        # three Python calls per streamed token.
+        body_send = scope.get(RAW_SEND, send)
 
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for data in self._events:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                await body_send({"type": "http.response.body", "body": data, "more_body": True})
             watch.close()  # the last message completes the response: no disconnect after it
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -177,6 +181,15 @@ class EventStream(Response):
             except Exception:  # closing the relay must not lose the log line below; say why
                 log.warning("event_stream_close_failed", exc_info=True)
             self._on_close(gone)
+
+
+RAW_SEND = "pdmesh.raw_send"  # scope key: the ASGI server's send, under starlette's wrappers
+
+
+class _App(Starlette):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 class Gateway:
@@ -229,7 +242,7 @@ class Gateway:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ]
         handlers = {GatewayError: _error_response, HTTPException: _http_error}
-        return Starlette(routes=routes, lifespan=self.lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+        return _App(routes=routes, lifespan=self.lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
 
     # ---- plain endpoints -------------------------------------------------------------
 
@@ -358,7 +371,10 @@ class Gateway:
                         yield counted_event(delta.text, done)  # type: ignore[misc]
                 elif counted_event is not None and delta.token_ids:  # tokens without text yet still count
                     yield counted_event("", done)
-                msg = await _next(upstream)
+                try:  # `_next` inlined: one coroutine frame less per streamed token
+                    msg = await upstream.__anext__()
+                except StopAsyncIteration:
+                    raise _ended_early() from None
                 if out.first_token_at is None:
                     self._first_token(out, msg)
             self._final(out, msg.final)
@@ -415,9 +431,11 @@ async def _next(upstream: UpstreamStream) -> Any:
     try:
         return await upstream.__anext__()
     except StopAsyncIteration:
-        raise GatewayError(
-            502, "the router ended the stream without a final message", "upstream_error"
-        ) from None
+        raise _ended_early() from None
+
+
+def _ended_early() -> GatewayError:
+    return GatewayError(502, "the router ended the stream without a final message", "upstream_error")
 
 
 def _error_response(request: Request, exc: Exception) -> Response:

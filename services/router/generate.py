@@ -47,7 +47,7 @@ from services.common.errors import (
 from services.model.hashing import BlockHashChain
 from services.router.admission import AdmissionRejected, DeadlineUnreachable, InvalidAdmission, Ticket, Waiter
 from services.router.admission_gate import AdmissionGate
-from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall
+from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall, Wake
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
@@ -175,7 +175,7 @@ class RequestFlow:
             ctx.journey_config,
             sunk_tokens=self._wf_info.tokens_spent,
         )
-        self._wake = asyncio.Event()
+        self._wake = Wake()
         self._attempt: DecodeAttempt | None = None
         self._waiter: Waiter | None = None
         self._cancel_error: Cancelled | None = None
@@ -309,6 +309,7 @@ class RequestFlow:
             attempt = self._launch()
             worker = attempt.worker_id
             settled = False
+            prefilled = None  # the LoadView key whose first token was reported
             race = self._race
             try:
                 if race is not None and not journey.delivered_token_ids and self._sent is not None:
@@ -326,8 +327,10 @@ class RequestFlow:
                             ids = ids[:remaining]
                         remaining -= len(ids)
                         journey.record_tokens(ids)
-                        if self._routed is not None:  # the attempt's prefill is done
-                            ctx.load_view.first_token(self._routed)  # type: ignore[union-attr]
+                        routed = self._routed
+                        if routed is not None and routed != prefilled:  # the attempt's prefill is done
+                            ctx.load_view.first_token(routed)  # type: ignore[union-attr]
+                            prefilled = routed
                         now = self._loop.time()
                         if ctx.metrics is not None:
                             if first:
@@ -343,8 +346,7 @@ class RequestFlow:
                     if attempt.done:
                         settled = True
                         break
-                    await self._wake.wait()
-                    self._wake.clear()
+                    await self._wake.wait()  # consumes the wake-up
             finally:
                 if race is not None:
                     race.end()

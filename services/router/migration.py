@@ -322,8 +322,12 @@ class RequestJourney:
 
     def record_tokens(self, token_ids: Iterable[int]) -> None:
         """Tokens of the running attempt, forwarded to the client."""
-        attempt = self._require_running()
-        ids = list(token_ids)
+        # Once per streamed token: the running attempt's check inlined (`_require_running`).
+        attempts = self._attempts
+        attempt = attempts[-1] if attempts else None
+        if attempt is None or attempt.outcome is not AttemptOutcome.RUNNING or self._outcome is not None:
+            raise JourneyError(f"request {self.request_id} has no attempt running")
+        ids = token_ids if type(token_ids) is list else list(token_ids)
         if len(self._delivered) + len(ids) > self.max_tokens:
             raise JourneyError(
                 f"worker {attempt.worker_id} sent {len(self._delivered) + len(ids)} tokens, "
