@@ -95,8 +95,11 @@ class Wake:
     """The flow's wake-up: `asyncio.Event` for its one waiter, set once per token by an
     attempt and awaited once per token by the flow, without the Event's waiter deque,
     loop lookup and Python `set`/`wait` frames (issue 16: ~15 us of the router's
-    profiled CPU per streamed token). `wait()` returns at once if set since the last
-    wait, and consumes the flag (Event's wait then clear)."""
+    profiled CPU per streamed token). The waiter calls `arm()`: None if set since the
+    last wake-up (the flag is consumed, as Event's wait then clear), else a future that
+    the next `set()` completes; it awaits that future itself (no coroutine frame to
+    resume per token). A waiter cancelled meanwhile leaves a cancelled future: the next
+    `set()` raises the flag instead."""
 
     __slots__ = ("_fut", "_set")
 
@@ -106,23 +109,25 @@ class Wake:
 
     def set(self) -> None:
         fut = self._fut
-        if fut is None:
+        if fut is None or fut.done():
             self._set = True
-        elif not fut.done():
+        else:
             fut.set_result(None)
 
     def is_set(self) -> bool:
         return self._set
 
-    async def wait(self) -> None:
+    def arm(self) -> asyncio.Future[None] | None:
         if self._set:
             self._set = False
-            return
+            return None
         fut = self._fut = asyncio.get_running_loop().create_future()
-        try:
+        return fut
+
+    async def wait(self) -> None:
+        fut = self.arm()
+        if fut is not None:
             await fut
-        finally:
-            self._fut = None
 
 
 class DecodeAttempt:

@@ -346,7 +346,9 @@ class RequestFlow:
                     if attempt.done:
                         settled = True
                         break
-                    await self._wake.wait()  # consumes the wake-up
+                    woken = self._wake.arm()  # None: woken already (consumed)
+                    if woken is not None:
+                        await woken
             finally:
                 if race is not None:
                     race.end()
