@@ -145,15 +145,30 @@ def wait_for_file(path: Path, timeout_s: float) -> None:
         time.sleep(0.1)  # polling a file another process writes, with a deadline
 
 
-def print_cprofile(path: Path, tokens: int) -> None:
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of a process, by thread name."""
+    out: dict[str, float] = collections.Counter()
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = "main (event loop)" if task.name == str(pid) else stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def print_cprofile(paths: list[Path], tokens: int) -> None:
     """The functions with the most own time, with their calls per output token (cProfile
     inflates the cost of small functions, so the calls per token are the firmer figure)."""
-    st = pstats.Stats(str(path))
+    st = pstats.Stats(*map(str, paths))
     rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # type: ignore[attr-defined]
     total = sum(v[2] for _, v in rows)
     calls = sum(v[1] for _, v in rows)
     print(
-        f"\n== router loop, cProfile: {total:.2f} s own time, {calls / tokens:.0f} Python calls per output token"
+        f"\n== event loop(s), cProfile: {total:.2f} s own time, {calls / tokens:.0f} Python calls per output token"
     )
     print("  own%   own us/token  calls/token  function")
     for (file, line, name), (_cc, nc, tt, _ct, _callers) in rows[:45]:
@@ -183,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="count every Python call of the router's loop with cProfile (bench/cprofile_hook) instead",
     )
+    p.add_argument(
+        "--workers",
+        action="store_true",
+        help="--cprofile: the decode workers' loops instead of the router's (their stats summed)",
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="--probe: seconds of probing")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     a = p.parse_args(argv)
@@ -197,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.cprofile:  # the hook reads these in the router process only
         stats.unlink(missing_ok=True)
         os.environ["PDMESH_CPROFILE_OUT"] = str(stats)
+        if a.workers:
+            os.environ["PDMESH_CPROFILE_MODULE"] = "services.decode.main"
+            for old in out.glob("router_dynamo_load.pstats.*"):
+                old.unlink()
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).parent / "cprofile_hook"), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
@@ -235,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
             span, tokens = items[-1].arrival_s, sum(it.max_tokens for it in items)
             print(f"{len(items)} requests over {span:.1f} s, {tokens} output tokens")
             cpu0 = run_cpu_s(pid)
+            watched = list(dep.worker_pids) if a.workers else [pid]
+            threads0 = {p: thread_cpu_s(p) for p in watched}
             if a.cprofile:
-                os.kill(pid, signal.SIGUSR1)  # start counting
+                for p in watched:
+                    os.kill(p, signal.SIGUSR1)  # start counting
                 prof = None
             elif a.rate == 0:  # no profiler: the router's CPU alone
                 prof = None
@@ -247,9 +274,16 @@ def main(argv: list[str] | None = None) -> int:
                 run_load(items, client, max_requests=len(items), max_duration_s=span + 1.0, timeout_s=60)
             )
             cpu = run_cpu_s(pid) - cpu0
+            threads = collections.Counter()
+            for p in watched:
+                for name, t in thread_cpu_s(p).items():
+                    threads[name] += t - threads0[p].get(name, 0.0)
             if a.cprofile:
-                os.kill(pid, signal.SIGUSR1)  # stop and write the stats
-                wait_for_file(stats, 30.0)
+                for p in watched:
+                    os.kill(p, signal.SIGUSR1)  # stop and write the stats
+                files = [Path(f"{stats}.{p}") for p in watched] if a.workers else [stats]
+                for f in files:
+                    wait_for_file(f, 30.0)
             elif prof is not None:
                 prof.wait()
             errors = collections.Counter(f"{r.error_code}: {r.error_detail[:80]}" for r in recs if not r.ok)
@@ -262,11 +296,19 @@ def main(argv: list[str] | None = None) -> int:
             )
             results["router_ms_per_request"] = f"{cpu / len(items) * 1e3:.2f}"
             results["router_us_per_token"] = f"{cpu / tokens * 1e6:.1f}"
+            who = "decode workers'" if a.workers else "router's"
+            print(f"the {who} CPU by thread over the load (us per output token):")
+            for name, t in threads.most_common():
+                print(f"  {t / tokens * 1e6:8.1f}  {name}")
+            if a.workers:
+                wcpu = sum(threads.values())
+                print(f"decode workers' CPU {wcpu:.2f} s: {wcpu / tokens * 1e6:.1f} us per output token")
+                results["workers_us_per_token"] = f"{wcpu / tokens * 1e6:.1f}"
             what = "load"
     finally:
         dep.stop()
     if a.cprofile:
-        print_cprofile(stats, tokens)
+        print_cprofile(files, tokens)
         print("profile_front_dynamo " + " ".join(f"{k}={v}" for k, v in results.items()))
         return 0
     if a.rate == 0 and not a.perf:

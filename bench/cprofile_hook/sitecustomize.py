@@ -2,7 +2,8 @@
 
 `bench/profile_front_dynamo.py --cprofile` puts this folder first on the PYTHONPATH of
 the processes it starts and sets PDMESH_CPROFILE_OUT; only a `services.router.main`
-process installs the handler. The first SIGUSR1 starts a `cProfile.Profile` on the
+process installs the handler (PDMESH_CPROFILE_MODULE names another, e.g. the decode
+workers', which then write one file each, suffixed with their PID). The first SIGUSR1 starts a `cProfile.Profile` on the
 main thread (the event loop: every Python call there is counted, with no sampling;
 times are the thread's CPU time),
 the second stops it and writes the stats to PDMESH_CPROFILE_OUT. The signal is handled
@@ -15,8 +16,11 @@ import sys
 import time
 
 _OUT = os.environ.get("PDMESH_CPROFILE_OUT")
+_MODULE = os.environ.get("PDMESH_CPROFILE_MODULE", "services.router.main")
 
-if _OUT and "services.router.main" in sys.orig_argv:
+if _OUT and _MODULE in sys.orig_argv:
+    if _MODULE != "services.router.main":  # several processes (the decode workers): one file each
+        _OUT = f"{_OUT}.{os.getpid()}"
     import cProfile
 
     _running: list[cProfile.Profile] = []
