@@ -20,7 +20,7 @@ import structlog
 
 from pdmesh.v1 import decode_pb2
 from services.model.hashing import BlockHashChain
-from services.router.attempt import DecodeAttempt, DecodeCall
+from services.router.attempt import LATE_TIMER_S, DecodeAttempt, DecodeCall
 from services.router.hedge import Leg, Winner, hedge_delay, race_winner, worth_hedging
 from services.router.migration import RequestJourney
 from services.router.policy import Choice
@@ -69,6 +69,8 @@ class HedgeRace:
         self.waste = 0  # tokens of copies that lost (not in the journey)
         self._hedges = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when the timer was due to fire
+        self._delay = 0.0
         self._primary: DecodeAttempt | None = None
         self._sent: tuple[decode_pb2.DecodeServiceGenerateRequest, int, int, float | None] | None = None
         self._routed: int | None = None  # the copy's LoadView key
@@ -89,13 +91,24 @@ class HedgeRace:
             return
         self._primary = primary
         self._sent = (request, to_prefill, new_blocks, deadline)
-        self._timer = self._loop.call_at(primary.started + delay, self._fire)
+        self._due, self._delay = primary.started + delay, delay
+        self._timer = self._loop.call_at(self._due, self._fire)
 
     def _fire(self) -> None:
         """The primary is late: send a copy to the next-best worker, if the budget allows."""
         self._timer = None
         ctx, cfg, primary = self.ctx, self.ctx.config, self._primary
         if primary is None or primary.done or primary.messages or self.hedge is not None:
+            return
+        now = self._loop.time()
+        late = now - self._due
+        if late > LATE_TIMER_S:
+            # The attempt watchdog's rule (services/router/attempt.py `_check`): on uvloop a loop
+            # busy in an I/O callback runs its due timers before it polls the sockets again, so
+            # the primary's first message may be waiting in the socket. A copy sent now would be
+            # waste; look again after the next poll, given as long again to catch up.
+            self._due = now + min(late, self._delay)
+            self._timer = self._loop.call_at(self._due, self._fire)
             return
         assert self._sent is not None
         if not ctx.budget.can_retry():
