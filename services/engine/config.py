@@ -49,8 +49,9 @@ class EngineConfig:
         "each class of step size (<= 8, 9-64, 65-512, more tokens) runs on 1 thread or all, whichever "
         "measures faster (thread_tuner.py: on a shared CPU each OpenMP region waits for a descheduled "
         "thread, SmolLM2 int4 batch 1 on 2 vCPUs beside one busy process: 547 ms a step on 2 threads, "
-        "42 ms on 1); a step's result does not depend on its thread count (test_thread_tuner.py), so "
-        "tokens do not depend on timing",
+        "42 ms on 1); only where a step's result does not depend on its thread count, which the engine "
+        "checks at start on this CPU (it did on bf16 with AMX): otherwise off, so tokens never depend "
+        "on timing",
     )
     weights: str = setting(
         "fp",

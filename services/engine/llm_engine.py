@@ -54,6 +54,11 @@ from services.model.tokenizer import IncrementalDetokenizer
 RunnerFactory = Callable[[EngineSpec], Any]
 
 
+# Prompt-chunk sizes of the thread tuner's probe: a decode-sized batch, a short and a long chunk
+# (the test's three prompts in one step are 141 tokens).
+THREAD_PROBE_ROWS = (3, 48, 141)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -100,6 +105,10 @@ class LLMEngine:
             "kv_scheme": self.spec.layout.quant,
             "kv_pool_bytes": self.spec.num_blocks * self.spec.layout.block_bytes,
         }
+        # Why the thread tuner is off on this CPU, if the probe turned it off (None: on, or never on).
+        self.thread_tuner_off: str | None = None
+        if getattr(self.runner, "thread_tuner", None) is not None:
+            self._probe_thread_invariance()
 
     def _attach_host_tier(self, block_manager: BlockManager, config: EngineConfig) -> None:
         """A host tier of config.host_tier_bytes in the pool's block layout. A runner
@@ -391,6 +400,39 @@ class LLMEngine:
             return self.runner.chunk_logits(seq, seq.num_tokens)
         finally:
             self.block_manager.free(seq)
+
+    def _probe_thread_invariance(self) -> None:
+        """The thread tuner (thread_tuner.py) picks a step's thread count by timing, which keeps
+        tokens independent of timing only where a step's result does not depend on its thread
+        count. That is not a property of the code but of the CPU's kernels: on an Intel Xeon
+        with AMX, bf16 steps of the `small` preset gave other logits on 1 thread than on 2
+        (test_thread_tuner.py), and an fp32 linear of 120 rows did too. So it is checked here,
+        for this CPU, dtype and weights: prompt chunks of THREAD_PROBE_ROWS tokens on scratch
+        blocks (nothing cached, no KV event), on all threads and on one; any difference turns
+        the tuner off (steps keep all threads) and says why in `thread_tuner_off`. A probe of a
+        few shapes cannot prove every shape alike; it catches a CPU whose kernels split work by
+        thread count."""
+        runner = self.runner
+        vocab = self.info.vocab_size
+        for rows in THREAD_PROBE_ROWS:
+            if rows > self.info.max_model_len:
+                break
+            seq = scratch_sequence([(10 + i) % vocab for i in range(rows)], self.block_size)
+            if not self.block_manager.allocate_slots(seq, rows):
+                break
+            try:
+                every = runner.chunk_logits(seq, rows)
+                one = runner.chunk_logits(seq, rows, threads=1)
+            finally:
+                self.block_manager.free(seq)
+            if not torch.equal(every, one):
+                runner.thread_tuner = None
+                self.thread_tuner_off = (
+                    f"a {rows}-token step's logits differ on 1 thread and on {runner.max_threads} on this CPU "
+                    f"({self.config.dtype}, {self.config.weights} weights): every step keeps "
+                    f"{runner.max_threads} threads, so tokens do not depend on timing"
+                )
+                return
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()

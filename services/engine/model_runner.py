@@ -71,6 +71,10 @@ class ModelRunner:
             else None
         )
 
+    @property
+    def max_threads(self) -> int:
+        return self._max_threads
+
     def _use_threads(self, n: int) -> None:
         if n != self._threads:
             torch.set_num_threads(n)
@@ -100,9 +104,10 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
-    def chunk_logits(self, seq: Sequence, n: int) -> torch.Tensor:
-        """Compute `seq`'s next `n` tokens (blocks allocated); float32 logits [n, V] of each."""
-        self._use_threads(self._max_threads)
+    def chunk_logits(self, seq: Sequence, n: int, threads: int | None = None) -> torch.Tensor:
+        """Compute `seq`'s next `n` tokens (blocks allocated); float32 logits [n, V] of each.
+        On all the engine's threads unless `threads` says otherwise (the tuner's probe)."""
+        self._use_threads(threads or self._max_threads)
         inputs = self._prepare([(seq, n)])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers)
         return self.model.compute_logits(hidden)

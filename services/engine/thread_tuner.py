@@ -10,8 +10,10 @@ stops (CPU 285 -> 37 ms a step) but the waits do not (80-94 ms). On a quiet mach
 thread helps instead (8.3-9.0 ms against 10.0-10.5 on 1). Neither fixed choice is right
 everywhere, so the engine measures both and keeps the faster, per class of step size
 (StepThreadTuner): prompt chunks suffer the same waits (a 71-185 token prompt 3.2 s to its first
-token on 2 threads under load). A step's result does not depend on its thread count (checked
-bitwise in test_thread_tuner.py), so the choice changes timing only.
+token on 2 threads under load). The choice changes timing only where a step's result does not
+depend on its thread count (checked bitwise in test_thread_tuner.py). That holds on some CPUs
+and dtypes and not on others (bf16 on an Intel Xeon with AMX differed), so the engine probes it
+at start (LLMEngine._probe_thread_invariance) and runs without the tuner where it fails.
 
 Exploration is budgeted in time, not steps: the losing arm is tried again only while the time
 spent on tries stays under `explore_share` of the small steps' time, so a losing arm that costs

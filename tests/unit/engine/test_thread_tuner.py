@@ -142,6 +142,20 @@ def test_steps_give_the_same_logits_on_one_thread_and_on_two(dtype, weights):
             EngineConfig(preset="small", dtype=dtype, weights=weights, num_threads=2, num_blocks=64)
         )
         free = engine.stats().free_blocks
+        if engine.runner.thread_tuner is None:
+            # This CPU's kernels give other results on 1 thread than on 2 for this dtype (an
+            # Intel Xeon with AMX did, in bf16): the engine's probe found it and keeps every step
+            # on all threads, so tokens cannot depend on the tuner's timing.
+            assert (
+                engine.thread_tuner_off is not None
+                and "differ on 1 thread and on 2" in engine.thread_tuner_off
+            )
+            engine.add_request(EngineRequest("fixed", list(range(10, 50)), SamplingParams(max_tokens=4)))
+            while engine.has_unfinished_requests():
+                engine.step()
+                assert torch.get_num_threads() == 2
+            assert engine.stats().free_blocks == free
+            return
         two = _decode_logits(engine, 2, 2)
         assert len(two) == 10 and two[-1].shape[0] == 3  # a step samples all three
         for prompt_threads, small_threads in ((2, 1), (1, 1), (1, 2)):
@@ -162,3 +176,27 @@ def test_a_retry_of_the_losing_arm_replaces_its_stale_estimate():
     chosen = drive(tuner, {1: 0.010, 2: 0.0085}, 200)
     first_retry = chosen.index(2)
     assert tuner.best() == 2 and chosen[first_retry + 1 :].count(2) > 0.9 * (len(chosen) - first_retry - 1)
+
+
+def test_the_engine_turns_the_tuner_off_where_a_steps_result_depends_on_its_thread_count(monkeypatch):
+    """The probe at start-up: a runner whose logits change with the thread count (as bf16 on
+    an AMX Xeon did) gets no tuner, and the engine says why; one whose logits do not keeps it."""
+    compute = ModelRunner.chunk_logits
+
+    def thread_dependent(self, seq, n, threads=None):
+        out = compute(self, seq, n, threads)
+        return out + 1e-3 if threads == 1 else out
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(ModelRunner, "chunk_logits", thread_dependent)
+        engine = LLMEngine(EngineConfig(preset="tiny", num_threads=2, num_blocks=64))
+        assert engine.runner.thread_tuner is None
+        assert "differ on 1 thread and on 2" in (engine.thread_tuner_off or "")
+        assert engine.stats().free_blocks == 64  # the probe's scratch blocks are back
+
+        monkeypatch.setattr(ModelRunner, "chunk_logits", lambda self, seq, n, threads=None: torch.zeros(n, 4))
+        engine = LLMEngine(EngineConfig(preset="tiny", num_threads=2, num_blocks=64))
+        assert engine.runner.thread_tuner is not None and engine.thread_tuner_off is None
+    finally:
+        torch.set_num_threads(before)
