@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 
 import uvloop
 
@@ -43,11 +44,19 @@ class SocketCall:
         return True
 
 
-def scenario(first_timeout_s: float, send: bool, busy_s: float) -> DecodeAttempt:
-    """One attempt with `first_timeout_s`, created inside an I/O callback that then holds the
-    loop for `busy_s`; with `send`, the worker's first message is written into the socket
-    in that callback too, so it waits there while the loop is busy (no timing between
-    threads). Returns the attempt once its fate is settled."""
+def in_busy_callback(
+    make: Callable[[socket.socket], DecodeAttempt],
+    send: bool,
+    busy_s: float,
+    settled: Callable[[DecodeAttempt], bool],
+    wait_s: float,
+) -> DecodeAttempt:
+    """On uvloop: an I/O callback calls `make(router_end)` (an attempt reading that socket
+    through a `SocketCall`), writes the worker's first message into the socket if `send`
+    (so it waits there while the loop is busy: no timing between threads), then holds the
+    loop for `busy_s`. Polls until `settled(attempt)` or `wait_s` after the callback's
+    end, cancels the attempt and returns it. tests/unit/router/test_hedge_late_timer.py
+    uses it too."""
     worker, router_end = socket.socketpair()
     busy_w, busy_r = socket.socketpair()
 
@@ -61,18 +70,15 @@ def scenario(first_timeout_s: float, send: bool, busy_s: float) -> DecodeAttempt
         def busy() -> None:
             busy_r.recv(64)
             loop.remove_reader(busy_r)
-            call = SocketCall(router_end)
-            made.append(
-                DecodeAttempt("w", call, asyncio.Event(), first_timeout_s=first_timeout_s, stall_timeout_s=60)
-            )
+            made.append(make(router_end))
             if send:
                 worker.send(b"\x07")
             time.sleep(busy_s)  # the busy callback: the fault this test injects
 
         loop.add_reader(busy_r, busy)
         busy_w.send(b"x")
-        deadline = loop.time() + first_timeout_s + busy_s + 2.0
-        while (not made or (not made[0].done and made[0].messages == 0)) and loop.time() < deadline:
+        deadline = loop.time() + busy_s + wait_s
+        while (not made or not settled(made[0])) and loop.time() < deadline:
             await asyncio.sleep(0.01)  # a poll with a deadline
         assert made, "the busy callback never ran"
         made[0].cancel()
@@ -83,6 +89,21 @@ def scenario(first_timeout_s: float, send: bool, busy_s: float) -> DecodeAttempt
     finally:
         for s in (worker, router_end, busy_w, busy_r):
             s.close()
+
+
+def scenario(first_timeout_s: float, send: bool, busy_s: float) -> DecodeAttempt:
+    """One attempt with `first_timeout_s`, created inside an I/O callback that then holds the
+    loop for `busy_s`; with `send`, the worker's first message is in the socket meanwhile.
+    Returns the attempt once its fate is settled."""
+    return in_busy_callback(
+        lambda sock: DecodeAttempt(
+            "w", SocketCall(sock), asyncio.Event(), first_timeout_s=first_timeout_s, stall_timeout_s=60
+        ),
+        send,
+        busy_s,
+        settled=lambda a: a.done or a.messages > 0,
+        wait_s=first_timeout_s + 2.0,
+    )
 
 
 def test_a_first_message_that_arrived_while_the_loop_was_busy_is_not_a_stall():

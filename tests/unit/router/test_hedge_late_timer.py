@@ -11,18 +11,14 @@ The race here has no other worker to send a copy to, so a timer that went ahead 
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import time
 from types import SimpleNamespace
-
-import uvloop
 
 from pdmesh.v1 import decode_pb2
 from services.router.attempt import DecodeAttempt, Wake
 from services.router.hedge import HedgeConfig
 from services.router.hedge_race import HedgeRace
-from tests.unit.router.test_attempt_late_watchdog import SocketCall
+from tests.unit.router.test_attempt_late_watchdog import SocketCall, in_busy_callback
 
 DELAY_S = 0.2  # the hedge delay: min_delay_s, above the predicted TTFT
 
@@ -40,47 +36,18 @@ def context(outcomes: list[str]) -> SimpleNamespace:
 
 def scenario(send: bool, busy_s: float) -> list[str]:
     """A primary attempt and its armed hedge, made inside an I/O callback that then holds the
-    loop for `busy_s`; with `send`, the worker's first message goes into the socket in that
-    callback. Returns the hedge outcomes counted."""
-    worker, router_end = socket.socketpair()
-    busy_w, busy_r = socket.socketpair()
+    loop for `busy_s`; with `send`, the worker's first message is in the socket meanwhile.
+    Waits until the hedge counted an outcome, or past the latest time its (re-armed) timer
+    can fire, and returns the outcomes counted."""
     outcomes: list[str] = []
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        assert "uvloop" in type(loop).__module__
-        for s in (router_end, busy_r):
-            s.setblocking(False)
-        made: list[DecodeAttempt] = []
+    def make(sock: socket.socket) -> DecodeAttempt:
+        primary = DecodeAttempt("w", SocketCall(sock), Wake(), stall_timeout_s=60)
+        race = HedgeRace(context(outcomes), SimpleNamespace(attempts=()), None, None, None, None)
+        race.arm(primary, decode_pb2.DecodeServiceGenerateRequest(), 0, 0, None)
+        return primary
 
-        def busy() -> None:
-            busy_r.recv(64)
-            loop.remove_reader(busy_r)
-            primary = DecodeAttempt("w", SocketCall(router_end), Wake(), stall_timeout_s=60)
-            race = HedgeRace(context(outcomes), SimpleNamespace(attempts=()), None, None, None, None)
-            race.arm(primary, decode_pb2.DecodeServiceGenerateRequest(), 0, 0, None)
-            made.append(primary)
-            if send:
-                worker.send(b"\x07")
-            time.sleep(busy_s)  # the busy callback: the fault this test injects
-
-        loop.add_reader(busy_r, busy)
-        busy_w.send(b"x")
-        deadline = loop.time() + DELAY_S + busy_s + 2.0
-        while not outcomes and not (made and made[0].messages) and loop.time() < deadline:
-            await asyncio.sleep(0.01)  # a poll with a deadline
-        # Past the (re-armed) timer's latest time: whatever it was going to do, it has done.
-        end = loop.time() + 2 * DELAY_S
-        while not outcomes and loop.time() < end:
-            await asyncio.sleep(0.01)  # a poll with a deadline
-        assert made, "the busy callback never ran"
-        made[0].cancel()
-
-    try:
-        uvloop.run(main())
-    finally:
-        for s in (worker, router_end, busy_w, busy_r):
-            s.close()
+    in_busy_callback(make, send, busy_s, settled=lambda _: bool(outcomes), wait_s=3 * DELAY_S + 1.0)
     return outcomes
 
 
