@@ -206,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="--probe: seconds of probing")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     a = p.parse_args(argv)
+    if a.probe and (a.cprofile or a.perf or a.workers):
+        p.error("--cprofile, --workers and --perf profile the load, not --probe")
+    if a.workers and not a.cprofile:
+        p.error("--workers goes with --cprofile")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-profile-dynamo-"))
