@@ -171,7 +171,12 @@ class EventStream(Response):
 
         gone = False
         try:
-            await watch.run(pump())
+            # The events flow in a task of their own: a task's every wake-up re-enters each
+            # coroutine it awaits through, and this one's chain (uvicorn's run_asgi,
+            # starlette's routing and middleware, this call) cost ~9 Python calls per
+            # streamed token (BENCHMARKS.md, session 14). The request's task awaits it once;
+            # a disconnect cancels the request's task, and so the awaited one.
+            await watch.run(asyncio.get_running_loop().create_task(pump()))
         except (ClientGone, OSError):
             gone = True
         finally:
