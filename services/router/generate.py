@@ -221,12 +221,87 @@ class RequestFlow:
 
     async def run(self) -> AsyncIterator[list[int] | FlowFinal]:
         """Token-id lists (one per client message), then a FlowFinal; raises a
-        MeshError for the status the client gets."""
+        MeshError for the status the client gets. The attempts' loop is written out here,
+        not in a generator of its own: every generator layer costs two Python calls per
+        streamed token (BENCHMARKS.md, session 14)."""
         ticket = await self._admit()
         try:
             self.ctx.budget.record_request()
-            async for item in self._attempts():
-                yield item
+            ctx, journey = self.ctx, self.journey
+            remaining = self.req.max_tokens
+            first = True
+            while True:
+                attempt = self._launch()
+                worker = attempt.worker_id
+                settled = False
+                prefilled = None  # the LoadView key whose first token was reported
+                race = self._race
+                try:
+                    if race is not None and not journey.delivered_token_ids and self._sent is not None:
+                        race.arm(attempt, *self._sent, self._deadline)
+                    while True:
+                        if self._cancel_error is not None:
+                            raise self._cancel_error
+                        if race is not None and race.hedge is not None:  # racing: settle it?
+                            attempt, self._routed = race.settle(attempt, self._routed)
+                            self._attempt, worker = attempt, attempt.worker_id
+                            self.worker_id = worker
+                        ids = attempt.take()
+                        if ids:
+                            if len(ids) > remaining:  # a worker that overruns max_tokens: cut it off
+                                ids = ids[:remaining]
+                            remaining -= len(ids)
+                            journey.record_tokens(ids)
+                            routed = self._routed
+                            if routed is not None and routed != prefilled:  # the attempt's prefill is done
+                                ctx.load_view.first_token(routed)  # type: ignore[union-attr]
+                                prefilled = routed
+                            now = self._loop.time()
+                            if ctx.metrics is not None:
+                                if first:
+                                    ctx.metrics.ttft(now - self._started)
+                                    if self._rerouted_at is not None:  # moved off an unhealthy worker
+                                        ctx.metrics.reroute_first_token(now - self._rerouted_at)
+                                else:
+                                    ctx.metrics.itl(now - self._last_sent, len(ids))
+                            first = False
+                            self._last_sent = now
+                            yield ids
+                            continue
+                        if attempt.done:
+                            settled = True
+                            break
+                        woken = self._wake.arm()  # None: woken already (consumed)
+                        if woken is not None:
+                            await woken
+                finally:
+                    if race is not None:
+                        race.end()
+                    self._report_latency(attempt)
+                    ctx.registry.end_request(worker)
+                    if self._routed is not None:
+                        ctx.load_view.end(self._routed)  # type: ignore[union-attr]
+                        self._routed = None
+                    if not settled:  # cancelled or closed mid-attempt: no verdict on the worker
+                        ctx.breakers.record_ignored(worker)
+                self._attempt = None
+                if attempt.final is not None:
+                    yield self._succeed(attempt)
+                    return
+                err = attempt.error
+                assert err is not None
+                if err.reroute and first and self._rerouted_at is None:
+                    self._rerouted_at = self._loop.time()
+                if err.worker_fault:
+                    ctx.breakers.record_failure(worker)
+                    if attempt.stalled and attempt.messages:  # hung mid-stream: the others there too
+                        ctx.reroute(worker, "stalled")
+                else:
+                    ctx.breakers.record_ignored(worker)
+                final = self._recover(worker, err)
+                if final is not None:
+                    yield final
+                    return
         except BaseException:
             if self._cost is None:  # cancelled (client or Router.Cancel), deadline, or gave up
                 self._cost = self._end_unfinished()
@@ -300,83 +375,6 @@ class RequestFlow:
         return self.journey.give_up()
 
     # ---- attempts -----------------------------------------------------------
-
-    async def _attempts(self) -> AsyncIterator[list[int] | FlowFinal]:
-        ctx, journey = self.ctx, self.journey
-        remaining = self.req.max_tokens
-        first = True
-        while True:
-            attempt = self._launch()
-            worker = attempt.worker_id
-            settled = False
-            prefilled = None  # the LoadView key whose first token was reported
-            race = self._race
-            try:
-                if race is not None and not journey.delivered_token_ids and self._sent is not None:
-                    race.arm(attempt, *self._sent, self._deadline)
-                while True:
-                    if self._cancel_error is not None:
-                        raise self._cancel_error
-                    if race is not None and race.hedge is not None:  # racing: settle it?
-                        attempt, self._routed = race.settle(attempt, self._routed)
-                        self._attempt, worker = attempt, attempt.worker_id
-                        self.worker_id = worker
-                    ids = attempt.take()
-                    if ids:
-                        if len(ids) > remaining:  # a worker that overruns max_tokens: cut it off
-                            ids = ids[:remaining]
-                        remaining -= len(ids)
-                        journey.record_tokens(ids)
-                        routed = self._routed
-                        if routed is not None and routed != prefilled:  # the attempt's prefill is done
-                            ctx.load_view.first_token(routed)  # type: ignore[union-attr]
-                            prefilled = routed
-                        now = self._loop.time()
-                        if ctx.metrics is not None:
-                            if first:
-                                ctx.metrics.ttft(now - self._started)
-                                if self._rerouted_at is not None:  # moved off an unhealthy worker
-                                    ctx.metrics.reroute_first_token(now - self._rerouted_at)
-                            else:
-                                ctx.metrics.itl(now - self._last_sent, len(ids))
-                        first = False
-                        self._last_sent = now
-                        yield ids
-                        continue
-                    if attempt.done:
-                        settled = True
-                        break
-                    woken = self._wake.arm()  # None: woken already (consumed)
-                    if woken is not None:
-                        await woken
-            finally:
-                if race is not None:
-                    race.end()
-                self._report_latency(attempt)
-                ctx.registry.end_request(worker)
-                if self._routed is not None:
-                    ctx.load_view.end(self._routed)  # type: ignore[union-attr]
-                    self._routed = None
-                if not settled:  # cancelled or closed mid-attempt: no verdict on the worker
-                    ctx.breakers.record_ignored(worker)
-            self._attempt = None
-            if attempt.final is not None:
-                yield self._succeed(attempt)
-                return
-            err = attempt.error
-            assert err is not None
-            if err.reroute and first and self._rerouted_at is None:
-                self._rerouted_at = self._loop.time()
-            if err.worker_fault:
-                ctx.breakers.record_failure(worker)
-                if attempt.stalled and attempt.messages:  # hung mid-stream: the others there too
-                    ctx.reroute(worker, "stalled")
-            else:
-                ctx.breakers.record_ignored(worker)
-            final = self._recover(worker, err)
-            if final is not None:
-                yield final
-                return
 
     def _succeed(self, attempt: DecodeAttempt) -> FlowFinal:
         final = attempt.final
