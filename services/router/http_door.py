@@ -39,7 +39,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.params import GenerationPlan
 from services.router.config import HttpDoorConfig
 from services.router.router import Router
-from services.router.servicer import DeltaItem, Generation
+from services.router.servicer import DeltaItem, Deltas, Generation
 
 log = structlog.get_logger()
 
@@ -74,7 +74,9 @@ class FlowStream:
         self._metadata = metadata
         self._prompt_ids = prompt_ids  # a token-id prompt, kept out of `request`
         self._gen: Generation | None = None
-        self._it: Any = None
+        self._it: Any = None  # the flow's items (Generation.light)
+        self._deltas: Deltas | None = None
+        self._after: list[Any] = []  # messages of the final item still to return, last first
         self._closing: asyncio.Task[None] | None = None
         self.finished = False
         self.cancelled = False
@@ -85,22 +87,29 @@ class FlowStream:
     async def __anext__(self) -> router_pb2.GenerateResponse | DeltaItem:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            if self._gen is None:  # opened at the first read: the app's generate() must not raise
-                if self._upstream.draining:
-                    raise Unavailable("the router is draining")
-                up = self._upstream
-                self._gen = Generation(
-                    up.router, self._request, self._metadata, up.timeout_s, prompt_ids=self._prompt_ids
-                )
-                self._it = self._gen.light()
-            msg = await self._it.__anext__()
-        except StopAsyncIteration:
-            self._end()
-            raise
-        except Exception as e:  # MeshErrors map to their status, anything else to a 500
-            self._end()
-            raise http_error(e) from e
+        if self._after:  # the final item's messages: its held-back text, then the final
+            msg = self._after.pop()
+        else:
+            try:
+                if self._gen is None:  # opened at the first read: the app's generate() must not raise
+                    if self._upstream.draining:
+                        raise Unavailable("the router is draining")
+                    up = self._upstream
+                    self._gen = Generation(
+                        up.router, self._request, self._metadata, up.timeout_s, prompt_ids=self._prompt_ids
+                    )
+                    self._it, self._deltas = self._gen.light()
+                item = await self._it.__anext__()
+                if type(item) is list:
+                    return self._deltas.tokens(item)  # type: ignore[union-attr]
+                self._after = self._deltas.end(item)[::-1]  # type: ignore[union-attr]
+                msg = self._after.pop()
+            except StopAsyncIteration:
+                self._end()
+                raise
+            except Exception as e:  # MeshErrors map to their status, anything else to a 500
+                self._end()
+                raise http_error(e) from e
         if msg.HasField("final"):
             # Run the flow to its end now (admission slot, ledger), before the client has it.
             async for _ in self._it:
