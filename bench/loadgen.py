@@ -247,9 +247,9 @@ class OpenAIHttpClient:
             rec.end_s = clock()
         rec.ok = not rec.error_code
 
-    async def _exchange(self, rec: RequestRecord, item: WorkItem, clock: Clock) -> None:
+    def _request(self, conn: h11.Connection, item: WorkItem) -> bytes:
+        """The whole request on `conn`, as bytes: head, JSON body, end."""
         body = self._body(item)
-        conn = h11.Connection(h11.CLIENT)
         headers = [
             ("Host", f"{self.host}:{self.port}"),
             ("Content-Type", "application/json"),
@@ -257,10 +257,15 @@ class OpenAIHttpClient:
             ("Content-Length", str(len(body))),
             ("Connection", "close"),
         ]
+        head = conn.send(h11.Request(method="POST", target=self.path, headers=headers))
+        return head + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+
+    async def _exchange(self, rec: RequestRecord, item: WorkItem, clock: Clock) -> None:
+        conn = h11.Connection(h11.CLIENT)
+        request = self._request(conn, item)
         reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
-            writer.write(conn.send(h11.Request(method="POST", target=self.path, headers=headers)))
-            writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+            writer.write(request)
             await writer.drain()
             await self._read_response(conn, reader, rec, clock)
         finally:

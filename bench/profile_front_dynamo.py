@@ -73,6 +73,21 @@ CATEGORIES = (
 )
 
 
+def side_by_side_load(requests: int) -> list:
+    """The side by side's x4 load (bench/peers/dynamo/run.py's defaults): the first `requests`
+    Mooncake requests, prompts / 8, those that fit half of one worker's 16,384 blocks."""
+    items = build_workload(
+        "mooncake",
+        num_requests=requests,
+        max_duration_s=120.0,
+        length_factor=8.0,
+        time_factor=1 / 4,
+        seed=0,
+        vocab=VocabRange(D.FIRST_WORD_ID, D.DEFAULT_VOCAB),
+    )
+    return [it for it in items if len(it.prompt_ids) + it.max_tokens <= 16384 * 16 // 2]
+
+
 def categories(raw: Path) -> dict[str, float]:
     counts: collections.Counter[str] = collections.Counter()
     total = 0
@@ -250,16 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             what = "near-zero-load probe"
         else:
             raw = out / ("router_dynamo_load.perf" if a.perf else "router_dynamo_load.raw")
-            items = build_workload(
-                "mooncake",
-                num_requests=a.requests,
-                max_duration_s=120.0,
-                length_factor=8.0,
-                time_factor=1 / 4,
-                seed=0,
-                vocab=VocabRange(D.FIRST_WORD_ID, D.DEFAULT_VOCAB),
-            )
-            items = [it for it in items if len(it.prompt_ids) + it.max_tokens <= 16384 * 16 // 2]
+            items = side_by_side_load(a.requests)
             span, tokens = items[-1].arrival_s, sum(it.max_tokens for it in items)
             print(f"{len(items)} requests over {span:.1f} s, {tokens} output tokens")
             cpu0 = run_cpu_s(pid)

@@ -29,10 +29,10 @@ import h11
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.loadgen import build_workload, run_load
+from bench.loadgen import run_load
 from bench.peers.dynamo import run as D
 from bench.profile_front import cpu_model
-from bench.traces import VocabRange
+from bench.profile_front_dynamo import side_by_side_load
 
 SEGMENTS = ("connect", "write", "to headers", "headers -> first token", "client TTFT")
 FRONT_TTFT = {
@@ -50,20 +50,12 @@ class StampedClient(D.HttpClient):
 
     async def _exchange(self, rec, item, clock) -> None:
         st = {"send": rec.send_s}
-        body = self._body(item)
         conn = h11.Connection(h11.CLIENT)
-        headers = [
-            ("Host", f"{self.host}:{self.port}"),
-            ("Content-Type", "application/json"),
-            ("Accept", "text/event-stream"),
-            ("Content-Length", str(len(body))),
-            ("Connection", "close"),
-        ]
+        request = self._request(conn, item)
         reader, writer = await asyncio.open_connection(self.host, self.port)
         st["connected"] = clock()
         try:
-            writer.write(conn.send(h11.Request(method="POST", target=self.path, headers=headers)))
-            writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+            writer.write(request)
             await writer.drain()
             st["written"] = clock()
             next_event = conn.next_event
@@ -98,16 +90,7 @@ def one_system(system: str, requests: int, dynamo_python: Path) -> dict[str, lis
     setup = D.Setup(4, 16, 16384, 1.0, 256, 8192, folder, dynamo_python)
     dep = D.start_pdmesh(setup, "kv", tmp) if system == "pdmesh" else D.start_dynamo(setup, "kv", tmp)
     try:
-        items = build_workload(
-            "mooncake",
-            num_requests=requests,
-            max_duration_s=120.0,
-            length_factor=8.0,
-            time_factor=1 / 4,
-            seed=0,
-            vocab=VocabRange(D.FIRST_WORD_ID, D.DEFAULT_VOCAB),
-        )
-        items = [it for it in items if len(it.prompt_ids) + it.max_tokens <= 16384 * 16 // 2]
+        items = side_by_side_load(requests)
         client = StampedClient(dep.url, D.MODEL_NAME)
         span = items[-1].arrival_s
         recs = asyncio.run(
