@@ -140,6 +140,11 @@ class RouterConfig:
     saturated_retry_after_s: float = setting(0.5, "retry-after hint when every decode worker is saturated")
     health_interval_s: float = setting(1.0, "grpc.health.v1 probe interval per worker")
     health_timeout_s: float = setting(1.0, "timeout of one health probe")
+    health_failure_threshold: int = setting(
+        2,
+        "consecutive health probes without an answer (timed out, or an error) before a worker is marked "
+        "not serving; a NOT_SERVING answer marks it at once, and a failed probe is followed by the next at once",
+    )
     stats_interval_s: float = setting(1.0, "Stats poll interval per worker (load, static workers' info)")
     resubscribe_initial_s: float = setting(0.05, "first backoff before re-subscribing to KV events")
     resubscribe_max_s: float = setting(5.0, "longest backoff between KV-event or Stats retries")
@@ -175,6 +180,7 @@ class RouterConfig:
             "housekeeping_interval_s",
         ):
             require(getattr(self, name) > 0, f"{name} must be > 0")
+        require(self.health_failure_threshold >= 1, "health_failure_threshold must be >= 1")
         require(self.resubscribe_max_s >= self.resubscribe_initial_s, "resubscribe_max_s < initial")
         require(self.max_waiting_per_worker >= 0 and self.max_inflight_per_worker >= 0, "limits must be >= 0")
 

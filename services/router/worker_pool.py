@@ -6,7 +6,10 @@ the mesh CA did not sign fails every probe and never joins) and stubs and
 three loops:
 
 - health: grpc.health.v1 `Check` of the worker's ready name
-  ("pdmesh.v1.DecodeService" / "pdmesh.v1.PrefillService") -> registry health;
+  ("pdmesh.v1.DecodeService" / "pdmesh.v1.PrefillService") -> registry health.
+  NOT_SERVING marks the worker at once; a probe without an answer counts, and
+  only `health_failure_threshold` of them in a row mark it (a busy worker's
+  late answer is not a dead worker);
 - KV events: `SubscribeKvEvents` -> prefix index + sequencer (a snapshot first,
   then batches). A gap, a DATA_LOSS status, an index overflow or a broken
   stream clears the worker's entries and subscribes again with backoff;
@@ -98,6 +101,7 @@ class WorkerConnection:
         self._worker_stub = stub  # SubscribeKvEvents and Stats: served by both roles
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._probe_now = asyncio.Event()
+        self._unanswered = 0  # health probes in a row with no answer
         self._link: DecodeLink | None = None  # decode role: the token path (services/router/link.py)
         self.link_unsupported = False  # the worker answered Link with UNIMPLEMENTED
         self._raw_off_until = 0.0  # its raw link port failed to connect: gRPC until then
@@ -187,7 +191,8 @@ class WorkerConnection:
         stats = asyncio.create_task(self._stats_loop(), name=f"stats:{self.address}")
         try:
             while True:
-                await self._probe_health(cfg.health_timeout_s)
+                if not await self._probe_health(cfg.health_timeout_s):
+                    continue  # no answer: the next probe at once (the threshold counts them)
                 # Not asyncio.wait_for: on 3.11 it swallows a cancel that lands in the same
                 # step as the probe request, and stop() would then wait forever.
                 with contextlib.suppress(TimeoutError):
@@ -197,14 +202,28 @@ class WorkerConnection:
         finally:
             stats.cancel()
 
-    async def _probe_health(self, timeout: float) -> None:
+    async def _probe_health(self, timeout: float) -> bool:
+        """One probe; False when it got no answer (timed out or failed) and the worker's
+        health stays as it was because fewer than `health_failure_threshold` probes in a row
+        went unanswered. A worker that answers NOT_SERVING says so itself and is marked at
+        once; one that does not answer may be busy, not gone (a probe starved of CPU, a long
+        engine step holding the loop), and is marked only after the threshold: a single late
+        answer took a healthy worker's traffic away and failed over its unstarted requests."""
         try:
             resp = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=READY_NAMES[self.role]), timeout=timeout
             )
-            ok = resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
+            self._unanswered += 1
+            if self._unanswered < self.pool.config.health_failure_threshold:
+                log.info(
+                    "worker_probe_unanswered", worker=self.worker_id, code=e.code().name, count=self._unanswered
+                )
+                return False
             ok = False
+        else:
+            self._unanswered = 0
+            ok = resp.status == health_pb2.HealthCheckResponse.SERVING
         if self.worker_id is not None:
             rec = self.pool.registry.get(self.worker_id)
             if rec is not None and rec.healthy != ok:
@@ -213,6 +232,7 @@ class WorkerConnection:
                 self.pool.changed()
                 if not ok:
                     self.pool.on_unhealthy(self.worker_id)
+        return True
 
     async def _fetch_stats(self) -> worker_pb2.StatsResponse:
         return await self._worker_stub.Stats(

@@ -189,3 +189,52 @@ async def test_a_worker_leaves_even_when_a_health_probe_was_just_asked_for(mesh)
     await r.wait_until(leaving.done, timeout=5)
     assert conn._main is not None and conn._main.done()
     assert "d1" not in r.registry
+
+
+class _Unanswered:
+    """A health stub that lets `fail` probes go unanswered (DEADLINE_EXCEEDED, as a probe
+    starved of CPU would), then answers through the real one; it records the worker's
+    health as the router saw it at each probe."""
+
+    def __init__(self, real, registry, worker_id, fail):
+        self.real, self.registry, self.worker_id, self.fail = real, registry, worker_id, fail
+        self.seen: list[bool] = []
+
+    async def Check(self, request, timeout=None):
+        self.seen.append(self.registry.get(self.worker_id).healthy)
+        if self.fail > 0:
+            self.fail -= 1
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "probe timed out"
+            )
+        return await self.real.Check(request, timeout=timeout)
+
+
+async def test_one_unanswered_probe_keeps_a_busy_worker_serving(mesh):
+    # A probe that times out on a busy worker is not a dead worker: with the threshold
+    # at 2, one late answer changes nothing and the next probe follows at once.
+    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
+    h = await mesh.router([d1, d2], policy="round_robin", health_failure_threshold=2)
+    r = h.router
+    conn = r.pool.connection("d1")
+    stub = conn._health = _Unanswered(conn._health, r.registry, "d1", fail=1)
+    await r.wait_until(lambda: len(stub.seen) >= 3)
+    assert stub.fail == 0 and all(stub.seen), stub.seen
+    for _ in range(2):
+        await h.generate("x", max_tokens=2)
+    assert len(d1.calls) == 1
+
+
+async def test_unanswered_probes_in_a_row_mark_a_worker_not_serving(mesh):
+    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
+    h = await mesh.router([d1, d2], policy="round_robin", health_failure_threshold=3)
+    r = h.router
+    conn = r.pool.connection("d1")
+    stub = conn._health = _Unanswered(conn._health, r.registry, "d1", fail=3)
+    await r.wait_until(lambda: not r.registry.get("d1").healthy)
+    assert stub.seen[:3] == [True, True, True]  # marked by the third, not before
+    for _ in range(2):
+        await h.generate("x", max_tokens=2)
+    assert d1.calls == []
+    await r.wait_until(lambda: r.registry.get("d1").healthy)  # an answer brings it back
+    assert stub.fail == 0
