@@ -217,7 +217,10 @@ class WorkerConnection:
             self._unanswered += 1
             if self._unanswered < self.pool.config.health_failure_threshold:
                 log.info(
-                    "worker_probe_unanswered", worker=self.worker_id, code=e.code().name, count=self._unanswered
+                    "worker_probe_unanswered",
+                    worker=self.worker_id,
+                    code=e.code().name,
+                    count=self._unanswered,
                 )
                 return False
             ok = False
