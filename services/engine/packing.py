@@ -24,7 +24,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        # oneDNN's bf16 reorder needs avx512bw/vl/dq or avx_ne_convert: without them
+        # (an AMD EPYC with avx2 only) it raises at start-up, so leave the weights plain.
+        and (dtype != torch.bfloat16 or _bf16_supported())
     )
+
+
+def _bf16_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 class PackedLinear(nn.Module):

@@ -41,7 +41,7 @@ def test_packed_weights_compute_the_same_model(make_engine, dtype):
 
     packed, plain = make_engine(dtype=dtype), make_engine(dtype=dtype, pack_weights=False)
     if not can_pack(torch.device("cpu"), getattr(torch, dtype)):
-        pytest.skip("this torch build has no oneDNN linear prepacking")
+        pytest.skip("no oneDNN linear prepacking here for this dtype (the build, or bf16 on this CPU)")
     assert isinstance(packed.runner.model.layers[0].mlp.gate_up, PackedLinear)
     assert not isinstance(plain.runner.model.layers[0].mlp.gate_up, PackedLinear)
     tokens = prompt_of(40, seed=2)
