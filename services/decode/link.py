@@ -10,10 +10,12 @@ so the per-message cost is paid once per engine step, not once per request.
 `open` turns the request into a `DecodeJob` exactly as Generate does (the
 servicer's validation) and runs it on the same `DecodeWorker` core in a task of
 its own; `cancel` cancels that task, which closes the core (engine abort, KV
-freed, at once) and ends the request with CANCELLED. The request tasks add
-their tokens and ends to one pending batch and wake the writer, which sends the
-batch as one frame. The engine delivers every output of a step in one loop
-callback, so every request of a step lands in the same batch.
+freed, at once) and ends the request with CANCELLED. Each request's tokens go
+to one pending batch through a sink (`DecodeWorker.generate`'s: past the first
+token, the engine calls it in its delivery callback, with no task of the
+request woken); its end is added by its task. Either wakes the writer, which
+sends the batch as one frame. The engine delivers every output of a step in one
+loop callback, so every request of a step lands in the same batch.
 
 When the server drains, a link takes no new request (UNAVAILABLE: the router
 retries elsewhere), lets the open ones finish and then ends the call (the
@@ -31,13 +33,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from functools import partial
 
 import grpc
 import structlog
 
 from pdmesh.v1 import decode_pb2
 from services.common.errors import MAX_DETAILS_CHARS, InvalidArgument, status_of
-from services.decode.worker import DecodeJob, DecodeWorker, Finished, Tokens
+from services.decode.worker import DecodeJob, DecodeWorker, Finished
 
 log = structlog.get_logger()
 
@@ -185,17 +188,11 @@ class LinkSession:
     async def _serve(self, lid: int, job: DecodeJob) -> None:
         end = None
         try:
-            async with aclosing(self._worker.generate(job)) as events:
-                async for event in events:
-                    if isinstance(event, Tokens):
-                        pending = self._tokens.get(lid)
-                        if pending is None:
-                            self._tokens[lid] = event.token_ids
-                        else:
-                            pending.extend(event.token_ids)
-                        self._ready.set()
-                    else:
-                        end = decode_pb2.LinkEnd(link_id=lid, final=self._final_of(event))
+            # The tokens go straight into the pending batch (past the first, from the
+            # engine's delivery callback); the core yields only the request's end.
+            async with aclosing(self._worker.generate(job, sink=partial(self._add_tokens, lid))) as events:
+                async for event in events:  # with a sink: only the Finished
+                    end = decode_pb2.LinkEnd(link_id=lid, final=self._final_of(event))
         except asyncio.CancelledError:
             if lid not in self._cancelled:  # the link is ending: nobody to tell
                 raise
@@ -210,6 +207,14 @@ class LinkSession:
         if end is not None:
             self._ends.append(end)
             self._ready.set()
+
+    def _add_tokens(self, lid: int, token_ids: list[int]) -> None:
+        pending = self._tokens.get(lid)
+        if pending is None:
+            self._tokens[lid] = token_ids
+        else:
+            pending.extend(token_ids)
+        self._ready.set()
 
     def _end_error(self, lid: int, e: BaseException) -> None:
         mapped = status_of(e)

@@ -5,8 +5,8 @@ a fresh load probe of the prefill candidates when the request may go remote ->
 `DisaggregationPolicy`), the remote path (`RemotePrefill`) with its single local
 fallback, the request's deadline, and its accounting (tokens, cached and
 computed tokens, KV bytes, metrics). It yields typed events, `Tokens` for each
-delta and one `Finished` last; the servicer turns a message into a `DecodeJob`
-and the events into messages, and nothing else.
+delta and one `Finished` last (or hands the tokens to a sink: the link's path); the
+servicer turns a message into a `DecodeJob` and the events into messages, and nothing else.
 
 Cleanup ordering, which the unit tests drive through every failure point:
 - remote path: `RemotePrefill` frees this worker's reservation and asks the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -98,6 +98,7 @@ class Finished:
 
 
 Event = Tokens | Finished
+TokenSink = Callable[[list[int]], None]  # a request's new tokens, in order
 
 
 @dataclass
@@ -195,9 +196,13 @@ class DecodeWorker:
         ]
         return live + [RunningDecode(0, max(n - 1, 0), 0.0) for n in self._incoming.values()]
 
-    async def generate(self, job: DecodeJob) -> AsyncIterator[Event]:
+    async def generate(self, job: DecodeJob, sink: TokenSink | None = None) -> AsyncIterator[Event]:
         """`Tokens` events, then one `Finished`; raises a MeshError (DeadlineExceeded)
-        or an engine error. Close the iterator (aclosing) to abort early."""
+        or an engine error. Close the iterator (aclosing) to abort early.
+
+        With a `sink`, the tokens go to it instead and only `Finished` is yielded: after
+        the first token the engine calls it from its delivery callback (`Engine.divert`),
+        so a decoding request costs no task wake-up per engine step (the link's path)."""
         self.metrics.requests.inc()
         started = time.monotonic()
         limit = self.max_request_s if job.timeout_s is None else min(job.timeout_s, self.max_request_s)
@@ -212,7 +217,7 @@ class DecodeWorker:
         self._record_decision(job, decision, context_len, cached)
         outcome = "cancelled"
         try:
-            async for event in self._run(req, account, deadline, started):
+            async for event in self._run(req, account, deadline, started, sink):
                 yield event
             outcome = "ok"
             yield account.finished()
@@ -287,7 +292,7 @@ class DecodeWorker:
     # ---- running it ------------------------------------------------------------
 
     async def _run(
-        self, req: EngineRequest, account: _Account, deadline: float, started: float
+        self, req: EngineRequest, account: _Account, deadline: float, started: float, sink: TokenSink | None
     ) -> AsyncIterator[Tokens]:
         outputs = None
         if account.decision.path is Path.REMOTE:
@@ -295,13 +300,16 @@ class DecodeWorker:
             if result is not None and result.outputs is None:  # the first token finished it
                 account.completion_tokens, account.finish = 1, result.finish_reason
                 self.metrics.ttft.observe(time.monotonic() - started)
-                yield Tokens([result.first_token_id])
+                if sink is None:
+                    yield Tokens([result.first_token_id])
+                else:
+                    sink([result.first_token_id])
                 return
             outputs = result.outputs if result is not None else None
         if outputs is None:
             outputs = await self._local_outputs(req, account, deadline)
-        first, last = True, started
-        live = _Live(first_at=started, max_tokens=req.sampling.max_tokens - len(req.resume_token_ids))
+        decoding = _Decoding(self, req, account, started, sink)
+        diverted = sink is None  # nothing to divert to
         timer = _StreamTimer(deadline, account.decision.path)
         # Closing the stream (finished, cancelled, deadline) aborts the engine request.
         try:
@@ -310,31 +318,19 @@ class DecodeWorker:
                     out = await timer.next(stream)
                     if out is None:
                         return
-                    if first and account.decision.path is Path.LOCAL:
-                        account.cached_tokens = out.num_cached_tokens or account.cached_tokens
-                    account.local_output(out)
-                    if out.token_ids:
-                        now = time.monotonic()
-                        if first:
-                            self.metrics.ttft.observe(now - started)
-                            first = False
-                            live.first_at = now
-                            live.decoded = len(out.token_ids) - 1
-                            self._live[req.request_id] = live
-                            self.local_wait_s()  # a prefill ended: measure the rate
-                            if account.decision.path is Path.LOCAL:
-                                self.rates.local_done(
-                                    account.computed_tokens, now - account.decided_at, account.predicted_wait
-                                )
+                    tokens = decoding.output(out)
+                    if tokens is not None:
+                        if sink is None:
+                            yield Tokens(tokens)
                         else:
-                            self.metrics.itl(now - last, len(out.token_ids))
-                            self.rates.decode_interval(now - last, len(out.token_ids))
-                            live.decoded += len(out.token_ids)
-                        last = now
-                        yield Tokens(list(out.token_ids))
+                            sink(tokens)
                     if out.finished:
                         account.finish = out.finish_reason
                         return
+                    if not diverted and not decoding.first:
+                        # Past the first token: the rest of the stream's outputs, but its
+                        # last, go through decoding.diverted in the engine's callback.
+                        diverted = self.engine.divert(req.request_id, decoding.diverted)
         finally:
             timer.cancel()
             self._live.pop(req.request_id, None)
@@ -394,6 +390,61 @@ class DecodeWorker:
             self.metrics.transferred(result.bytes_transferred, result.transfer_seconds)
         tracing.annotate(kv_bytes=result.bytes_transferred)
         return result
+
+
+class _Decoding:
+    """One request's per-output accounting (TTFT, inter-token intervals, the time
+    rule's rates, the live decode), whether its outputs are pulled from the stream
+    or handed to `diverted` by the engine."""
+
+    __slots__ = ("_account", "_last", "_live", "_req", "_sink", "_worker", "first")
+
+    def __init__(
+        self,
+        worker: DecodeWorker,
+        req: EngineRequest,
+        account: _Account,
+        started: float,
+        sink: TokenSink | None,
+    ):
+        self._worker, self._req, self._account, self._sink = worker, req, account, sink
+        self._last = started
+        self._live = _Live(first_at=started, max_tokens=req.sampling.max_tokens - len(req.resume_token_ids))
+        self.first = True  # no token yet
+
+    def output(self, out: RequestOutput) -> list[int] | None:
+        """Account for one output; its new tokens, None when it has none."""
+        w, account = self._worker, self._account
+        if self.first and account.decision.path is Path.LOCAL:
+            account.cached_tokens = out.num_cached_tokens or account.cached_tokens
+        account.local_output(out)
+        n = len(out.token_ids)
+        if not n:
+            return None
+        now = time.monotonic()
+        live = self._live
+        if self.first:
+            w.metrics.ttft.observe(now - live.first_at)
+            self.first = False
+            live.first_at = now
+            live.decoded = n - 1
+            w._live[self._req.request_id] = live
+            w.local_wait_s()  # a prefill ended: measure the rate
+            if account.decision.path is Path.LOCAL:
+                w.rates.local_done(account.computed_tokens, now - account.decided_at, account.predicted_wait)
+        else:
+            w.metrics.itl(now - self._last, n)
+            w.rates.decode_interval(now - self._last, n)
+            live.decoded += n
+        self._last = now
+        return list(out.token_ids)
+
+    def diverted(self, out: RequestOutput) -> None:
+        """An unfinished output the engine handed over in its delivery callback."""
+        tokens = self.output(out)
+        if tokens is not None:
+            assert self._sink is not None
+            self._sink(tokens)
 
 
 @dataclass

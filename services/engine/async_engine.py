@@ -198,6 +198,10 @@ class TorchEngine:
 
         return self._open_stream(request.request_id, start)
 
+    def divert(self, request_id: str, sink: Callable[[RequestOutput], None]) -> bool:
+        q = self._streams.get(request_id)
+        return q is not None and q.divert(sink)
+
     def abort(self, request_id: str) -> bool:
         if not self._is_active(request_id):
             return False
@@ -282,7 +286,7 @@ class TorchEngine:
             while not done:
                 item = await q.get()
                 if isinstance(item, BaseException):
-                    done = True
+                    done = not q.sink_failed  # the request still runs then: aborted below
                     raise item
                 done = item.finished
                 yield item
@@ -444,15 +448,36 @@ class _Outputs:
     """One stream's outputs, from the loop's delivery callback to its one consumer
     (loop side only). asyncio.Queue did the same with an unfinished-task count, an
     Event and waiter lists touched on every put and get: once per token per request
-    (issue 16 item 4)."""
+    (issue 16 item 4).
 
-    __slots__ = ("_items", "_waiter")
+    A diverted stream (`divert`) hands every unfinished output to its sink inside the
+    delivery callback, with no task woken; the finished output or an error still
+    goes to the consumer, which ends the stream as before."""
+
+    __slots__ = ("_items", "_sink", "_waiter", "sink_failed")
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future | None = None
+        self._sink: Callable[[RequestOutput], None] | None = None
+        self.sink_failed = False
+
+    def divert(self, sink: Callable[[RequestOutput], None]) -> bool:
+        if self._items:  # outputs the consumer has not taken yet would arrive out of order
+            return False
+        self._sink = sink
+        return True
 
     def put_nowait(self, item: Any) -> None:
+        sink = self._sink
+        if sink is not None and not isinstance(item, BaseException) and not item.finished:
+            try:
+                sink(item)
+                return
+            except Exception as e:  # a consumer's bug: it ends this stream, not the delivery
+                self._sink, self.sink_failed = None, True
+                item = EngineError(f"a diverted stream's sink failed ({type(e).__name__})")
+                item.__cause__ = e
         self._items.append(item)
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():

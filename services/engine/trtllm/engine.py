@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -125,6 +125,9 @@ class TrtllmEngine:
         self._counters["computed"] += len(context) - cached
         self._counters["cached"] += cached
         return self._stream(request, result, cached=cached, computed=len(context) - cached, remote=False)
+
+    def divert(self, request_id: str, sink: Callable[[RequestOutput], None]) -> bool:
+        return False  # its stream is TensorRT-LLM's own: iterate it
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         self._check_new(request)

@@ -9,7 +9,6 @@ import asyncio
 
 from pdmesh.v1 import decode_pb2
 from services.decode.link import LinkSession
-from services.decode.worker import Tokens
 from tests.support.poll import eventually
 
 
@@ -19,10 +18,10 @@ class GatedWorker:
     def __init__(self):
         self.finish = asyncio.Event()
 
-    async def generate(self, job):
-        yield Tokens(token_ids=[7])
+    async def generate(self, job, sink):
+        sink([7])  # the link's path: tokens to the sink, only the end is yielded
         await self.finish.wait()
-        yield "finished"  # LinkSession hands any non-Tokens event to final_of
+        yield "finished"  # LinkSession hands the yielded end to final_of
 
 
 def open_frame(lid: int) -> decode_pb2.DecodeServiceLinkRequest:

@@ -255,3 +255,81 @@ async def test_local_accounting_counts_the_prefix_cache_hit_of_a_repeat(mesh):
     assert again.cached_prompt_tokens == 32 and again.computed_tokens == 16 + 7
     assert mesh.metrics.count("ok") == 2
     await mesh.assert_both_pools_back()
+
+
+class DivertSpy:
+    """Counts the engine streams the worker diverted to its sink (Engine.divert)."""
+
+    def __init__(self, engine):
+        self.engine, self.diverted = engine, 0
+        self._divert = engine.divert
+        engine.divert = self
+
+    def __call__(self, request_id, sink):
+        ok = self._divert(request_id, sink)
+        self.diverted += ok
+        return ok
+
+
+async def run_sunk(worker: DecodeWorker, j: DecodeJob) -> tuple[list[int], Finished]:
+    sunk: list[int] = []
+    events = [e async for e in worker.generate(j, sink=sunk.extend)]
+    assert len(events) == 1 and isinstance(events[0], Finished)  # the tokens went to the sink
+    return sunk, events[0]
+
+
+@pytest.mark.parametrize("mode", [Mode.LOCAL, Mode.REMOTE])
+async def test_a_sink_gets_the_same_tokens_and_accounting_as_the_events(mesh, mode):
+    spy = DivertSpy(mesh.decode)
+    worker = mesh.worker()
+    a, b = job("a", max_tokens=12, mode=mode), job("b", prompt_of(48, seed=21), max_tokens=12, mode=mode)
+    pulled, pulled_final = await run(worker, a)
+    assert spy.diverted == 0  # no sink: nothing to divert to
+    sunk, sunk_final = await run_sunk(worker, b)
+    assert spy.diverted == 1
+    assert pulled == reference(a) and sunk == reference(b)
+    assert sunk_final == pulled_final  # the same accounting (two uncached prompts of one length)
+    itl = mesh.metrics.registry.get_sample_value("pdmesh_decode_itl_seconds_count")
+    assert itl == 2 * 11  # every interval after the first token, diverted or not
+    await mesh.assert_both_pools_back()
+
+
+async def test_cancelling_a_diverted_request_aborts_it_and_frees_its_blocks(mesh):
+    spy = DivertSpy(mesh.decode)
+    decoding = asyncio.Event()
+    sunk: list[int] = []
+
+    def sink(ids):
+        sunk.extend(ids)
+        if spy.diverted:
+            decoding.set()
+
+    async def consume():
+        async for _ in mesh.worker().generate(job(max_tokens=70, mode=Mode.LOCAL), sink=sink):
+            pass
+
+    task = asyncio.create_task(consume())
+    await decoding.wait()  # tokens arrive through the engine's callback now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    n = len(sunk)
+    assert 1 < n < 70
+    await mesh.assert_both_pools_back()
+    assert len(sunk) == n  # nothing after the abort
+    assert mesh.metrics.count("cancelled") == 1
+
+
+async def test_the_deadline_ends_a_diverted_request_waiting_for_a_block(mesh):
+    # The rest of the pool is taken: the request's first token fits its 3 blocks, then
+    # it waits (diverted) for a 4th that never comes, until its deadline.
+    filler = EngineRequest("filler", tuple(prompt_of(16 * (DECODE_BLOCKS - 3), seed=12)), SamplingParams())
+    await mesh.decode.reserve_external(filler)
+    spy = DivertSpy(mesh.decode)
+    sunk: list[int] = []
+    with pytest.raises(DeadlineExceeded, match="local"):
+        async for _ in mesh.worker().generate(job(timeout_s=1.0, mode=Mode.LOCAL), sink=sunk.extend):
+            pass
+    assert len(sunk) == 1 and spy.diverted == 1
+    mesh.decode.cancel_external("filler")
+    await mesh.assert_both_pools_back()

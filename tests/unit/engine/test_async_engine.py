@@ -221,3 +221,46 @@ async def test_a_bug_in_the_step_fails_every_caller_instead_of_hanging():
         engine.generate(request("y", [1]))
     assert not engine.release("x") and not engine.abort("x")
     await engine.close()
+
+
+async def test_a_diverted_stream_hands_its_outputs_to_the_sink_and_ends_on_its_iterator(make_async):
+    engine = await make_async()
+    reqs = [
+        request(f"d{i}", prompt_of(12 + 7 * i, seed=i), max_tokens=12, temperature=0.7, seed=i)
+        for i in range(3)
+    ]
+    assert not engine.divert("nobody", lambda out: None)
+
+    async def diverted(req):
+        stream = engine.generate(req)
+        first = await anext(stream)
+        sunk: list = []
+        while not engine.divert(req.request_id, sunk.append):  # outputs not taken yet: take one
+            first_more = await anext(stream)
+            first.token_ids.extend(first_more.token_ids)
+        rest = [o async for o in stream]
+        assert len(rest) == 1 and rest[0].finished  # only the last output comes through the iterator
+        assert sunk and not any(o.finished for o in sunk)
+        return [*first.token_ids, *(t for o in sunk for t in o.token_ids), *rest[0].token_ids]
+
+    got = await asyncio.gather(*(diverted(r) for r in reqs))
+    assert {r.request_id: tokens for r, tokens in zip(reqs, got, strict=True)} == reference(reqs)
+
+
+async def test_a_sink_that_raises_ends_its_stream_and_frees_its_blocks(make_async):
+    engine = await make_async()
+    other = engine.generate(request("other", prompt_of(20, seed=5), max_tokens=30))
+    stream = engine.generate(request("bad", prompt_of(20, seed=4), max_tokens=300))
+    await anext(stream)
+
+    def sink(out):
+        raise RuntimeError("a consumer's bug")
+
+    while not engine.divert("bad", sink):
+        await anext(stream)
+    with pytest.raises(EngineError, match="sink failed") as e:
+        async for _ in stream:
+            pass
+    assert isinstance(e.value.__cause__, RuntimeError)
+    tokens, outs = await collect(other)  # the delivery went on for the others
+    assert outs[-1].finished and len(tokens) == 30
