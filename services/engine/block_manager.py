@@ -223,6 +223,8 @@ class BlockManager:
         """Grow `seq.block_table` to cover `num_tokens` tokens, first taking the
         prefix-cache hits `cached` (admission only). All or nothing: False, with
         nothing changed, when too few blocks are free."""
+        if not cached and num_tokens <= len(seq.block_table) * self.block_size:
+            return True  # a decode step inside its last block: most calls, per token per step
         need = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(cached))
         # A hit nobody references sits in the free queue: taking it uses a free slot.
         idle_hits = sum(1 for b in cached if self.blocks[b].ref_count == 0)
