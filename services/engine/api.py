@@ -91,9 +91,13 @@ class EngineRequest:
     workflow_final: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """New tokens of one request after one engine step (possibly none when finished)."""
+    """New tokens of one request after one engine step (possibly none when finished).
+
+    Treat as immutable. Not frozen: one is built per request per engine step, and a
+    frozen dataclass's __init__ sets each field through object.__setattr__ (1.6 us
+    against 0.6 us here, ~10% of the sim engine's step-thread CPU per token)."""
 
     request_id: str
     token_ids: list[int]
