@@ -105,6 +105,12 @@ async def run(a: argparse.Namespace) -> None:
 
     drive = link if a.mode == "link" else generate
     await drive(reqs[:32])  # warm-up
+    try:  # the collector as services.decode.main sets it after start-up (trees since session 6)
+        from services.common.gc_tuning import tune_gc
+    except ImportError:
+        pass
+    else:
+        tune_gc()
     spent = [0.0, 0, 0.0]
 
     def on_gc(phase: str, info: dict) -> None:
