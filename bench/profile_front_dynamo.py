@@ -109,11 +109,12 @@ def categories(raw: Path) -> dict[str, float]:
 PERF_HZ = 997  # perf samples on-CPU time in the kernel: no pause of the router, unlike py-spy
 
 
-def start_perf(pid: int, seconds: float, out: Path) -> subprocess.Popen:
+def start_perf(pid: int | list[int], seconds: float, out: Path) -> subprocess.Popen:
     """`perf record` of the router's threads: where its CPU goes, down to C symbols (uvloop's
     Cython, libpython, upb, httptools, the kernel). py-spy samples wall time and cannot see
     below uvloop's `Runner.run`; perf counts only time on a CPU."""
-    cmd = ["perf", "record", "-F", str(PERF_HZ), "-p", str(pid), "-o", str(out), "--", "sleep", str(seconds)]
+    pids = ",".join(map(str, pid)) if isinstance(pid, list) else str(pid)
+    cmd = ["perf", "record", "-F", str(PERF_HZ), "-p", pids, "-o", str(out), "--", "sleep", str(seconds)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -143,8 +144,8 @@ def perf_rows(raw: Path, sort: str) -> list[tuple[float, str]]:
     return rows
 
 
-def print_perf(raw: Path) -> None:
-    print(f"\n== router on-CPU samples by library (perf, {PERF_HZ} Hz); raw {raw}")
+def print_perf(raw: Path, who: str = "router") -> None:
+    print(f"\n== {who} on-CPU samples by library (perf, {PERF_HZ} Hz); raw {raw}")
     for share, name in perf_rows(raw, "dso")[:15]:
         print(f"  {share:6.1f}%  {name}")
     print("  by symbol (self):")
@@ -216,15 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workers",
         action="store_true",
-        help="--cprofile: the decode workers' loops instead of the router's (their stats summed)",
+        help="--cprofile / --perf: the decode workers instead of the router (their samples summed)",
     )
     p.add_argument("--seconds", type=float, default=20.0, help="--probe: seconds of probing")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     a = p.parse_args(argv)
     if a.probe and (a.cprofile or a.perf or a.workers):
         p.error("--cprofile, --workers and --perf profile the load, not --probe")
-    if a.workers and not a.cprofile:
-        p.error("--workers goes with --cprofile")
+    if a.workers and not (a.cprofile or a.perf):
+        p.error("--workers goes with --cprofile or --perf")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-profile-dynamo-"))
@@ -264,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"router CPU {cpu:.2f} s over ~{n} probe requests (a third of them bypass it)")
             what = "near-zero-load probe"
         else:
-            raw = out / ("router_dynamo_load.perf" if a.perf else "router_dynamo_load.raw")
+            raw = out / (
+                "workers_dynamo_load.perf"
+                if a.workers
+                else "router_dynamo_load.perf"
+                if a.perf
+                else "router_dynamo_load.raw"
+            )
             items = side_by_side_load(a.requests)
             span, tokens = items[-1].arrival_s, sum(it.max_tokens for it in items)
             print(f"{len(items)} requests over {span:.1f} s, {tokens} output tokens")
@@ -278,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
             elif a.rate == 0:  # no profiler: the router's CPU alone
                 prof = None
             else:
-                prof = start_perf(pid, span + 2, raw) if a.perf else start_profile(pid, span + 2, a.rate, raw)
+                prof = (
+                    start_perf(watched if a.workers else pid, span + 2, raw)
+                    if a.perf
+                    else start_profile(pid, span + 2, a.rate, raw)
+                )
             client = D.HttpClient(dep.url, D.MODEL_NAME)
             recs = asyncio.run(
                 run_load(items, client, max_requests=len(items), max_duration_s=span + 1.0, timeout_s=60)
@@ -325,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_front_dynamo " + " ".join(f"{k}={v}" for k, v in results.items()))
         return 0
     if a.perf:
-        print_perf(raw)
+        print_perf(raw, "decode workers" if a.workers else "router")
         print("profile_front_dynamo " + " ".join(f"{k}={v}" for k, v in results.items()))
         return 0
     print_summary(f"router ({what})", summarize(raw, 25), f"raw profile {raw}")
