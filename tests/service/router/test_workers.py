@@ -210,14 +210,20 @@ class _Unanswered:
         return await self.real.Check(request, timeout=timeout)
 
 
+async def _unanswered_mesh(mesh, threshold: int, fail: int):
+    """Two workers round robin; d1's next `fail` probes go unanswered."""
+    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
+    h = await mesh.router([d1, d2], policy="round_robin", health_failure_threshold=threshold)
+    conn = h.router.pool.connection("d1")
+    stub = conn._health = _Unanswered(conn._health, h.router.registry, "d1", fail=fail)
+    return h, d1, stub
+
+
 async def test_one_unanswered_probe_keeps_a_busy_worker_serving(mesh):
     # A probe that times out on a busy worker is not a dead worker: with the threshold
     # at 2, one late answer changes nothing and the next probe follows at once.
-    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
-    h = await mesh.router([d1, d2], policy="round_robin", health_failure_threshold=2)
+    h, d1, stub = await _unanswered_mesh(mesh, threshold=2, fail=1)
     r = h.router
-    conn = r.pool.connection("d1")
-    stub = conn._health = _Unanswered(conn._health, r.registry, "d1", fail=1)
     await r.wait_until(lambda: len(stub.seen) >= 3)
     assert stub.fail == 0 and all(stub.seen), stub.seen
     for _ in range(2):
@@ -226,11 +232,8 @@ async def test_one_unanswered_probe_keeps_a_busy_worker_serving(mesh):
 
 
 async def test_unanswered_probes_in_a_row_mark_a_worker_not_serving(mesh):
-    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
-    h = await mesh.router([d1, d2], policy="round_robin", health_failure_threshold=3)
+    h, d1, stub = await _unanswered_mesh(mesh, threshold=3, fail=3)
     r = h.router
-    conn = r.pool.connection("d1")
-    stub = conn._health = _Unanswered(conn._health, r.registry, "d1", fail=3)
     await r.wait_until(lambda: not r.registry.get("d1").healthy)
     assert stub.seen[:3] == [True, True, True]  # marked by the third, not before
     for _ in range(2):
