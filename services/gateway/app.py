@@ -135,99 +135,6 @@ class Outcome:
     error: str | None = None
 
 
-class TokenEvents:
-    """The SSE bytes of one stream's deltas, and the tokens streamed so far.
-
-    Pre-encoded templates: only the text (and the running count) is encoded per event.
-    Read by `_events` and, mid-stream, by the express lane (`express_lane`), so both
-    write the same bytes and keep the same count."""
-
-    __slots__ = ("_counted", "_out", "_text", "created", "done")
-
-    def __init__(self, out: Outcome, created: int):
-        plan = out.plan
-        self._out = out
-        self.created = created
-        self.done = 0
-        self._text = None if plan.continuous_usage else R.TextEvents(plan, created).event
-        self._counted = R.CountedTextEvents(plan, created).event if plan.continuous_usage else None
-
-    def event(self, delta: Any) -> bytes | None:
-        """The event of one delta (None: nothing to show yet)."""
-        done = self.done = self.done + len(delta.token_ids)
-        self._out.completion_tokens = done  # the log's count if the client hangs up
-        text = delta.text
-        if text:
-            if self._text is not None:
-                return self._text(text)
-            return self._counted(text, done)  # type: ignore[misc]
-        if self._counted is not None and delta.token_ids:  # tokens without text yet still count
-            return self._counted("", done)
-        return None
-
-
-Express = Callable[[Callable[[], bool], Callable[[Any], None]], bool]
-
-
-def express_lane(send: Send, events: TokenEvents) -> tuple[Callable[[], bool], Callable[[Any], None]] | None:
-    """`(ready, write)` that write a delta's event into the response from a plain callback
-    (the router's link, services/router/http_door.py `FlowStream.express`), with no task
-    woken per token: the server's `send` is run to its end at once. That holds for
-    uvicorn's send while its connection's writes are not paused and the client is still
-    there (it awaits only to drain a paused transport), which is what `ready()` reads,
-    from the server's own request cycle (`send.__self__`). None when `send` is not such a
-    cycle's (another server, a test transport): the stream then goes the usual way."""
-    cycle = getattr(send, "__self__", None)
-    flow = getattr(cycle, "flow", None)
-    if not (hasattr(cycle, "disconnected") and hasattr(flow, "write_paused")):
-        return None
-    event = events.event
-
-    def ready() -> bool:
-        return not flow.write_paused and not cycle.disconnected  # type: ignore[union-attr]
-
-    def write(delta: Any) -> None:
-        data = event(delta)
-        if data is not None:
-            send_now(send, {"type": "http.response.body", "body": data, "more_body": True})
-
-    return ready, write
-
-
-_resuming: set[asyncio.Task[None]] = set()
-
-
-def send_now(send: Send, message: Any) -> None:
-    """Run `send(message)` in the calling callback. Should it wait after all (a server
-    whose send awaits something `ready()` does not read), the rest runs in a task that
-    waits for what it waits for, as a task would have: the message is not lost, and
-    later ones (which find the transport paused and go through the stream's task) queue
-    behind it on the same wait."""
-    coro = send(message)
-    try:
-        waiting = coro.send(None)
-    except StopIteration:
-        return
-    task = asyncio.get_running_loop().create_task(_resume(coro, waiting))
-    _resuming.add(task)
-    task.add_done_callback(_resuming.discard)
-
-
-async def _resume(coro: Any, waiting: Any) -> None:
-    try:
-        while True:
-            try:
-                await waiting
-            except Exception as e:
-                waiting = coro.throw(e)
-            else:
-                waiting = coro.send(None)
-    except StopIteration:
-        pass
-    except Exception:  # the connection failed meanwhile: its stream's task sees it too
-        log.debug("express_send_failed", exc_info=True)
-
-
 class EventStream(Response):
     """SSE relay of an async byte iterator; `on_close` runs however it ends."""
 
@@ -239,10 +146,7 @@ class EventStream(Response):
         on_close: Callable[[bool], None],
         headers: dict[str, str],
         watch: DisconnectWatch,
-        express: tuple[Express, TokenEvents] | None = None,
     ):
-        """`express`: the upstream's `express` and the stream's `TokenEvents`, to relay
-        mid-stream deltas from the upstream's callback (`express_lane`)."""
         # No body attribute: init_headers must not declare a Content-Length.
         self.status_code = 200
         self.background = None
@@ -250,7 +154,6 @@ class EventStream(Response):
         self._events = events
         self._on_close = on_close
         self._watch = watch
-        self._express = express
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self._watch
@@ -258,13 +161,6 @@ class EventStream(Response):
         # that the response started (the start message below goes through them), and cost
         # three Python calls per streamed token.
         body_send = scope.get(RAW_SEND, send)
-        if self._express is not None:
-            # Safe to arm before the start line: the upstream uses it only while `_events`
-            # waits on it, so after every earlier message of this response was sent.
-            upstream_express, tokens = self._express
-            lane = express_lane(body_send, tokens)
-            if lane is not None:
-                upstream_express(*lane)
 
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -405,14 +301,11 @@ class Gateway:
             # Known before the final message, so a stream the client closes logs it too.
             out.prompt_tokens = await watch.run(upstream.prompt_tokens()) or 0
             if plan.stream:
-                tokens = TokenEvents(out, int(time.time()))
-                express = getattr(upstream, "express", None)  # the in-process flow has one
                 streaming = EventStream(
-                    self._events(out, upstream, first, tokens),
+                    self._events(out, upstream, first),
                     on_close=lambda gone: self._close(out, upstream, gone),
                     headers={"x-request-id": plan.request_id},
                     watch=watch,
-                    express=(express, tokens) if express is not None else None,
                 )
                 watch = None  # the stream closes it
                 return streaming
@@ -462,19 +355,27 @@ class Gateway:
         self._final(out, msg.final)
         return "".join(texts), msg.final
 
-    async def _events(
-        self, out: Outcome, upstream: UpstreamStream, first: Any, tokens: TokenEvents
-    ) -> AsyncIterator[bytes]:
-        plan, created = out.plan, tokens.created
+    async def _events(self, out: Outcome, upstream: UpstreamStream, first: Any) -> AsyncIterator[bytes]:
+        plan, created = out.plan, int(time.time())
         if plan.kind == "chat":
             yield R.sse(R.chunk(plan, created, "", first=True))
         msg = first
-        event = tokens.event
+        done = 0  # tokens streamed so far
+        # Pre-encoded templates: only the text (and the running count) is encoded per event.
+        text_event = None if plan.continuous_usage else R.TextEvents(plan, created).event
+        counted_event = R.CountedTextEvents(plan, created).event if plan.continuous_usage else None
         try:
             while not msg.HasField("final"):
-                data = event(msg.delta)
-                if data is not None:
-                    yield data
+                delta = msg.delta
+                done += len(delta.token_ids)
+                out.completion_tokens = done  # the log's count if the client hangs up
+                if delta.text:
+                    if text_event is not None:
+                        yield text_event(delta.text)
+                    else:
+                        yield counted_event(delta.text, done)  # type: ignore[misc]
+                elif counted_event is not None and delta.token_ids:  # tokens without text yet still count
+                    yield counted_event("", done)
                 try:  # `_next` inlined: one coroutine frame less per streamed token
                     msg = await upstream.__anext__()
                 except StopAsyncIteration:
@@ -482,7 +383,7 @@ class Gateway:
                 if out.first_token_at is None:
                     self._first_token(out, msg)
             self._final(out, msg.final)
-            yield R.sse(R.chunk(plan, created, None, out.finish_reason, completion_tokens=tokens.done))
+            yield R.sse(R.chunk(plan, created, None, out.finish_reason, completion_tokens=done))
             if plan.include_usage:
                 yield R.sse(R.usage_chunk(plan, created, msg.final.usage))
         except GatewayError as e:  # after the first token the status line is sent: report in-band

@@ -179,9 +179,6 @@ class DecodeAttempt:
         self._first_tokens = 0
         self.prefill_blocks = 0  # blocks the worker must prefill (set by the flow: TTFT samples)
         self._on_first = on_first
-        # Set by the flow while it waits (RequestFlow.express): tokens to hand on at once;
-        # False back means "not now", and they are buffered as usual.
-        self.express: Callable[[list[int]], bool] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._due = 0.0  # when the watchdog was due to run
@@ -206,7 +203,6 @@ class DecodeAttempt:
     def cancel(self) -> None:
         """Stop reading and cancel the call (idempotent)."""
         self.ended = True
-        self.express = None
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -236,11 +232,6 @@ class DecodeAttempt:
             self._first_tokens = self.tokens_received
             self._first()
             self._rearm()
-        express = self.express
-        if express is not None and not self._tokens:  # the flow is parked: straight through
-            if express(token_ids if type(token_ids) is list else list(token_ids)):
-                return
-            self.express = None  # the client is backed up: buffer, wake the flow
         self._tokens.extend(token_ids)  # `take` swaps the list
         if self._max_buffered and len(self._tokens) > self._max_buffered:
             self._overflow()

@@ -196,50 +196,6 @@ class RequestFlow:
             else None
         )
         self._sent: tuple[decode_pb2.DecodeServiceGenerateRequest, int, int] | None = None
-        self._remaining = req.max_tokens  # tokens the client may still get
-        # The door's express lane (`express()`): None, every token goes through `run()`.
-        self._express_ready: Callable[[], bool] | None = None
-        self._express_write: Callable[[list[int]], None] | None = None
-        self.expressed = 0  # tokens that went the express lane
-        self._express_failed: Exception | None = None  # the door's write raised: `run()` raises it
-
-    def express(self, ready: Callable[[], bool], write: Callable[[list[int]], None]) -> None:
-        """Let tokens skip the flow's task while it waits for them (issue 16).
-
-        Mid-stream, while `run()` is parked waiting for tokens (so its consumer is
-        parked waiting on it, with nothing of the request in flight between them), the
-        attempt hands each batch of tokens straight to `_express_tokens`, in the link's
-        frame callback: the same accounting as `run()`'s (max_tokens, the journey,
-        inter-token latency), then `write(ids)`, which the door uses to detokenize and
-        write the client's event at once. No task wakes per token. `ready()` False (the
-        client's socket is backed up, or it went away) and the tokens go the usual way:
-        buffered, the flow woken. Not armed for an attempt's first tokens (TTFT, the
-        load view's first-token report, a hedge's race) nor once the flow is cancelled."""
-        self._express_ready, self._express_write = ready, write
-
-    def _express_tokens(self, ids: list[int]) -> bool:
-        if self._cancel_error is not None or self._express_failed is not None:
-            return False
-        if not self._express_ready():  # type: ignore[misc]
-            return False
-        remaining = self._remaining
-        if len(ids) > remaining:  # a worker that overruns max_tokens: cut it off
-            ids = ids[:remaining]
-            if not ids:
-                return True
-        self._remaining = remaining - len(ids)
-        self.journey.record_tokens(ids)
-        now = self._loop.time()
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.itl(now - self._last_sent, len(ids))
-        self._last_sent = now
-        self.expressed += len(ids)
-        try:
-            self._express_write(ids)  # type: ignore[misc]
-        except Exception as e:  # this request fails (as in `run()`), not the link that called
-            self._express_failed = e
-            self._wake.set()
-        return True
 
     def cancel(self, why: str = "cancelled by Router.Cancel") -> None:
         """Stop the request now: cancel the downstream call, end the stream with CANCELLED."""
@@ -272,6 +228,7 @@ class RequestFlow:
         try:
             self.ctx.budget.record_request()
             ctx, journey = self.ctx, self.journey
+            remaining = self.req.max_tokens
             first = True
             while True:
                 attempt = self._launch()
@@ -285,18 +242,15 @@ class RequestFlow:
                     while True:
                         if self._cancel_error is not None:
                             raise self._cancel_error
-                        if self._express_failed is not None:
-                            raise self._express_failed
                         if race is not None and race.hedge is not None:  # racing: settle it?
                             attempt, self._routed = race.settle(attempt, self._routed)
                             self._attempt, worker = attempt, attempt.worker_id
                             self.worker_id = worker
                         ids = attempt.take()
                         if ids:
-                            remaining = self._remaining
                             if len(ids) > remaining:  # a worker that overruns max_tokens: cut it off
                                 ids = ids[:remaining]
-                            self._remaining = remaining - len(ids)
+                            remaining -= len(ids)
                             journey.record_tokens(ids)
                             routed = self._routed
                             if routed is not None and routed != prefilled:  # the attempt's prefill is done
@@ -318,20 +272,7 @@ class RequestFlow:
                             settled = True
                             break
                         woken = self._wake.arm()  # None: woken already (consumed)
-                        if woken is None:
-                            continue
-                        if (
-                            self._express_ready is not None
-                            and not first
-                            and prefilled == self._routed
-                            and (race is None or race.hedge is None)
-                        ):
-                            attempt.express = self._express_tokens  # until the flow wakes
-                            try:
-                                await woken
-                            finally:
-                                attempt.express = None
-                        else:
+                        if woken is not None:
                             await woken
                 finally:
                     if race is not None:
@@ -386,8 +327,6 @@ class RequestFlow:
                         self._hashes,
                         self.ctx.clock(),
                     )
-            if self.expressed and self.ctx.metrics is not None:
-                self.ctx.metrics.expressed(self.expressed)
             served = self._cost.computed_tokens if self._cost is not None else 0
             self.ctx.gate.release(ticket, served)  # charged to the workflow's attained service
 

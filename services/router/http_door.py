@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -145,21 +145,6 @@ class FlowStream:
             log.debug("flow_close_error", exc_info=True)
         finally:
             gen.close()
-
-    def express(self, ready: Callable[[], bool], write: Callable[[DeltaItem], None]) -> bool:
-        """Mid-stream deltas straight to `write` from the link's callback while the reader
-        waits (RequestFlow.express; `ready()` False: they come through `__anext__` as
-        usual). False when this stream cannot (not open, or following a shared flow)."""
-        gen, deltas = self._gen, self._deltas
-        if gen is None or deltas is None or gen.shared is not None or self.finished:
-            return False
-        tokens = deltas.tokens
-
-        def relay(ids: list[int]) -> None:
-            write(tokens(ids))
-
-        gen.flow.express(ready, relay)
-        return True
 
     async def prompt_tokens(self) -> int | None:
         return self._gen.prompt_tokens if self._gen is not None else None

@@ -203,17 +203,6 @@ class RouterMetrics:
             registry=r,
         )
 
-        self._express = Counter(
-            "pdmesh_router_express_tokens",
-            "Streamed tokens the HTTP door wrote straight from the link's callback, no task woken "
-            "(the express lane; the rest went through the request's task: first tokens, a backed-up "
-            "client, gRPC clients)",
-            registry=r,
-        )
-
-    def expressed(self, tokens: int) -> None:
-        self._express.inc(tokens)
-
     def prefix_pull_hinted(self) -> None:
         self._pull_hints.inc()
 
