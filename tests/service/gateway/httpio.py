@@ -39,10 +39,17 @@ def sse_events(body: bytes) -> list[Any]:
     return out
 
 
-def open_request(address: str, path: str, body: Any) -> socket.socket:
-    """Send a POST on a raw socket and return it unread (the caller hangs up when it likes)."""
+def open_request(address: str, path: str, body: Any, rcvbuf: int | None = None) -> socket.socket:
+    """Send a POST on a raw socket and return it unread (the caller hangs up when it likes).
+    `rcvbuf`: the socket's receive buffer, set before connecting (so the window stays small)."""
     host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=60)
+    if rcvbuf is None:
+        sock = socket.create_connection((host, int(port)), timeout=60)
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.settimeout(60)
+        sock.connect((host, int(port)))
     data = json.dumps(body).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     sock.sendall(head.encode() + data)

@@ -15,7 +15,6 @@ on real sockets. Every test checks the worker's pool is back to its free count.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 
 from tests.service.gateway import httpio
@@ -24,26 +23,10 @@ from tests.service.router.test_link import sims  # noqa: F401  (fixture)
 from tests.support.poll import eventually
 
 
-def _small_buffer_request(address: str, body: dict) -> socket.socket:
-    """A POST on a socket with a small receive buffer (set before connecting, so the
-    window stays small): a client that stops reading backs the server up quickly."""
-    host, port = address.rsplit(":", 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(60)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
-
-
 def _read_to_end(sock: socket.socket) -> bytes:
+    """The rest of a chunked response, to its last (empty) chunk or the connection's end."""
     buf = b""
-    while not buf.endswith(b"data: [DONE]\n\n") and not buf.endswith(b"0\r\n\r\n"):
+    while not buf.endswith(b"\r\n0\r\n\r\n"):
         chunk = sock.recv(65536)
         if not chunk:
             break
@@ -57,7 +40,8 @@ async def test_a_client_that_stops_reading_is_cut_off_and_the_other_stream_finis
     free = w.free()
     async with door_of(h) as door:
         body = {"model": "builtin-tiny", "prompt": "a slow reader", "max_tokens": 2000, "stream": True}
-        slow = await asyncio.to_thread(_small_buffer_request, door.address, body)
+        # A small receive buffer: a client that stops reading backs the server up quickly.
+        slow = await asyncio.to_thread(httpio.open_request, door.address, "/v1/completions", body, 4096)
         try:
             await asyncio.to_thread(httpio.read_until, slow, b'"text":')  # under way, then not read
             # The server's side of the socket with a small send buffer too (no autotuning up to
