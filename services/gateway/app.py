@@ -45,6 +45,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.params import GenerationPlan, parse_chat, parse_completion, workflow_from_headers
+from services.gateway.protocol import RECEIVED_AT
 from services.gateway.upstream import RouterClient, Upstream, UpstreamStream
 
 log = structlog.get_logger()
@@ -274,7 +275,11 @@ class Gateway:
         return await self._serve(request, "chat")
 
     async def _serve(self, request: Request, kind: str) -> Response:
-        start = time.monotonic()
+        now = time.monotonic()
+        # The clock starts when the server parsed the request's head, not here: the wait
+        # for the loop in between is part of what the client sees.
+        start = request.scope.get(RECEIVED_AT, now)
+        self.metrics.queue.observe(now - start)
         endpoint = request.url.path
         try:
             raw = await self._read_body(request)

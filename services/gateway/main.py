@@ -36,6 +36,7 @@ from services.common.server import run
 from services.common.tls import TlsConfig, https_server_context
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
+from services.gateway.protocol import http_protocol
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -87,6 +88,7 @@ async def serve(config: GatewayConfig, tls: TlsConfig | None = None) -> None:
         lifespan="on",
         timeout_graceful_shutdown=config.drain_grace_s,
         proxy_headers=False,
+        http=http_protocol(),  # stamps when a request's head was parsed (the TTFT clock)
     )
     https = tls is not None and tls.serves_tls
     if https:

@@ -27,8 +27,15 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "pdmesh_gateway_ttft_seconds",
-            "time from a generation request's arrival to its first token leaving the gateway",
+            "time from a generation request's head being parsed to its first token leaving the gateway",
             ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "pdmesh_gateway_queue_seconds",
+            "time from a generation request's head being parsed to its handler starting: the wait for the "
+            "event loop, which the TTFT and duration histograms include",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -37,6 +37,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, from_grpc
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.params import GenerationPlan
+from services.gateway.protocol import http_protocol
 from services.router.config import HttpDoorConfig
 from services.router.router import Router
 from services.router.servicer import DeltaItem, Deltas, Generation
@@ -253,6 +254,7 @@ class HttpDoor:
             lifespan="on",
             timeout_graceful_shutdown=server.drain_grace_s,
             proxy_headers=False,
+            http=http_protocol(),  # stamps when a request's head was parsed (the TTFT clock)
         )
         self.https = tls.serves_tls
         if self.https:

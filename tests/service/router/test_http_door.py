@@ -13,10 +13,13 @@ import asyncio
 import contextlib
 import http.client
 import ssl
+import time
 
 from services.common.server import ServerConfig
 from services.common.tls import TlsConfig
 from services.gateway.app import DisconnectWatch
+from services.gateway.protocol import RequestClockProtocol
+from services.router import http_door
 from services.router.config import HttpDoorConfig
 from services.router.generate import RequestFlow
 from services.router.http_door import HttpDoor
@@ -153,3 +156,27 @@ async def test_a_finished_http_request_leaves_nothing_in_a_cycle(mesh):
             await eventually(lambda: not h.router.flows, what="every flow ended", timeout=30)
             h.router.outliers.evaluate()
     assert watch.left(DisconnectWatch, RequestFlow) == []
+
+
+async def test_the_ttft_clock_starts_when_the_request_head_is_parsed_not_in_the_handler(mesh, monkeypatch):
+    """A request that waits for a busy loop between its parsed head and its handler counts
+    the wait in TTFT and in pdmesh_gateway_queue_seconds (the clients see it too)."""
+    held_s = 0.3
+
+    class BusyLoop(RequestClockProtocol):
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()  # stamps the scope and creates the request's task
+            time.sleep(held_s)  # the loop does other work before that task first runs
+
+    monkeypatch.setattr(http_door, "http_protocol", lambda: BusyLoop)
+    a = await mesh.decode("a")
+    h = await mesh.router([a])
+    async with door_of(h) as door:
+        status, _, raw = await post(door.address, {"prompt": "clock", "max_tokens": 2, "stream": True})
+        assert status == 200 and httpio.sse_events(raw)[-1] == "[DONE]"
+        value = door.gateway.metrics.registry.get_sample_value
+        labels = {"endpoint": "/v1/completions"}
+        assert value("pdmesh_gateway_queue_seconds_count") == 1
+        assert value("pdmesh_gateway_queue_seconds_sum") >= held_s
+        assert value("pdmesh_gateway_ttft_seconds_sum", labels) >= held_s
+        assert value("pdmesh_gateway_request_seconds_sum", labels) >= held_s
