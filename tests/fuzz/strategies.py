@@ -152,11 +152,41 @@ class MessageStrategies:
         return st.fixed_dictionaries({}, optional=optional).map(lambda d: _build(cls, d))
 
 
-def _build(cls: type[Message], values: dict) -> Message:
+# Big enough to go over every server's message cap, small enough to draw by the hundred.
+MAX_DRAW_BYTES = 16 * 1024 * 1024
+
+
+def _wire_bytes(value) -> int:
+    """About what one element of a repeated field costs on the wire (tag and length included)."""
+    if isinstance(value, Message):
+        return value.ByteSize() + 6
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass")) + 6
+    if isinstance(value, bytes):
+        return len(value) + 6
+    return 11
+
+
+def _within(values: list, room: int) -> list:
+    """The longest prefix of `values` that fits in `room` bytes (sizes memoised: long runs
+    repeat one object)."""
+    sizes: dict[int, int] = {}
+    total = 0
+    for i, v in enumerate(values):
+        total += sizes.setdefault(id(v), _wire_bytes(v))
+        if total > room:
+            return values[:i]
+    return values
+
+
+def _build(cls: type[Message], values: dict, budget: int = MAX_DRAW_BYTES) -> Message:
+    """`cls` with `values`; repeated fields are cut short where the message would pass `budget`
+    bytes (nested messages are built first, each within the budget, so the whole stays near it)."""
     msg = cls()
     for name, value in values.items():
         field = cls.DESCRIPTOR.fields_by_name[name]
         if field.is_repeated:
+            value = _within(value, budget - msg.ByteSize())
             target = getattr(msg, name)
             if field.type == F.TYPE_MESSAGE:
                 for v in value:
