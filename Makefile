@@ -7,6 +7,9 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 BUF    := npx --yes @bufbuild/buf@1.75.0
 ARGS   ?=
+# Test files run on JOBS pytest-xdist workers, a whole file to one worker (module fixtures stay
+# shared): most of the suite's time is worker processes importing torch, which two workers overlap.
+JOBS   ?= 2
 
 .PHONY: run test proto lint bench chaos clean venv compose-test
 
@@ -29,7 +32,7 @@ run: $(STAMP)
 	$(VENV)/bin/pdmesh up $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q --durations=15 $(ARGS)
+	$(VENV)/bin/pytest -q --durations=15 -n $(JOBS) --dist loadfile $(ARGS)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_protos.py
