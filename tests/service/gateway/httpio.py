@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 from typing import Any
 
@@ -30,9 +31,12 @@ def request(
 
 
 def sse_events(body: bytes) -> list[Any]:
-    """The `data:` payloads of an SSE body, JSON-decoded except the final "[DONE]"."""
+    """The `data:` payloads of an SSE body, JSON-decoded except the final "[DONE]".
+
+    Lines end at CRLF, LF or CR only (the SSE grammar): `str.splitlines` also breaks at
+    U+2028, U+0085 and other separators, which a token's text may hold unescaped in JSON."""
     out: list[Any] = []
-    for line in body.decode().splitlines():
+    for line in re.split(r"\r\n|\r|\n", body.decode()):
         if line.startswith("data: "):
             payload = line[len("data: ") :]
             out.append(payload if payload == "[DONE]" else json.loads(payload))

@@ -4,6 +4,7 @@ import pytest
 
 from services.gateway import responses as R
 from services.gateway.params import GenerationPlan
+from tests.service.gateway import httpio
 
 TEXTS = [
     "A",
@@ -13,6 +14,7 @@ TEXTS = [
     "new\nline\ttab\x00nul",
     "\x00pdmesh-text",
     "x" * 500,
+    "line\u2028and\u2029paragraph\x85next\x1c\x1d\x1e\x0b\x0c separators",
 ]
 
 
@@ -48,3 +50,13 @@ def test_counted_text_events_are_only_for_continuous_usage():
     plan = GenerationPlan(kind="completion", request_id="r", model="m", stream=True)
     with pytest.raises(ValueError):
         R.CountedTextEvents(plan, 0)
+
+
+def test_a_text_with_unicode_line_separators_stays_one_sse_event():
+    """The tiny model's byte-level text can hold U+2028, U+0085 (valid unescaped in JSON):
+    a stream of such events parses by the SSE grammar, one payload per event."""
+    plan = GenerationPlan(kind="completion", request_id="r", model="m", stream=True)
+    events = R.TextEvents(plan, 0)
+    body = b"".join(events.event(t) for t in TEXTS) + b"data: [DONE]\n\n"
+    parsed = httpio.sse_events(body)
+    assert [p["choices"][0]["text"] for p in parsed[:-1]] == TEXTS and parsed[-1] == "[DONE]"

@@ -174,7 +174,10 @@ async def test_the_first_token_timeout_counts_the_queue_the_worker_reports(mesh,
 
 
 async def test_a_much_slower_worker_is_ejected_and_gets_no_new_requests(mesh, sims):
-    fast, slow = await sims("fast", speedup=50.0), await sims("slow", speedup=0.5)
+    # Slow's ITL ~30 ms against fast's ~0.4: well over the detector's 10 ms min_excess_s even
+    # when a loaded machine inflates fast's samples (at speedup 0.5 slow's 11.8 ms cleared it
+    # by 1.4 ms, and a CPU hog beside the suite took that margin).
+    fast, slow = await sims("fast", speedup=50.0), await sims("slow", speedup=0.2)
     cfg = OutlierConfig(min_samples=3, eval_interval_s=0.0, base_ejection_s=100.0)
     h = await mesh.router(decode=[fast, slow], policy="round_robin", outlier=cfg)
     free_fast, free_slow = fast.free(), slow.free()
