@@ -173,7 +173,10 @@ def _within(values: list, room: int) -> list:
     sizes: dict[int, int] = {}
     total = 0
     for i, v in enumerate(values):
-        total += sizes.setdefault(id(v), _wire_bytes(v))
+        size = sizes.get(id(v))
+        if size is None:
+            size = sizes[id(v)] = _wire_bytes(v)
+        total += size
         if total > room:
             return values[:i]
     return values
