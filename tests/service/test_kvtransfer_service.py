@@ -16,6 +16,7 @@ from services.kvtransfer.metrics import KvServiceMetrics
 from services.kvtransfer.registry import AgentRegistry
 from services.kvtransfer.servicer import SERVICE_NAME, KvTransferServicer
 from services.kvtransfer.stats import TransferStatistics
+from tests.support.poll import eventually
 
 LAYOUT = KvLayout(2, 2, 16, "float32", 4)
 SECRET = b"owner-secret-of-the-test-process"  # what AgentDirectory sends for its process
@@ -363,10 +364,7 @@ async def test_a_restarted_process_claims_its_name_once_the_old_lease_lapses(svc
     clock, servicer, stub, _, _ = svc
     await AgentDirectory(stub).register(record())  # the process that crashed
     restarted = asyncio.create_task(AgentDirectory(stub, lease_ms=10_000).register(record(meta=b"new")))
-    deadline = asyncio.get_running_loop().time() + 10
-    while servicer.registry.refusals == 0:
-        assert asyncio.get_running_loop().time() < deadline, "the restarted process never tried"
-        await asyncio.sleep(0.01)  # polling the core's counter, with a deadline
+    await eventually(lambda: servicer.registry.refusals > 0, what="the restarted process's attempt")
     assert not restarted.done()
     clock.t += 10.5  # the crashed process's lease lapses
     own = await asyncio.wait_for(restarted, 10)

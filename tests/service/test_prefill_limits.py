@@ -10,7 +10,6 @@ RESOURCE_EXHAUSTED and a retry hint while leases hold the pool.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -26,6 +25,7 @@ from services.prefill.config import PrefillConfig
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.servicer import PrefillServicer
 from services.worker.runtime import WorkerConfig, WorkerRuntime
+from tests.support.poll import eventually
 
 POOL = 64
 ENGINE = EngineConfig(preset="tiny", num_threads=1, num_blocks=POOL, max_model_len=512)
@@ -56,10 +56,10 @@ async def prefill():
     try:
         yield prefill_pb2_grpc.PrefillServiceStub(channel), rt, leases
         leases.close()
-        deadline = time.monotonic() + 20
-        while rt.engine.stats().free_blocks != initial:  # every block back once the leases end
-            assert time.monotonic() < deadline, f"{rt.engine.stats().free_blocks} free, want {initial}"
-            await asyncio.sleep(0.02)  # the engine frees on its step thread: poll with a deadline
+        # Every block back once the leases end (the engine frees on its step thread).
+        await eventually(
+            lambda: rt.engine.stats().free_blocks == initial, timeout=20, what=f"{initial} free blocks"
+        )
     finally:
         leases.close()
         await channel.close()
