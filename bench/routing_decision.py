@@ -40,6 +40,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/routing_decision.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import cpu_model
 from services.model.hashing import BlockHashChain, block_hashes
 from services.router.hash_memo import HashMemo, MemoHashChain
 from services.router.load_view import LoadView
@@ -158,7 +159,7 @@ def run(
     load = os.getloadavg()[0]
     print(
         f"one decision, {prompt_tokens}-token prompt ({len(probe) // BLOCK} blocks), best match "
-        f"{max(overlaps.values())} blocks, load average {load:.1f} on {os.cpu_count()} CPUs:"
+        f"{max(overlaps.values())} blocks, load average {load:.1f} on {os.cpu_count()} CPUs ({cpu_model()}):"
     )
     out: dict[str, float] = {}
     for mode in sorted(modes, key=lambda m: m == "warm"):  # warm last: the summary's

@@ -102,7 +102,24 @@ def usage_chunk(plan: GenerationPlan, created: int, u: common_pb2.Usage) -> dict
     return body
 
 
-_encode = msgspec.json.Encoder().encode  # compact UTF-8 JSON, as json.dumps(ensure_ascii=False)
+_json = msgspec.json.Encoder().encode  # compact UTF-8 JSON, as json.dumps(ensure_ascii=False)
+
+
+def _encode(obj: Any) -> bytes:
+    """JSON for one SSE line. U+2028, U+2029 and U+0085 are valid unescaped in JSON and in
+    the SSE grammar (lines end at CR/LF only), but line readers built on `str.splitlines`
+    break there: httpx's `iter_lines`, and so httpx-sse and the clients built on it. A
+    byte-level model's token text holds them, so they go out as JSON escapes (the same string
+    once decoded). UTF-8 is self-synchronising: these byte runs are only ever those characters."""
+    out = _json(obj)
+    for raw, escaped in _LINE_BREAKERS:
+        if raw in out:
+            out = out.replace(raw, escaped)
+    return out
+
+
+# What `str.splitlines` breaks at that JSON leaves raw (the rest, below U+0020, JSON escapes).
+_LINE_BREAKERS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
 
 
 def sse(obj: dict[str, Any]) -> bytes:

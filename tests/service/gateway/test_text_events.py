@@ -1,5 +1,7 @@
 """The streamed text events from pre-encoded halves are byte-for-byte the chunk they replace."""
 
+import json
+
 import pytest
 
 from services.gateway import responses as R
@@ -60,3 +62,27 @@ def test_a_text_with_unicode_line_separators_stays_one_sse_event():
     body = b"".join(events.event(t) for t in TEXTS) + b"data: [DONE]\n\n"
     parsed = httpio.sse_events(body)
     assert [p["choices"][0]["text"] for p in parsed[:-1]] == TEXTS and parsed[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("continuous_usage", [False, True])
+def test_events_survive_a_splitlines_line_reader(continuous_usage):
+    """httpx's `iter_lines` (under httpx-sse and the clients built on it) splits like
+    `str.splitlines`, which also breaks at U+2028, U+2029 and U+0085: each event's
+    JSON must stay on one such line and decode to the text sent."""
+    plan = GenerationPlan(
+        kind="chat", request_id="r", model="m\u2028x", stream=True, continuous_usage=continuous_usage
+    )
+    if continuous_usage:
+        events = R.CountedTextEvents(plan, 0)
+        body = b"".join(events.event(t, n) for n, t in enumerate(TEXTS))
+    else:
+        events = R.TextEvents(plan, 0)
+        body = b"".join(events.event(t) for t in TEXTS)
+    body += R.sse(R.chunk(plan, 0, None, "stop")) + R.DONE
+    lines = [line for line in body.decode().splitlines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    payloads = [line[len("data: ") :] for line in lines]
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == [*TEXTS, None]
+    assert {c["model"] for c in chunks} == {"m\u2028x"}
