@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 from services.engine.api import EngineRequest, FinishReason, SamplingParams
-from services.model.hashing import ROOT_HASH, hash_block
+from services.model.hashing import ROOT_HASH, block_hashes
 from services.model.tokenizer import IncrementalDetokenizer
 
 
@@ -104,12 +104,13 @@ class Sequence:
 
     def block_hashes(self, num_blocks: int) -> list[int]:
         """Hashes of the first `num_blocks` full blocks (they must be full)."""
-        bs = self.block_size
-        while len(self._block_hashes) < num_blocks:
-            i = len(self._block_hashes)
-            parent = self._block_hashes[-1] if i else ROOT_HASH
-            self._block_hashes.append(hash_block(parent, self.token_ids[i * bs : (i + 1) * bs]))
-        return self._block_hashes[:num_blocks]
+        hashes = self._block_hashes
+        done = len(hashes)
+        if done < num_blocks:  # all missing blocks in one call: one conversion, one hashlib call each
+            bs = self.block_size
+            parent = hashes[-1] if done else ROOT_HASH
+            hashes += block_hashes(self.token_ids[done * bs : num_blocks * bs], bs, parent)
+        return hashes[:num_blocks]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

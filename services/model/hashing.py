@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-import struct
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -32,10 +31,8 @@ assert array.array(_U32).itemsize == 4
 
 def hash_block(parent: int, tokens: Sequence[int]) -> int:
     """Hash of one full block given its parent's hash."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<Q", parent))
-    h.update(np.asarray(tokens, dtype="<u4").tobytes())
-    return int.from_bytes(h.digest(), "little")
+    data = parent.to_bytes(8, "little") + _u32_bytes(tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def _u32_bytes(tokens: Sequence[int]) -> bytes:

@@ -34,6 +34,16 @@ def test_hashes_are_the_shared_chained_hashes():
     bm.free(s)
 
 
+def test_a_sequence_extends_its_hashes_in_pieces_to_the_shared_chain():
+    s = seq(range(6))
+    assert s.block_hashes(1) == block_hashes(list(range(4)), BS)
+    for t in range(6, 21):  # decode appends; the chain continues from the last hashed block
+        s.append_token(t)
+    assert s.block_hashes(3) == block_hashes(list(range(12)), BS)
+    assert s.block_hashes(5) == block_hashes(list(range(21)), BS)
+    assert s.block_hashes(2) == block_hashes(list(range(8)), BS)  # a shorter read: a prefix
+
+
 def test_refcounts_share_blocks_and_free_keeps_them_cached():
     bm = BlockManager(8, BS, True, 100)
     a = computed(bm, seq(range(12), "a"))
