@@ -498,6 +498,8 @@ def run_one(
     t_start = time.monotonic()
     dep = start(setup, policy, workdir)
     try:
+        if args.pin:
+            pin_split(dep)
         print(f"   {system} {policy} up in {time.monotonic() - t_start:.1f}s; probing", flush=True)
         pr = asyncio.run(probe(dep, args.probe_requests, args.seed, args.probe_prompt_len, args.vocab_size))
         span = items[-1].arrival_s
@@ -539,6 +541,32 @@ def run_one(
         flush=True,
     )
     return RunResult(row, pr, mets)
+
+
+_CPUS = frozenset(os.sched_getaffinity(0))  # this process's CPUs at start
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` (a process's affinity is per thread; new threads inherit their
+    creator's) onto `cpus`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def pin_split(dep: Deployment) -> None:
+    """`--pin`: the engines on the first CPU, the front (router / frontend) and this process
+    (the load's client) on the second, for both systems alike: a diagnostic of what the
+    front adds when the co-located engines' CPU does not compete with it."""
+    cpus = sorted(_CPUS)  # before the first call pinned this process
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs 2 CPUs")
+    engines, front = {cpus[0]}, set(cpus[1:])
+    for pid in dep.worker_pids:
+        pin_threads(pid, engines)
+    for pid in dep.front_pids.values():
+        pin_threads(pid, front)
+    pin_threads(os.getpid(), front)
 
 
 def counters(dep: Deployment) -> dict[str, float]:
@@ -654,6 +682,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="extra flags for pdmesh's router, space-separated (experiments, e.g. --stats-interval-s 0.1)",
     )
     p.add_argument("--records-dir", default="", help="write each run's records as JSONL here")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="diagnostic: each system's engines on the first CPU, its front and the client on the others",
+    )
     a = p.parse_args(argv)
     defaults = (
         {"rates": "4", "policies": "kv", "num_requests": 120, "probe_requests": 20}
@@ -737,6 +770,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else ""
         )
         + (f"; pdmesh router processes: {setup.pdmesh_routers}" if setup.pdmesh_routers > 1 else "")
+        + ("; --pin: engines on the first CPU, fronts and the client on the others" if args.pin else "")
     )
     print(
         f"trace mooncake_conversation, length_factor {args.length_factor:g}, first {args.num_requests} "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +22,7 @@ from bench.peers.dynamo.compare import (
     summary_line,
 )
 from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, EOS_ID, FIRST_WORD_ID, write_folder
+from bench.peers.dynamo.run import pin_threads
 from bench.stats import RequestRecord
 
 METRICS = """\
@@ -148,3 +152,63 @@ def test_http_client_does_not_count_a_finish_only_chunk_as_a_token():
     ):
         total = HttpClient._on_chunk(rec2, c, float(t), total)
     assert rec2.token_counts == [1] and rec2.finish_reason == "length"
+
+
+def test_pin_moves_every_thread_of_a_process_threads_created_before_it_too():
+    # --pin: a process's affinity is per thread, so pinning only its pid would leave the
+    # threads it had already started (engine step threads, tokio workers) where they were.
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    code = (
+        "import threading, sys\n"
+        "ev = threading.Event()\n"
+        "threading.Thread(target=ev.wait, daemon=True).start()\n"
+        "print('up', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == "up\n"
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) >= 2
+        pin_threads(child.pid, {cpus[0]})
+        assert all(os.sched_getaffinity(t) == {cpus[0]} for t in tids)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_pin_split_puts_engines_and_fronts_apart_and_works_again_after_pinning_itself():
+    # The bench pins itself (the client) with the fronts; the next run's call must still see
+    # every CPU of the machine, not the one it was left on.
+    from types import SimpleNamespace
+
+    from bench.peers.dynamo.run import pin_split
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    code = "import sys; print('up', flush=True); sys.stdin.read()"
+    kids = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        for k in kids:
+            assert k.stdout.readline() == "up\n"
+        dep = SimpleNamespace(worker_pids=[kids[0].pid], front_pids={"front": kids[1].pid})
+        for _ in range(2):
+            pin_split(dep)  # type: ignore[arg-type]
+            assert os.sched_getaffinity(kids[0].pid) == {cpus[0]}
+            assert os.sched_getaffinity(kids[1].pid) == set(cpus[1:])
+            assert os.sched_getaffinity(0) == set(cpus[1:])
+    finally:
+        pin_threads(os.getpid(), set(cpus))  # every thread of this test process, as pin_split pinned them
+        for k in kids:
+            k.kill()
+            k.wait()
