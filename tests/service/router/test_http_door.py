@@ -182,3 +182,19 @@ async def test_the_ttft_clock_starts_when_the_request_head_is_parsed_not_in_the_
         assert value("pdmesh_gateway_queue_seconds_sum") >= held_s
         assert value("pdmesh_gateway_ttft_seconds_sum", labels) >= held_s
         assert value("pdmesh_gateway_request_seconds_sum", labels) >= held_s
+
+
+async def test_without_the_stamping_protocol_the_clock_starts_in_the_handler(mesh, monkeypatch):
+    """uvicorn's h11 implementation (what serves when httptools is missing) stamps nothing:
+    the request is served as usual and its clock starts in the handler (no queue wait)."""
+    monkeypatch.setattr(http_door, "http_protocol", lambda: "h11")
+    a = await mesh.decode("a")
+    h = await mesh.router([a])
+    async with door_of(h) as door:
+        status, _, raw = await post(door.address, {"prompt": "clock", "max_tokens": 2, "stream": True})
+        assert status == 200 and httpio.sse_events(raw)[-1] == "[DONE]"
+        value = door.gateway.metrics.registry.get_sample_value
+        labels = {"endpoint": "/v1/completions"}
+        assert value("pdmesh_gateway_queue_seconds_count") == 1
+        assert value("pdmesh_gateway_queue_seconds_sum") == 0.0
+        assert value("pdmesh_gateway_ttft_seconds_count", labels) == 1
