@@ -29,6 +29,7 @@ Percentiles: ``numpy.percentile`` with its default linear interpolation
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections import Counter
@@ -129,10 +130,11 @@ def write_records(path: str | Path, records: Iterable[RequestRecord], meta: dict
 
 
 def read_run(path: str | Path) -> tuple[dict, list[RequestRecord]]:
-    """(meta, records) of a file written by ``write_records``."""
+    """(meta, records) of a file written by ``write_records`` (gzip-compressed when it ends in .gz)."""
     meta: dict = {}
     records: list[RequestRecord] = []
-    with Path(path).open(encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
                 continue

@@ -9,13 +9,17 @@ No processes, no Dynamo imports: run.py feeds it load-generator records and
 - `ideal_prefix_reuse`: the prefix reuse an infinite single cache would get on
   a workload (the ceiling any router can reach);
 - `Row` / `make_row`: one (system, policy, rate) run reduced to the compared
-  figures; `format_table` and `summary_line` print them.
+  figures; `format_table` and `summary_line` print them;
+- `paired_ttft`: two systems' records of the same load (run.py `--records-dir`)
+  matched request by request, TTFT by prompt-length band (`records.py` prints it).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -189,3 +193,54 @@ def summary_line(rows: Sequence[Row], overhead: dict[str, float] | None = None) 
     for k, v in (overhead or {}).items():
         parts.append(f"{k}={'n/a' if math.isnan(v) else f'{v:.2f}'}")
     return "dynamo_vs_pdmesh " + " ".join(parts)
+
+
+# Prompt-length bands (tokens, lower bound inclusive) for `paired_ttft`.
+BANDS = (0, 500, 1000, 2000, 4000)
+
+
+@dataclass
+class Band:
+    lo: int
+    hi: int | None  # None: no upper bound
+    n: int
+    a_p50_ms: float
+    b_p50_ms: float
+    diff_p50_ms: float  # median over requests of (b - a)
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def paired_ttft(
+    a: Sequence[RequestRecord], b: Sequence[RequestRecord], bands: Sequence[int] = BANDS
+) -> tuple[list[Band], Band]:
+    """TTFT of the same requests under two systems, per prompt-length band and overall.
+
+    Records pair by the load's index (the part of `request_id` after its last '-': bench.loadgen
+    names them `lg-<run>-<i>`, the i-th item of the workload, which both systems were sent);
+    a request with no first token on either side is left out. Medians in ms: each side's TTFT,
+    and the median of the per-request difference b - a, which the load's own variation (long
+    prompts, bursts) does not blur the way a difference of two medians is blurred."""
+
+    def index(records: Sequence[RequestRecord]) -> dict[str, RequestRecord]:
+        return {r.request_id.rsplit("-", 1)[-1]: r for r in records if r.ttft_s is not None}
+
+    ia, ib = index(a), index(b)
+    pairs = [(ia[k], ib[k]) for k in ia.keys() & ib.keys()]
+
+    def band(lo: int, hi: int | None, sel: list[tuple[RequestRecord, RequestRecord]]) -> Band:
+        ta = [x.ttft_s * 1e3 for x, _ in sel]  # type: ignore[operator]
+        tb = [y.ttft_s * 1e3 for _, y in sel]  # type: ignore[operator]
+        return Band(
+            lo, hi, len(sel), _median(ta), _median(tb), _median([q - p for p, q in zip(ta, tb, strict=True)])
+        )
+
+    out = []
+    edges = [*bands, None]
+    for lo, hi in itertools.pairwise(edges):
+        sel = [(x, y) for x, y in pairs if x.prompt_tokens >= lo and (hi is None or x.prompt_tokens < hi)]
+        if sel:
+            out.append(band(lo, hi, sel))  # type: ignore[arg-type]
+    return out, band(0, None, pairs)

@@ -1,5 +1,6 @@
 """bench.stats: metric definitions against hand-computed numbers."""
 
+import gzip
 import math
 from dataclasses import replace
 
@@ -127,6 +128,14 @@ def test_jsonl_round_trip_with_meta(tmp_path):
     meta, back = read_run(path)
     assert meta == {"length_factor": 16, "time_factor": 2}
     assert back == records
+
+
+def test_a_gzipped_run_reads_back_the_same(tmp_path):
+    path = tmp_path / "run.jsonl"
+    write_records(path, RECORDS, meta={"system": "x"})
+    gz = tmp_path / "run.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_run(gz) == read_run(path) == ({"system": "x"}, list(RECORDS))
 
 
 def test_read_rejects_unknown_fields_with_line_number(tmp_path):

@@ -212,3 +212,34 @@ def test_pin_split_puts_engines_and_fronts_apart_and_works_again_after_pinning_i
         for k in kids:
             k.kill()
             k.wait()
+
+
+def test_paired_ttft_pairs_by_the_loads_index_and_takes_the_median_of_differences():
+    from bench.peers.dynamo.compare import paired_ttft
+
+    def rec(run: str, i: int, prompt: int, ttft_ms: float | None) -> RequestRecord:
+        r = RequestRecord(f"lg-{run}-{i}", 0.0, 1.0, prompt, 4)
+        if ttft_ms is not None:
+            r.add_message(1.0 + ttft_ms / 1e3, 1)
+        return r
+
+    # A is faster on every request by 1-3 ms, but its TTFTs are spread so that the difference of
+    # the two medians (40 ms) says nothing about any request.
+    a = [
+        rec("aaa", 0, 100, 10.0),
+        rec("aaa", 1, 200, 50.0),
+        rec("aaa", 2, 3000, 90.0),
+        rec("aaa", 3, 300, 5.0),
+    ]
+    b = [
+        rec("bbb", 2, 3000, 93.0),
+        rec("bbb", 0, 100, 12.0),
+        rec("bbb", 1, 200, 51.0),
+        rec("bbb", 3, 300, None),
+    ]
+    bands, total = paired_ttft(a, b)
+    assert total.n == 3  # request 3 has no first token in B: left out
+    assert total.diff_p50_ms == pytest.approx(2.0)
+    assert [(x.lo, x.hi, x.n) for x in bands] == [(0, 500, 2), (2000, 4000, 1)]
+    assert bands[0].a_p50_ms == pytest.approx(30.0) and bands[0].b_p50_ms == pytest.approx(31.5)
+    assert bands[1].diff_p50_ms == pytest.approx(3.0)
