@@ -158,6 +158,26 @@ async def test_a_finished_http_request_leaves_nothing_in_a_cycle(mesh):
     assert watch.left(DisconnectWatch, RequestFlow) == []
 
 
+async def clock_samples(mesh, monkeypatch, protocol) -> dict[str, float]:
+    """One streamed request through a door served with `protocol`; the door's clock samples
+    (queue count and sum, TTFT count and sum, request duration sum)."""
+    monkeypatch.setattr(http_door, "http_protocol", lambda: protocol)
+    a = await mesh.decode("a")
+    h = await mesh.router([a])
+    async with door_of(h) as door:
+        status, _, raw = await post(door.address, {"prompt": "clock", "max_tokens": 2, "stream": True})
+        assert status == 200 and httpio.sse_events(raw)[-1] == "[DONE]"
+        value = door.gateway.metrics.registry.get_sample_value
+        labels = {"endpoint": "/v1/completions"}
+        return {
+            "queue_count": value("pdmesh_gateway_queue_seconds_count"),
+            "queue_sum": value("pdmesh_gateway_queue_seconds_sum"),
+            "ttft_count": value("pdmesh_gateway_ttft_seconds_count", labels),
+            "ttft_sum": value("pdmesh_gateway_ttft_seconds_sum", labels),
+            "request_sum": value("pdmesh_gateway_request_seconds_sum", labels),
+        }
+
+
 async def test_the_ttft_clock_starts_when_the_request_head_is_parsed_not_in_the_handler(mesh, monkeypatch):
     """A request that waits for a busy loop between its parsed head and its handler counts
     the wait in TTFT and in pdmesh_gateway_queue_seconds (the clients see it too)."""
@@ -170,31 +190,17 @@ async def test_the_ttft_clock_starts_when_the_request_head_is_parsed_not_in_the_
             while time.monotonic() < busy_until:  # first runs (running, as measured, not asleep)
                 pass
 
-    monkeypatch.setattr(http_door, "http_protocol", lambda: BusyLoop)
-    a = await mesh.decode("a")
-    h = await mesh.router([a])
-    async with door_of(h) as door:
-        status, _, raw = await post(door.address, {"prompt": "clock", "max_tokens": 2, "stream": True})
-        assert status == 200 and httpio.sse_events(raw)[-1] == "[DONE]"
-        value = door.gateway.metrics.registry.get_sample_value
-        labels = {"endpoint": "/v1/completions"}
-        assert value("pdmesh_gateway_queue_seconds_count") == 1
-        assert value("pdmesh_gateway_queue_seconds_sum") >= held_s
-        assert value("pdmesh_gateway_ttft_seconds_sum", labels) >= held_s
-        assert value("pdmesh_gateway_request_seconds_sum", labels) >= held_s
+    got = await clock_samples(mesh, monkeypatch, BusyLoop)
+    assert got["queue_count"] == 1
+    assert got["queue_sum"] >= held_s
+    assert got["ttft_sum"] >= held_s
+    assert got["request_sum"] >= held_s
 
 
 async def test_without_the_stamping_protocol_the_clock_starts_in_the_handler(mesh, monkeypatch):
     """uvicorn's h11 implementation (what serves when httptools is missing) stamps nothing:
     the request is served as usual and its clock starts in the handler (no queue wait)."""
-    monkeypatch.setattr(http_door, "http_protocol", lambda: "h11")
-    a = await mesh.decode("a")
-    h = await mesh.router([a])
-    async with door_of(h) as door:
-        status, _, raw = await post(door.address, {"prompt": "clock", "max_tokens": 2, "stream": True})
-        assert status == 200 and httpio.sse_events(raw)[-1] == "[DONE]"
-        value = door.gateway.metrics.registry.get_sample_value
-        labels = {"endpoint": "/v1/completions"}
-        assert value("pdmesh_gateway_queue_seconds_count") == 1
-        assert value("pdmesh_gateway_queue_seconds_sum") == 0.0
-        assert value("pdmesh_gateway_ttft_seconds_count", labels) == 1
+    got = await clock_samples(mesh, monkeypatch, "h11")
+    assert got["queue_count"] == 1
+    assert got["queue_sum"] == 0.0
+    assert got["ttft_count"] == 1
