@@ -22,6 +22,8 @@ py-spy samples wall time and cannot see below uvloop's `Runner.run`);
 in thread CPU time (bench/cprofile_hook: between two SIGUSR1s; it inflates small
 functions, so its calls per output token are the firmer figure); `--rate 0`
 runs no profiler and prints only the router's CPU (for before/after runs).
+`--max-tokens 1` gives every request one output token, so what is profiled is the
+per-request cost (parse, route, admission, prefill, KV events) without the relays.
 
 Run: `python bench/profile_front_dynamo.py [--requests 500] [--probe] [--rate 40] [--perf | --cprofile]`.
 Last line: `profile_front_dynamo router_ms_per_request=.. router_us_per_token=.. gc=.. kv_events=..`.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import os
 import pstats
 import signal
@@ -219,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--cprofile / --perf: the decode workers instead of the router (their samples summed)",
     )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="every request's output tokens (default 0: the trace's); 1 isolates the per-request cost",
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="--probe: seconds of probing")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiles"))
     a = p.parse_args(argv)
@@ -273,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                 else "router_dynamo_load.raw"
             )
             items = side_by_side_load(a.requests)
+            if a.max_tokens > 0:
+                items = [dataclasses.replace(it, max_tokens=a.max_tokens) for it in items]
             span, tokens = items[-1].arrival_s, sum(it.max_tokens for it in items)
             print(f"{len(items)} requests over {span:.1f} s, {tokens} output tokens")
             cpu0 = run_cpu_s(pid)

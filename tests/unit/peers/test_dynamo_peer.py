@@ -243,3 +243,21 @@ def test_paired_ttft_pairs_by_the_loads_index_and_takes_the_median_of_difference
     assert [(x.lo, x.hi, x.n) for x in bands] == [(0, 500, 2), (2000, 4000, 1)]
     assert bands[0].a_p50_ms == pytest.approx(30.0) and bands[0].b_p50_ms == pytest.approx(31.5)
     assert bands[1].diff_p50_ms == pytest.approx(3.0)
+
+
+def test_cpu_split_recovers_the_background_per_request_and_per_token_costs():
+    from bench.peers.dynamo.cpu_split import Sample, split
+
+    idle, per_request, per_token = 0.004, 0.003, 150e-6  # CPU-s per s, per request, per token
+
+    def sample(requests: int, tokens: int, duration: float) -> Sample:
+        cpu = idle * duration + requests * per_request + tokens * per_token
+        return Sample(front_s=cpu, workers_s=2 * cpu, requests=requests, tokens=tokens, duration_s=duration)
+
+    one, full = sample(300, 300, 26.0), sample(300, 14_000, 27.5)
+    s = split(idle, one, full, "front_s")
+    assert (s.idle_ms_per_s, s.per_request_ms, s.per_token_us) == pytest.approx((4.0, 3.0, 150.0))
+    w = split(2 * idle, one, full, "workers_s")
+    assert (w.per_request_ms, w.per_token_us) == pytest.approx((6.0, 300.0))
+    with pytest.raises(ValueError):
+        split(idle, full, one, "front_s")
