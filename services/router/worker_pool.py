@@ -334,6 +334,7 @@ class WorkerConnection:
             log.info("kv_resubscribe", worker=worker_id, reason=reason)
             await backoff.sleep()
 
+
     def _kv_on_link(self) -> bool:
         if not (self.pool.config.kv_on_link and self.pool.config.decode_link) or self.worker_id is None:
             return False
@@ -355,52 +356,43 @@ class WorkerConnection:
             link = self.link()
             if link is None:
                 return
-            sub = _LinkKv(pool, worker_id, backoff.reset)
-            link.subscribe_kv(sub, pool.subscriber)
+            lost = asyncio.Event()
+            why: list[str] = []
+            synced = False
+
+            def on_kv(msg: worker_pb2.SubscribeKvEventsResponse) -> None:
+                nonlocal synced
+                if lost.is_set():
+                    return
+                snapshot = msg.WhichOneof("body") == "snapshot"
+                if not synced and not snapshot:  # the stream we asked to restart, still arriving
+                    return
+                try:
+                    if apply_kv_message(pool.index, pool.sequencer, worker_id, msg):
+                        pool.changed()
+                except (KvResync, IndexOverflow) as e:
+                    why.append(str(e))
+                    lost.set()
+                    return
+                if snapshot:
+                    synced = True
+                    backoff.reset()
+
+            link.subscribe_kv(on_kv, pool.subscriber)
             ended = asyncio.create_task(link.wait_ended())
-            resync = asyncio.create_task(sub.lost.wait())
+            resync = asyncio.create_task(lost.wait())
             try:
                 await asyncio.wait({ended, resync}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 ended.cancel()
                 resync.cancel()
-            sub.lost.set()  # this subscription's late messages are not applied
-            reason = sub.why or f"link ended: {link.broken}"
+            lost.set()  # this subscription's late messages are not applied
+            reason = why[0] if why else f"link ended: {link.broken}"
             pool.index.clear(worker_id)
             pool.sequencer.forget(worker_id)
             pool.changed()
             log.info("kv_resubscribe", worker=worker_id, reason=reason, via="link")
             await backoff.sleep()
-
-
-class _LinkKv:
-    """One KV subscription on a link: applies its messages to the pool's index until it is lost
-    (a sequence gap, an index overflow); before its first snapshot it ignores what is left of
-    a stream it replaced on the same link."""
-
-    def __init__(self, pool: WorkerPool, worker_id: str, on_snapshot: Callable[[], None]):
-        self.pool, self.worker_id, self.on_snapshot = pool, worker_id, on_snapshot
-        self.lost = asyncio.Event()
-        self.why = ""
-        self.synced = False
-
-    def __call__(self, msg: worker_pb2.SubscribeKvEventsResponse) -> None:
-        if self.lost.is_set():
-            return
-        snapshot = msg.WhichOneof("body") == "snapshot"
-        if not self.synced and not snapshot:
-            return
-        pool = self.pool
-        try:
-            if apply_kv_message(pool.index, pool.sequencer, self.worker_id, msg):
-                pool.changed()
-        except (KvResync, IndexOverflow) as e:
-            self.why = str(e)
-            self.lost.set()
-            return
-        if snapshot:
-            self.synced = True
-            self.on_snapshot()
 
 
 class WorkerPool:

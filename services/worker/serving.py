@@ -107,9 +107,7 @@ async def kv_event_stream(
         await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
 
 
-async def kv_link_stream(
-    engine: Engine, worker_id: str
-) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
+async def kv_link_stream(engine: Engine, worker_id: str) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
     """The same messages for a Link (LinkSubscribeKv), where no status can end the stream
     without ending the requests on it: after a gap it sends a fresh snapshot instead, which
     replaces what the subscriber knew of this worker."""

@@ -357,39 +357,6 @@ async def test_a_link_that_ends_drops_the_workers_kv_and_a_new_link_resyncs_it(m
     await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
 
 
-async def test_a_kv_sequence_gap_at_the_router_resyncs_on_the_same_link(mesh, sims):
-    w = await sims("d0")
-    h = await mesh.router(decode=[w])
-    seqs, index = h.router.pool.sequencer, h.router.pool.index
-    await run_flow(h.router, "r", kv_prompt(5), 10)
-    real = block_hashes(kv_prompt(5), 16)
-    await eventually(lambda: index.match(real).get("d0", 0) == 6, what="the blocks indexed", timeout=30)
-    link = links_of(h.router)["d0"]
-    last = seqs.last_seq("d0")
-    assert last is not None
-
-    def events(seq: int, block: int) -> worker_pb2.SubscribeKvEventsResponse:
-        stored = common_pb2.KvBlocksStored(block_hashes=[block])
-        return worker_pb2.SubscribeKvEventsResponse(
-            worker_id="d0",
-            events=worker_pb2.KvEventBatch(events=[common_pb2.KvEvent(seq=seq, stored=stored)]),
-        )
-
-    # As if the frames had carried these (the worker is idle: nothing of its own interleaves):
-    # a block the worker never stored, then a sequence gap.
-    link._on_kv(events(last + 1, 999_999))
-    assert index.match([999_999]) == {"d0": 1}
-    link._on_kv(events(last + 5, 888_888))
-    # The router drops its view and asks the same link for a new snapshot, which has only
-    # what the worker really holds.
-    await eventually(
-        lambda: index.match(real).get("d0", 0) == 6 and not index.match([999_999]),
-        what="resynced from a new snapshot",
-        timeout=30,
-    )
-    assert links_of(h.router)["d0"] is link and link.alive and not index.match([888_888])
-
-
 async def test_kv_on_link_off_subscribes_over_grpc_as_before(mesh, sims, monkeypatch):
     streams = KvStreamCalls(monkeypatch)
     w = await sims("d0")
