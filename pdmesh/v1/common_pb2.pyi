@@ -172,7 +172,7 @@ class KvHandle(_message.Message):
     def __init__(self, handle_id: _Optional[str] = ..., issued_to: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., model_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., nixl_blocks: _Optional[_Union[NixlBlockDescriptors, _Mapping]] = ..., engine_state: _Optional[_Union[EngineState, _Mapping]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model_id", "block_size", "accelerator", "kv_capacity_blocks", "free_blocks", "engine_backend", "max_model_len", "kv_agent_name", "link_port", "link_kv_events", "accelerator_generation", "memory_headroom_bytes", "warm_models", "model_load_s")
+    __slots__ = ("worker_id", "address", "role", "model_id", "block_size", "accelerator", "kv_capacity_blocks", "free_blocks", "engine_backend", "max_model_len", "kv_agent_name", "link_port", "accelerator_generation", "memory_headroom_bytes", "warm_models", "model_load_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -185,7 +185,6 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LINK_PORT_FIELD_NUMBER: _ClassVar[int]
-    LINK_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_HEADROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
     WARM_MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -202,12 +201,11 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     kv_agent_name: str
     link_port: int
-    link_kv_events: bool
     accelerator_generation: str
     memory_headroom_bytes: int
     warm_models: _containers.RepeatedScalarFieldContainer[str]
     model_load_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., accelerator: _Optional[_Union[AcceleratorKind, str]] = ..., kv_capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., engine_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_agent_name: _Optional[str] = ..., link_port: _Optional[int] = ..., link_kv_events: _Optional[bool] = ..., accelerator_generation: _Optional[str] = ..., memory_headroom_bytes: _Optional[int] = ..., warm_models: _Optional[_Iterable[str]] = ..., model_load_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., accelerator: _Optional[_Union[AcceleratorKind, str]] = ..., kv_capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., engine_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_agent_name: _Optional[str] = ..., link_port: _Optional[int] = ..., accelerator_generation: _Optional[str] = ..., memory_headroom_bytes: _Optional[int] = ..., warm_models: _Optional[_Iterable[str]] = ..., model_load_s: _Optional[float] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks", "not_serving_reason", "no_progress_ms", "host_restore_ms_per_block", "prefill_ms_per_block")

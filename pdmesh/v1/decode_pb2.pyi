@@ -99,20 +99,12 @@ class DecodeFinal(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_path: _Optional[str] = ..., disagg_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., kv_bytes_transferred: _Optional[int] = ..., pulled_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceLinkRequest(_message.Message):
-    __slots__ = ("open", "cancel", "subscribe_kv")
+    __slots__ = ("open", "cancel")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
-    SUBSCRIBE_KV_FIELD_NUMBER: _ClassVar[int]
     open: LinkOpen
     cancel: LinkCancel
-    subscribe_kv: LinkSubscribeKv
-    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., cancel: _Optional[_Union[LinkCancel, _Mapping]] = ..., subscribe_kv: _Optional[_Union[LinkSubscribeKv, _Mapping]] = ...) -> None: ...
-
-class LinkSubscribeKv(_message.Message):
-    __slots__ = ("subscriber",)
-    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
-    subscriber: str
-    def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., cancel: _Optional[_Union[LinkCancel, _Mapping]] = ...) -> None: ...
 
 class LinkOpen(_message.Message):
     __slots__ = ("link_id", "request", "timeout_s")
@@ -131,16 +123,14 @@ class LinkCancel(_message.Message):
     def __init__(self, link_id: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceLinkResponse(_message.Message):
-    __slots__ = ("tokens", "ends", "status", "kv")
+    __slots__ = ("tokens", "ends", "status")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
-    KV_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[LinkTokens]
     ends: _containers.RepeatedCompositeFieldContainer[LinkEnd]
     status: LinkStatus
-    kv: _containers.RepeatedCompositeFieldContainer[_worker_pb2.SubscribeKvEventsResponse]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[LinkTokens, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ..., status: _Optional[_Union[LinkStatus, _Mapping]] = ..., kv: _Optional[_Iterable[_Union[_worker_pb2.SubscribeKvEventsResponse, _Mapping]]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[_Union[LinkTokens, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ..., status: _Optional[_Union[LinkStatus, _Mapping]] = ...) -> None: ...
 
 class LinkTokens(_message.Message):
     __slots__ = ("link_id", "token_ids")

@@ -21,12 +21,6 @@ When the server drains, a link takes no new request (UNAVAILABLE: the router
 retries elsewhere), lets the open ones finish and then ends the call (the
 drain waits for it as for a Generate call, up to its grace).
 
-A `subscribe_kv` frame (re)starts this worker's KV events on the link: the
-same snapshot and batches as SubscribeKvEvents, in the `kv` field of the
-frames that carry tokens, so a router needs no stream of its own per worker for
-them (grpc.aio cost ~0.5 ms of the subscriber's CPU per message here:
-BENCHMARKS.md, session 20); after a gap, a new snapshot.
-
 A frame that breaks the protocol (no frame kind, an id of 0 or one already
 open, an open without a request) ends the link with INVALID_ARGUMENT. Every
 way the link ends (that, the router going away, the server stopping) cancels
@@ -44,7 +38,7 @@ from functools import partial
 import grpc
 import structlog
 
-from pdmesh.v1 import decode_pb2, worker_pb2
+from pdmesh.v1 import decode_pb2
 from services.common.errors import MAX_DETAILS_CHARS, InvalidArgument, status_of
 from services.decode.worker import DecodeJob, DecodeWorker, Finished
 
@@ -52,7 +46,6 @@ log = structlog.get_logger()
 
 MakeJob = Callable[[decode_pb2.DecodeServiceGenerateRequest, "float | None"], DecodeJob]
 FinalOf = Callable[[Finished], decode_pb2.DecodeFinal]
-KvStream = Callable[[], AsyncIterator[worker_pb2.SubscribeKvEventsResponse]]
 
 
 class LinkMalformed(InvalidArgument):
@@ -74,13 +67,8 @@ class LinkSession:
         make_job: MakeJob,
         final_of: FinalOf,
         draining: asyncio.Event | None = None,
-        kv_stream: KvStream | None = None,
     ):
         self._worker = worker
-        self._kv_stream = kv_stream
-        self._kv: list[worker_pb2.SubscribeKvEventsResponse] = []  # pending KV messages
-        self._kv_sent = asyncio.Event()  # the pending ones went into a frame
-        self._kv_task: asyncio.Task[None] | None = None
         self._draining = draining
         self._make_job = make_job
         self._final_of = final_of
@@ -107,7 +95,7 @@ class LinkSession:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                if self._tokens or self._ends or self._kv:
+                if self._tokens or self._ends:
                     yield self._frame()
                 if self._error is not None:
                     raise self._error
@@ -126,8 +114,6 @@ class LinkSession:
             reader.cancel()
             if drain is not None:
                 drain.cancel()
-            if self._kv_task is not None:
-                self._kv_task.cancel()
             tasks = list(self._tasks.values())
             for task in tasks:
                 task.cancel()
@@ -144,13 +130,9 @@ class LinkSession:
     def _frame(self) -> decode_pb2.DecodeServiceLinkResponse:
         tokens, self._tokens = self._tokens, {}
         ends, self._ends = self._ends, []
-        kv, self._kv = self._kv, []
-        if kv:
-            self._kv_sent.set()
         return decode_pb2.DecodeServiceLinkResponse(
             tokens=[decode_pb2.LinkTokens(link_id=i, token_ids=ids) for i, ids in tokens.items()],
             ends=ends,
-            kv=kv,
         )
 
     # ---- router -> worker ----------------------------------------------------
@@ -163,10 +145,8 @@ class LinkSession:
                     self._open(frame.open)
                 elif kind == "cancel":
                     self._cancel(frame.cancel.link_id)
-                elif kind == "subscribe_kv":
-                    self._subscribe_kv(frame.subscribe_kv.subscriber)
                 else:
-                    raise LinkMalformed("a link frame with no open, cancel or subscribe_kv")
+                    raise LinkMalformed("a link frame with neither open nor cancel")
         except LinkMalformed as e:
             log.warning("link_malformed", error=str(e))
             self._error = e
@@ -202,27 +182,6 @@ class LinkSession:
         if task is not None and lid not in self._cancelled:  # unknown: it ended already (a race)
             self._cancelled.add(lid)
             task.cancel()
-
-    def _subscribe_kv(self, subscriber: str) -> None:
-        if self._kv_stream is None:
-            raise LinkMalformed("this worker sends no KV events on a link (WorkerInfo.link_kv_events)")
-        if self._kv_task is not None:  # a restart: what was pending belongs to the old stream
-            self._kv_task.cancel()
-            self._kv.clear()
-        log.info("link_kv_subscribed", subscriber=subscriber[:128])
-        self._kv_task = asyncio.get_running_loop().create_task(self._send_kv(self._kv_stream()))
-
-    async def _send_kv(self, stream: AsyncIterator[worker_pb2.SubscribeKvEventsResponse]) -> None:
-        """Move the KV messages into the frames, one at a time: a router that reads slowly holds
-        back the next message (the engine's bounded event log then decides), never a queue here."""
-        try:
-            async for msg in stream:
-                self._kv_sent.clear()
-                self._kv.append(msg)
-                self._ready.set()
-                await self._kv_sent.wait()
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
 
     # ---- one request -----------------------------------------------------------
 

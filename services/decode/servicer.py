@@ -39,7 +39,7 @@ from services.decode.worker import DecodeJob, DecodeWorker, Finished, Tokens
 from services.engine.api import Engine, EngineRequest
 from services.model.sampling import FINISH_TO_PROTO, check_sampling
 from services.worker.health import HealthWatch
-from services.worker.serving import counters_from_stats, kv_event_stream, kv_link_stream, load_from_stats
+from services.worker.serving import counters_from_stats, kv_event_stream, load_from_stats
 
 _MODES = {
     decode_pb2.DISAGG_MODE_UNSPECIFIED: None,  # the policy's default mode
@@ -110,13 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def link_session(self) -> LinkSession:
         """A session of the token link (over gRPC here, or services/decode/link_server.py)."""
-        return LinkSession(
-            self.worker,
-            self._job,
-            _final,
-            self._draining,
-            kv_stream=lambda: kv_link_stream(self.engine, self.info.worker_id),
-        )
+        return LinkSession(self.worker, self._job, _final, self._draining)
 
     # -- validation and inputs ---------------------------------------------------
     def _job(self, r: decode_pb2.DecodeServiceGenerateRequest, timeout_s: float | None) -> DecodeJob:

@@ -127,12 +127,6 @@ class RouterConfig:
         "run the Link on a decode worker's raw link port when its WorkerInfo offers one (a plain"
         " stream: no awaited gRPC write per frame); false: Link over gRPC",
     )
-    kv_on_link: bool = setting(
-        True,
-        "take a decode worker's KV events on its Link when its WorkerInfo offers them (frames that"
-        " already carry tokens; ~0.4 ms less router CPU per event message); false: a"
-        " SubscribeKvEvents stream per worker",
-    )
     max_buffered_tokens: int = setting(
         4096,
         "tokens buffered for a client that is not reading before its request is cancelled (0 = no limit)",

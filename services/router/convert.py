@@ -37,7 +37,6 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         max_model_len=msg.max_model_len,
         kv_agent_name=msg.kv_agent_name,
         link_port=msg.link_port,
-        link_kv_events=msg.link_kv_events,
     )
 
 
@@ -54,7 +53,6 @@ def info_to_proto(info: WorkerInfo) -> common_pb2.WorkerInfo:
         max_model_len=info.max_model_len,
         kv_agent_name=info.kv_agent_name,
         link_port=info.link_port,
-        link_kv_events=info.link_kv_events,
     )
 
 

@@ -45,7 +45,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from pdmesh.v1 import decode_pb2, worker_pb2
+from pdmesh.v1 import decode_pb2
 from services.common import link_wire
 from services.router.attempt import AttemptError
 
@@ -203,42 +203,13 @@ class DecodeLink:
         self._calls: dict[int, LinkCall] = {}
         self._ending: set[int] = set()  # cancelled by us; their LinkEnd is still to come
         self._ids = itertools.count(1)
-        self._gone = asyncio.Event()  # set with `broken`
-        self.broken = None  # why the link ended; None while it is up
-        self._on_kv: Callable[[worker_pb2.SubscribeKvEventsResponse], None] | None = None
+        self.broken: str | None = None  # why the link ended; None while it is up
         self._retiring = False
         self._heard = False  # a frame came back on this link
 
     @property
-    def broken(self) -> str | None:
-        """Why the link ended; None while it is up."""
-        return self._broken
-
-    @broken.setter
-    def broken(self, why: str | None) -> None:
-        self._broken = why
-        if why is not None:
-            self._gone.set()
-
-    @property
     def alive(self) -> bool:
         return self.broken is None
-
-    async def wait_ended(self) -> None:
-        """Until the link has ended, however it did."""
-        await self._gone.wait()
-
-    def subscribe_kv(
-        self, on_kv: Callable[[worker_pb2.SubscribeKvEventsResponse], None], subscriber: str
-    ) -> None:
-        """(Re)start the worker's KV events on this link (WorkerInfo.link_kv_events): a snapshot,
-        then batches, each handed to `on_kv` from the frame callback, which must not raise."""
-        self._on_kv = on_kv
-        self._send(
-            decode_pb2.DecodeServiceLinkRequest(
-                subscribe_kv=decode_pb2.LinkSubscribeKv(subscriber=subscriber)
-            )
-        )
 
     @property
     def open_requests(self) -> int:
@@ -338,12 +309,6 @@ class DecodeLink:
                 ending.discard(e.link_id)
             else:
                 raise LinkBroken(f"an end for link_id {e.link_id}, which is not open")
-        if frame.kv:
-            on_kv = self._on_kv
-            if on_kv is None:
-                raise LinkBroken("KV events on a link that did not subscribe to them")
-            for msg in frame.kv:
-                on_kv(msg)
 
     def _ended(self, code: grpc.StatusCode, details: str) -> None:
         """The link ended with a status (not OK)."""
@@ -506,7 +471,7 @@ class RawDecodeLink(DecodeLink):
             return
         try:
             frame = decode_pb2.DecodeServiceLinkResponse.FromString(backlog.popleft())
-            if frame.tokens or frame.ends or frame.kv:  # a status alone is not "heard" (a refused link's)
+            if frame.tokens or frame.ends:  # a status alone is not "heard" (a refused link's)
                 self._take(frame)
             if frame.HasField("status"):
                 self._status(frame.status)

@@ -63,7 +63,6 @@ class WorkerInfo:
     max_model_len: int = 0
     kv_agent_name: str = ""
     link_port: int = 0  # the raw token link's port on the address's host (0 = Link over gRPC)
-    link_kv_events: bool = False  # its Link carries its KV events (LinkSubscribeKv)
 
 
 @dataclass(frozen=True)

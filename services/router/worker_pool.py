@@ -302,8 +302,6 @@ class WorkerConnection:
                 self.pool.changed()
 
     async def _kv_loop(self) -> None:
-        if self._kv_on_link():
-            await self._kv_link_loop()  # returns only when the worker turns out to have no Link
         cfg = self.pool.config
         backoff = Backoff(cfg.resubscribe_initial_s, cfg.resubscribe_max_s)
         worker_id = self.worker_id
@@ -332,66 +330,6 @@ class WorkerConnection:
             self.pool.sequencer.forget(worker_id)
             self.pool.changed()
             log.info("kv_resubscribe", worker=worker_id, reason=reason)
-            await backoff.sleep()
-
-
-    def _kv_on_link(self) -> bool:
-        if not (self.pool.config.kv_on_link and self.pool.config.decode_link) or self.worker_id is None:
-            return False
-        rec = self.pool.registry.get(self.worker_id)
-        return rec is not None and rec.info.role is WorkerRole.DECODE and rec.info.link_kv_events
-
-    async def _kv_link_loop(self) -> None:
-        """The worker's KV events on its Link (LinkSubscribeKv), which is opened for them if no
-        request has opened it yet: the same snapshot and batches as SubscribeKvEvents, in the
-        frames that carry tokens. Whenever the link ends, or the events lose their order,
-        what we knew of the worker is dropped and a new snapshot asked for (on a new link).
-        Returns when the worker has no Link (UNIMPLEMENTED): the caller subscribes over gRPC."""
-        cfg = self.pool.config
-        backoff = Backoff(cfg.resubscribe_initial_s, cfg.resubscribe_max_s)
-        worker_id = self.worker_id
-        assert worker_id is not None
-        pool = self.pool
-        while True:
-            link = self.link()
-            if link is None:
-                return
-            lost = asyncio.Event()
-            why: list[str] = []
-            synced = False
-
-            def on_kv(msg: worker_pb2.SubscribeKvEventsResponse) -> None:
-                nonlocal synced
-                if lost.is_set():
-                    return
-                snapshot = msg.WhichOneof("body") == "snapshot"
-                if not synced and not snapshot:  # the stream we asked to restart, still arriving
-                    return
-                try:
-                    if apply_kv_message(pool.index, pool.sequencer, worker_id, msg):
-                        pool.changed()
-                except (KvResync, IndexOverflow) as e:
-                    why.append(str(e))
-                    lost.set()
-                    return
-                if snapshot:
-                    synced = True
-                    backoff.reset()
-
-            link.subscribe_kv(on_kv, pool.subscriber)
-            ended = asyncio.create_task(link.wait_ended())
-            resync = asyncio.create_task(lost.wait())
-            try:
-                await asyncio.wait({ended, resync}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ended.cancel()
-                resync.cancel()
-            lost.set()  # this subscription's late messages are not applied
-            reason = why[0] if why else f"link ended: {link.broken}"
-            pool.index.clear(worker_id)
-            pool.sequencer.forget(worker_id)
-            pool.changed()
-            log.info("kv_resubscribe", worker=worker_id, reason=reason, via="link")
             await backoff.sleep()
 
 

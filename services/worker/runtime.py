@@ -182,8 +182,6 @@ class WorkerRuntime:
             max_model_len=e.max_model_len,
             kv_agent_name=self.transport.agent_name if self.transport else "",
             link_port=self.link_port,
-            # A decode worker's Link (gRPC or raw) carries its KV events when asked.
-            link_kv_events=self.role == "decode",
         )
 
     async def serve(self, load: Callable[[], common_pb2.WorkerLoad]) -> None:

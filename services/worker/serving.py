@@ -6,8 +6,6 @@ stream: first a snapshot of every cached block, then batches of events in seq
 order. If the subscriber falls so far behind that the engine's bounded event
 buffer no longer holds the next event, the stream ends with DATA_LOSS and the
 subscriber resubscribes (and gets a fresh snapshot) — it never sees a silent gap.
-`kv_link_stream` is the same subscription on a decode worker's Link, where a gap
-is followed by a fresh snapshot in-band.
 """
 
 from __future__ import annotations
@@ -16,13 +14,10 @@ import socket
 from collections.abc import AsyncIterator
 
 import grpc
-import structlog
 
 from pdmesh.v1 import common_pb2, worker_pb2
 from services.engine.api import Engine, EngineStats, KvEvent, KvEventKind
 from services.worker.health import HealthWatch
-
-log = structlog.get_logger()
 
 MAX_EVENTS_PER_MESSAGE = 256
 
@@ -63,22 +58,23 @@ def engine_snapshot(engine: Engine) -> tuple[int, list, list]:
     return seq, pairs, []
 
 
-class _KvGap(Exception):
-    """The engine's bounded event buffer no longer holds the next event to send."""
-
-
-async def _event_batches(
-    engine: Engine, worker_id: str, seq: int
+async def kv_event_stream(
+    engine: Engine, worker_id: str, context: grpc.aio.ServicerContext
 ) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
-    """The events after `seq`, as they come, in messages of at most MAX_EVENTS_PER_MESSAGE;
-    raises _KvGap when some were dropped before they could be sent."""
+    seq, pairs, host_pairs = engine_snapshot(engine)
+    yield worker_pb2.SubscribeKvEventsResponse(
+        worker_id=worker_id, snapshot=snapshot_to_proto(seq, pairs, host_pairs)
+    )
     while True:
         await engine.wait_kv_events(seq)
         events = engine.kv_events_since(seq)
         if not events:
             continue
         if events[0].seq != seq + 1:
-            raise _KvGap(f"kv events after seq {seq} were dropped; resubscribe for a snapshot")
+            await context.abort(
+                grpc.StatusCode.DATA_LOSS,
+                f"kv events after seq {seq} were dropped; resubscribe for a snapshot",
+            )
         for start in range(0, len(events), MAX_EVENTS_PER_MESSAGE):
             chunk = events[start : start + MAX_EVENTS_PER_MESSAGE]
             yield worker_pb2.SubscribeKvEventsResponse(
@@ -86,39 +82,6 @@ async def _event_batches(
                 events=worker_pb2.KvEventBatch(events=[event_to_proto(e) for e in chunk]),
             )
         seq = events[-1].seq
-
-
-def _snapshot_message(engine: Engine, worker_id: str) -> tuple[int, worker_pb2.SubscribeKvEventsResponse]:
-    seq, pairs, host_pairs = engine_snapshot(engine)
-    return seq, worker_pb2.SubscribeKvEventsResponse(
-        worker_id=worker_id, snapshot=snapshot_to_proto(seq, pairs, host_pairs)
-    )
-
-
-async def kv_event_stream(
-    engine: Engine, worker_id: str, context: grpc.aio.ServicerContext
-) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
-    seq, snapshot = _snapshot_message(engine, worker_id)
-    yield snapshot
-    try:
-        async for msg in _event_batches(engine, worker_id, seq):
-            yield msg
-    except _KvGap as e:
-        await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-
-
-async def kv_link_stream(engine: Engine, worker_id: str) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
-    """The same messages for a Link (LinkSubscribeKv), where no status can end the stream
-    without ending the requests on it: after a gap it sends a fresh snapshot instead, which
-    replaces what the subscriber knew of this worker."""
-    while True:
-        seq, snapshot = _snapshot_message(engine, worker_id)
-        yield snapshot
-        try:
-            async for msg in _event_batches(engine, worker_id, seq):
-                yield msg
-        except _KvGap as e:
-            log.info("kv_link_resnapshot", worker=worker_id, reason=str(e))
 
 
 def load_from_stats(

@@ -36,7 +36,6 @@ from services.decode.link_server import LinkServer
 from services.decode.metrics import DecodeMetrics
 from services.decode.servicer import DecodeServicer
 from services.engine.config import EngineConfig
-from services.model.hashing import block_hashes
 from services.router.attempt import DecodeAttempt
 from services.router.generate import FlowFinal, FlowRequest, RequestFlow
 from services.router.link import DecodeLink, LinkCall, RawDecodeLink
@@ -295,78 +294,6 @@ async def test_a_draining_worker_finishes_the_requests_on_its_link_then_ends_it(
     )  # the link ended once its request did: the drain did not wait out its grace
     w.alive = False
     await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
-
-
-class KvStreamCalls:
-    """Counts SubscribeKvEvents calls served by the decode workers made after `install`."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.calls = 0
-        original = DecodeServicer.SubscribeKvEvents
-
-        async def counted(servicer, request, context):
-            self.calls += 1
-            async for msg in original(servicer, request, context):
-                yield msg
-
-        monkeypatch.setattr(DecodeServicer, "SubscribeKvEvents", counted)
-
-
-def kv_prompt(i: int) -> tuple[int, ...]:
-    return tuple(50 + (i * 13 + k * 7) % 150 for k in range(100))  # 6 full blocks of 16
-
-
-async def test_the_router_takes_a_workers_kv_events_on_its_link_not_a_stream(mesh, sims, monkeypatch):
-    streams = KvStreamCalls(monkeypatch)
-    w = await sims("d0")
-    h = await mesh.router(decode=[w])
-    seqs, index = h.router.pool.sequencer, h.router.pool.index
-    await eventually(lambda: seqs.last_seq("d0") is not None, what="the snapshot, on the link", timeout=30)
-    link = links_of(h.router)["d0"]  # opened for the events before any request
-    assert link.open_requests == 0 and link._on_kv is not None
-    free = w.free()
-    toks, _ = await run_flow(h.router, "r", kv_prompt(1), 20)
-    assert len(toks) == 20
-    await eventually(lambda: (seqs.last_seq("d0") or 0) > 0, what="the request's stored blocks", timeout=30)
-    assert index.match(block_hashes(kv_prompt(1), 16)).get("d0", 0) == 6
-    assert links_of(h.router)["d0"] is link and link.alive
-    assert streams.calls == 0
-    await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
-
-
-async def test_a_link_that_ends_drops_the_workers_kv_and_a_new_link_resyncs_it(mesh, sims):
-    w = await sims("d0")
-    h = await mesh.router(decode=[w])
-    seqs, index = h.router.pool.sequencer, h.router.pool.index
-    free = w.free()
-    await run_flow(h.router, "r1", kv_prompt(2), 10)
-    hashes = block_hashes(kv_prompt(2), 16)
-    await eventually(lambda: index.match(hashes).get("d0", 0) == 6, what="the blocks indexed", timeout=30)
-    old = links_of(h.router)["d0"]
-    await old.close()  # however a link ends, what came on it may be stale
-    await eventually(
-        lambda: (new := links_of(h.router).get("d0")) is not None and new is not old and new.alive,
-        what="a new link for the events",
-        timeout=30,
-    )
-    # The new link's snapshot brings the worker's cache back without any new request.
-    await eventually(lambda: index.match(hashes).get("d0", 0) == 6, what="resynced by snapshot", timeout=30)
-    assert seqs.last_seq("d0") is not None
-    toks, final = await run_flow(h.router, "r2", kv_prompt(3), 10)
-    assert len(toks) == 10 and final.migrations == 0
-    await eventually(lambda: w.free() == free, what="the pool back to its free count", timeout=30)
-
-
-async def test_kv_on_link_off_subscribes_over_grpc_as_before(mesh, sims, monkeypatch):
-    streams = KvStreamCalls(monkeypatch)
-    w = await sims("d0")
-    h = await mesh.router(decode=[w], kv_on_link=False)
-    index = h.router.pool.index
-    await run_flow(h.router, "r", kv_prompt(4), 10)
-    hashes = block_hashes(kv_prompt(4), 16)
-    await eventually(lambda: index.match(hashes).get("d0", 0) == 6, what="the blocks indexed", timeout=30)
-    assert streams.calls >= 1
-    assert links_of(h.router)["d0"]._on_kv is None
 
 
 async def test_the_worker_ends_only_a_link_with_a_malformed_frame(sims):
