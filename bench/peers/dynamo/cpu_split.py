@@ -87,6 +87,12 @@ def one_token(items: list[WorkItem]) -> list[WorkItem]:
     return [dataclasses.replace(it, max_tokens=1) for it in items]
 
 
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
+    """(front, workers) CPU-seconds between two `Deployment.cpu()` readings."""
+    front = sum(after[k] - before[k] for k in after if k != "workers")
+    return front, after["workers"] - before["workers"]
+
+
 def measure(dep: D.Deployment, items: list[WorkItem], timeout_s: float) -> Sample:
     span = items[-1].arrival_s
     before, t0 = dep.cpu(), time.monotonic()
@@ -103,9 +109,10 @@ def measure(dep: D.Deployment, items: list[WorkItem], timeout_s: float) -> Sampl
     failed = sum(not r.ok for r in recs)
     if failed:
         raise RuntimeError(f"{dep.system}: {failed} of {len(items)} requests failed")
+    front, workers = cpu_delta(before, after)
     return Sample(
-        front_s=sum(after[k] - before[k] for k in after if k != "workers"),
-        workers_s=after["workers"] - before["workers"],
+        front_s=front,
+        workers_s=workers,
         requests=len(items),
         tokens=sum(it.max_tokens for it in items),
         duration_s=duration,
@@ -117,8 +124,8 @@ def idle_rates(dep: D.Deployment, seconds: float) -> tuple[float, float]:
     before, t0 = dep.cpu(), time.monotonic()
     time.sleep(seconds)  # a bench measuring an idle interval, not a synchronisation
     after, dt = dep.cpu(), time.monotonic() - t0
-    front = sum(after[k] - before[k] for k in after if k != "workers")
-    return front / dt, (after["workers"] - before["workers"]) / dt
+    front, workers = cpu_delta(before, after)
+    return front / dt, workers / dt
 
 
 def main(argv: list[str] | None = None) -> int:
