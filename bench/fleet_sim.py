@@ -306,9 +306,9 @@ class FleetSim:
         local = [local TTFT <= TTFT SLO] - sum over d's decodes of min(1, (stall / slack)^2), remote =
         [remote TTFT <= TTFT SLO]; a tie goes to the path using less of the SLO budgets. A decode's
         slack is its ITL budget (ITL SLO x its tokens) less its elapsed time, its remaining tokens at
-        the current step and the local prefills already queued here; one already past it is lost
-        either way and costs nothing. (The real rule's measured rates are the profile's times here,
-        and its term for decodes that start during the stall is left out.)"""
+        the current step and the local prefills already queued here; for one already past it, the stall
+        is priced against its whole ITL budget instead. (The real rule's measured rates are the
+        profile's times here, and its term for decodes that start during the stall is left out.)"""
         p = self.profile
         own = p.prefill_ms(o.req.isl) / 1000.0
         ahead = self._local_ahead_s(d)
@@ -323,13 +323,11 @@ class FleetSim:
         step = p.decode_ms(max(batch, 1), int(sum(d.context.values()))) / 1000.0
         cost = share = 0.0
         for q, left in itertools.chain(d.running.items(), ((q, q.req.osl - 1) for q in d.waiting)):
-            slack = (
-                self.itl_slo_s * max(q.req.osl - 1, 1) - (self.now - q.first_token_s) - left * step - ahead
-            )
-            if slack > 0:
-                x = own / slack
-                cost += min(1.0, x * x)
-                share += x
+            budget = self.itl_slo_s * max(q.req.osl - 1, 1)
+            slack = budget - (self.now - q.first_token_s) - left * step - ahead
+            x = own / slack if slack > 0 else own / budget
+            cost += min(1.0, x * x)
+            share += x
         local = float(local_ttft <= self.ttft_slo_s) - cost
         remote = float(remote_ttft <= self.ttft_slo_s)
         if local != remote:

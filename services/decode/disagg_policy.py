@@ -44,7 +44,15 @@ number of running decodes this prefill is expected to push past their SLO: a
 stall that uses a fraction x of a decode's slack loses it with probability x^2
 (a small bite is nearly free, since the decode absorbs it unless later stalls
 add up; one near the whole slack nearly always loses it; more than the whole
-always). One already past is lost either way and does not count. A request
+always). One already past its slack at the current step is not certainly lost
+(the step is a median over seconds, and it falls when the batch shrinks), and
+a further stall makes it later still: its x is the stall's fraction of its
+whole TPOT budget instead. Priced at nothing, as it was until session 21, a
+worker whose decodes all read as past took every prompt locally and its decode
+collapsed (bench/fleet_sim.py, static 7 prefill + 5 decode workers: 0.813 of
+requests within the SLOs without decode-local prefill, 0.720 with it, 0.814
+with this price; the measured H200 profile's agent row at 3:5, 0.65 req/s per
+instance: 0.959 -> 0.971; every published profile's row checked unchanged). A request
 whose remote prefill is in flight will join the batch and counts as running.
 Before any decode step has been measured there is no TPOT SLO to price
 against, and every running decode counts as lost. Both the hard threshold
@@ -287,9 +295,10 @@ class DisaggregationPolicy:
                 budget = tpot_slo * (r.decoded + r.remaining)
                 # The local prefills queued ahead will stall it too, whatever this decision.
                 slack = budget - (r.elapsed_s + local_wait_s + r.remaining * step)
-                if slack > 0:  # one already past is lost either way
-                    used += min(1.0, stall / slack)
-                    cost += min(1.0, (stall / slack) ** 2)
+                # One already past its slack: the stall against its whole budget (module docstring).
+                x = stall / slack if slack > 0 else stall / budget if budget > 0 else 0.0
+                used += min(1.0, x)
+                cost += min(1.0, x * x)
             # The decodes that will start during the stall: requests arriving here while this
             # prefill runs (the measured arrival rate), each joining the batch part-way through it
             # and so stalled for half of it on average, against a fresh request's whole slack.

@@ -78,10 +78,19 @@ def test_running_decodes_with_little_slack_make_a_local_prefill_too_expensive():
     assert decide(2000, rates=tight_rates, running=half).prediction.stall_cost == pytest.approx(1.0)
 
 
-def test_decodes_already_past_their_slo_are_not_counted():
+def test_decodes_already_past_their_slack_are_priced_against_their_whole_budget():
+    # 100 tokens in at 60 ms against a 45 ms SLO, 10 to go: past their slack at the current step.
+    # Not certainly lost, and a stall makes them later still: the 0.2 s stall is 0.2 / (0.045 x 110)
+    # of each one's whole budget (priced at nothing, a worker of late decodes took every prompt).
     late = [RunningDecode(decoded=100, remaining=10, elapsed_s=100 * 0.06)] * 8
     d = decide(2000, running=late)
-    assert d.prediction.stall_cost == 0.0 and d.reason is Reason.LOCAL_CHEAPER
+    x = 0.2 / (0.045 * 110)
+    assert d.prediction.stall_cost == pytest.approx(8 * x * x)
+    assert d.prediction.slack_used == pytest.approx(8 * x)
+    assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_SLO)  # remote meets the TTFT at no cost
+    # A small price: where remote would miss the TTFT, this request's TTFT is worth more.
+    busy = Candidate("p", "a:1", estimated_wait_s=5.0)
+    assert decide(2000, candidates=[busy], running=late).reason is Reason.LOCAL_SLO
 
 
 def test_a_busy_prefill_worker_keeps_the_request_local_when_local_meets_the_slo():
@@ -298,12 +307,14 @@ def test_decodes_slowed_by_stalls_are_projected_at_the_decode_step_and_still_pri
     d = decide(1000, rates=rates, running=running)
     assert (d.path, d.reason) == (Path.REMOTE, Reason.REMOTE_SLO)
     assert d.prediction.stall_cost == pytest.approx(50 * ((1000 / 3000) / 1.18) ** 2, rel=0.01)
-    # The same decodes really past their SLO at the decode step too: not counted.
+    # The same decodes really past their slack at the decode step too: the stall against each
+    # one's whole budget (210 x 18 ms), far less than against its slack.
     late = [RunningDecode(decoded=10, remaining=200, elapsed_s=2.0)] * 50
-    assert decide(1000, rates=rates, running=late).prediction.stall_cost == 0.0
-    # Before the median has a sample, the mean stands in (as before it existed).
+    whole = 50 * ((1000 / 3000) / (0.018 * 210)) ** 2
+    assert decide(1000, rates=rates, running=late).prediction.stall_cost == pytest.approx(whole)
+    # Before the median has a sample, the mean stands in (as before it existed): past at 50 ms.
     no_step = Rates(**{**rates.__dict__, "decode_step_s": 0.0})
-    assert decide(1000, rates=no_step, running=running).prediction.stall_cost == 0.0
+    assert decide(1000, rates=no_step, running=running).prediction.stall_cost == pytest.approx(whole)
 
 
 def test_a_tie_before_any_remote_prefill_is_measured_goes_remote_once():

@@ -47,6 +47,23 @@ def test_a_prompt_goes_remote_when_the_stall_would_push_running_decodes_past_the
     assert abs(out.ttft_s - remote_ttft) < 1e-9
 
 
+def test_decodes_already_past_their_slack_still_price_a_stall():
+    """The ITL SLO below the step: every running decode reads as past its slack. Priced at nothing (as
+    until session 21), the stall looked free, the tie went to the local path's saved transfer, and a
+    worker of late decodes took every prompt (static 7 P + 5 D collapsed from 0.813 to 0.720 of requests
+    within the SLOs). Against each decode's whole budget it is a cost, and the idle prefill worker, which
+    meets the TTFT SLO, takes the prompt."""
+    warm = [SimRequest(0.0, 100, 400) for _ in range(20)]
+    late = SimRequest(2.0, 4000, 10)
+    step_ms = H100.decode_ms(20, 20 * 300)
+    remote_ttft = H100.prefill_ms(4000) / 1000 + H100.transfer_s(4000)
+    itl = step_ms / 1000 * 0.8
+    r = _run([*warm, late], (1, 1), True, itl=itl)
+    out = next(o for o in r.outcomes if o.req is late)
+    assert abs(out.ttft_s - remote_ttft) < 1e-9
+    assert r.local_prefills == _run(warm, (1, 1), True, itl=itl).local_prefills  # not the late prompt
+
+
 def test_a_saturated_prefill_pool_overflows_to_decode_workers_with_slack_and_more_meet_the_ttft_slo():
     """One prefill worker at ~1.6x its capacity: its queue would pass the TTFT SLO; decode workers with
     plenty of ITL slack take the overflow, and the share within the TTFT SLO rises."""
