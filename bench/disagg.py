@@ -53,7 +53,7 @@ import numpy as np
 
 from bench import topology
 from bench.loadgen import WorkItem, poisson_arrivals, run_load
-from bench.machine import cpu_model
+from bench.machine import cpu_model, pin_threads
 from bench.stats import RequestRecord
 from bench.traces import default_trace_path, load_azure
 from pdmesh.v1 import router_pb2, router_pb2_grpc
@@ -261,6 +261,20 @@ def mode_topology(args, mode: str) -> topology.Topology:
     return topo
 
 
+def pin_workers(dep: topology.Deployment) -> None:
+    """`--pin`: a deployment's engine workers one to a CPU (prefill workers first, then decode:
+    agg's two decode workers on CPUs 0 and 1, disagg's and cond's prefill worker on 0 and decode
+    worker on 1); the router, kvtransfer and this process (the client) float. Disaggregation's
+    premise is that decode does not share its processor with prefill; unpinned, the scheduler
+    can run both workers' engine threads on one core of two for a while (issue 19)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = [*dep.prefills, *dep.decodes]
+    if len(cpus) < len(workers):
+        raise SystemExit(f"--pin needs a CPU per worker ({len(workers)}), this process has {len(cpus)}")
+    for cpu, svc in zip(cpus, workers, strict=False):
+        pin_threads(svc.proc.pid, {cpu})
+
+
 def repetition(args, rates: list[float], workloads: list[str], loads: dict[str, Workload], seed: int):
     """The three modes interleaved point by point: all three deployments run side by side (an
     idle one costs next to nothing), and at each rate the modes take turns, in an order rotated
@@ -277,6 +291,8 @@ def repetition(args, rates: list[float], workloads: list[str], loads: dict[str, 
             topo = mode_topology(args, mode)
             deps[mode] = topology.start(topo)
             wait_workers(deps[mode].internal_address, topo.prefill + topo.decode)
+            if args.pin:
+                pin_workers(deps[mode])
         print(
             f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC] deployments up: {load_average()}", flush=True
         )
@@ -447,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         help="router stall timeout off, remote prefill timeout 600 s (a machine too contended for the defaults)",
     )
     ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="each engine worker on its own CPU (router, kvtransfer and the client float)",
+    )
+    ap.add_argument(
         "--stop-at",
         type=float,
         default=None,
@@ -466,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         f"disagg bench: preset={args.preset} requests/point={n} rates={rates} workloads={workloads} "
         f"mix=90%x[64,256]+10%x[2048,2304] out={args.output_tokens}; azure length_factor="
         f"{args.azure_length_factor} time: Poisson at each rate; cond max_local_prefill_tokens="
-        f"{args.cond_max_local if args.cond_max_local is not None else 'service default'}",
+        f"{args.cond_max_local if args.cond_max_local is not None else 'service default'}"
+        f"{'; --pin: each engine worker on its own CPU' if args.pin else ''}",
         flush=True,
     )
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.machine import cpu_model
 from services.engine.api import EngineRequest, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
@@ -61,16 +61,6 @@ TEXT = (
     "hardware. Consider a simple question about geography, cooking or mathematics: the "
     "model reads the question, builds its cache, and then writes the answer word by word. "
 ) * 2
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_prompts(tokenizer, n: int, lo: int, hi: int) -> list[list[int]]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_model
 from services.engine.api import EngineRequest, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
@@ -74,16 +74,6 @@ SHAPES = {
         max_position_embeddings=8192 + 64,
     ),
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def device_name(device: str) -> str:

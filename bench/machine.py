@@ -3,6 +3,8 @@ differ, so a figure without its CPU model and load says little)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 from pathlib import Path
 
@@ -15,3 +17,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` onto `cpus` (a process's affinity is per thread; threads created
+    later inherit their creator's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)

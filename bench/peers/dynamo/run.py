@@ -76,6 +76,7 @@ if __package__ in (None, ""):  # `python bench/peers/dynamo/run.py`: make the re
 import numpy as np
 
 from bench.loadgen import GrpcClient, OpenAIHttpClient, StreamClient, WorkItem, build_workload, run_load
+from bench.machine import pin_threads
 from bench.peers.dynamo.compare import (
     Row,
     balance,
@@ -544,14 +545,6 @@ def run_one(
 
 
 _CPUS = frozenset(os.sched_getaffinity(0))  # this process's CPUs at start
-
-
-def pin_threads(pid: int, cpus: set[int]) -> None:
-    """Every thread of `pid` (a process's affinity is per thread; new threads inherit their
-    creator's) onto `cpus`."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(tid), cpus)
 
 
 def pin_split(dep: Deployment) -> None:

@@ -1,5 +1,9 @@
 """bench/disagg.py's scoring: goodput and SLO attainment (the figures the study's verdict rests on)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from bench.disagg import Baseline, best_rate, misses
@@ -48,3 +52,29 @@ def test_relative_rates_are_in_units_of_the_measured_unbatched_capacity():
     # The machine 6x slower: the unit follows, so a relative rate keeps its load level.
     slow = Baseline(ttft_a=0.0, ttft_b=0.006, tpot=0.12)
     assert capacity(slow, Workload("w", [(1000, 51)])) == pytest.approx(1 / 6)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--pin needs 2 CPUs")
+def test_pin_puts_each_worker_on_its_own_cpu_prefill_first():
+    """`--pin`: every thread of the prefill worker on the first CPU, of the decode worker on the
+    second (real processes with a thread started before the pinning)."""
+    from types import SimpleNamespace
+
+    from bench.disagg import pin_workers
+
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); print(flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == b"\n"  # its second thread is up
+        prefill, decode = (SimpleNamespace(proc=p) for p in procs)
+        pin_workers(SimpleNamespace(prefills=[prefill], decodes=[decode]))
+        cpus = sorted(os.sched_getaffinity(0))
+        for p, cpu in zip(procs, cpus, strict=False):
+            tids = os.listdir(f"/proc/{p.pid}/task")
+            assert len(tids) == 2
+            assert all(os.sched_getaffinity(int(t)) == {cpu} for t in tids)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
