@@ -27,7 +27,8 @@ both (failures are misses).
                                                  issue 19 item 4: repetitions (the three modes back
                                                  to back in each), means with 95% t-intervals, per-point
                                                  Wilson intervals; rates in units of each repetition's
-                                                 measured capacity (a shared machine's speed drifts)
+                                                 measured capacity (a shared machine's speed drifts);
+                                                 `--pin` puts each engine worker on its own CPU
     python bench/disagg.py --engine sim [--quick]  the GPU-regime study (issue 19), bench/disagg_gpu.py:
                                                  8 simulated GPUs, an event model on the sim timing
                                                  profiles with the product's rule; last line

@@ -16,6 +16,7 @@ again; the load stops (every client's last call ends by its deadline). Then:
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import time
@@ -104,6 +105,11 @@ def inject(mesh: ChaosMesh, fault: Fault, rng: random.Random, landed: Counter) -
         held = proxy.held
 
         def heal_partition() -> None:
+            # Kept (5 s more at most) until a byte or a connection has met it: under a CPU hog the
+            # proxies' thread can sit out a short hold, and a partition that met no traffic tests
+            # nothing (`make chaos` with two hogs: partition-decode x1.7s held nothing, once in 58).
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda: proxy.held > held, timeout=5.0, what="traffic meeting the partition")
             landed["held"] += proxy.held - held
             proxy.heal()
 

@@ -62,7 +62,8 @@ def test_pin_puts_each_worker_on_its_own_cpu_prefill_first():
 
     from bench.disagg import pin_workers
 
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); print(flush=True); time.sleep(60)"
+    # Two threads that block until the process is killed: the main one and one it started.
+    code = "import threading; threading.Thread(target=threading.Event().wait).start(); print(flush=True); threading.Event().wait()"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)]
     try:
         for p in procs:
