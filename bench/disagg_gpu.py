@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from dataclasses import replace
@@ -41,6 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.disagg_sim import UNIT, Spec, goodput, unloaded_ttft_s
+from bench.machine import cpu_model
 from bench.traces import default_trace_path, load_azure, load_mooncake
 from services.model.timing import TimingProfile, load_profile
 from services.planner.split_table import TABLE_PATH, SplitTable
@@ -288,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         f"disagg_gpu: {GPUS} instances, requests/point={n}, SLO TTFT<=3x TPOT<=1.5x unloaded, goodput at "
         f">=90% attainment (bisected); {METHOD}",
     ]
-    print(lines[0], flush=True)
+    lines.append(
+        f"cpu: {cpu_model()} x{os.cpu_count()} (an event model: the CPU sets only how long it takes)"
+    )
+    print("\n".join(lines), flush=True)
     header = (
         f"{'profile':<24} {'link':<6} {'workload':<9} {'agg':>7} {'disagg':>7} {'split':>5} {'cond':>7} "
         f"{'split':>5} {'cond/best':>9} {'cond/agg':>8}  (goodput req/s per instance)"
