@@ -107,14 +107,16 @@ class DecodeServiceLinkRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., cancel: _Optional[_Union[LinkCancel, _Mapping]] = ...) -> None: ...
 
 class LinkOpen(_message.Message):
-    __slots__ = ("link_id", "request", "timeout_s")
+    __slots__ = ("link_id", "request", "timeout_s", "notify_started")
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_STARTED_FIELD_NUMBER: _ClassVar[int]
     link_id: int
     request: DecodeServiceGenerateRequest
     timeout_s: float
-    def __init__(self, link_id: _Optional[int] = ..., request: _Optional[_Union[DecodeServiceGenerateRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    notify_started: bool
+    def __init__(self, link_id: _Optional[int] = ..., request: _Optional[_Union[DecodeServiceGenerateRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., notify_started: _Optional[bool] = ...) -> None: ...
 
 class LinkCancel(_message.Message):
     __slots__ = ("link_id",)
@@ -123,14 +125,16 @@ class LinkCancel(_message.Message):
     def __init__(self, link_id: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceLinkResponse(_message.Message):
-    __slots__ = ("tokens", "ends", "status")
+    __slots__ = ("tokens", "ends", "status", "started")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[LinkTokens]
     ends: _containers.RepeatedCompositeFieldContainer[LinkEnd]
     status: LinkStatus
-    def __init__(self, tokens: _Optional[_Iterable[_Union[LinkTokens, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ..., status: _Optional[_Union[LinkStatus, _Mapping]] = ...) -> None: ...
+    started: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[LinkTokens, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ..., status: _Optional[_Union[LinkStatus, _Mapping]] = ..., started: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LinkTokens(_message.Message):
     __slots__ = ("link_id", "token_ids")

@@ -43,15 +43,18 @@ def _varint(n: int) -> bytes:
 _DOUBLE = struct.Struct("<d")
 
 
-def encode_open(link_id: int, request: bytes, timeout_s: float) -> bytes:
-    """The frame `DecodeServiceLinkRequest(open=LinkOpen(link_id, request, timeout_s))` with its
-    length prefix, from the request's serialized bytes: what `encode` gives for that message
-    (tests/unit/common/test_link_wire.py), without copying the request into a LinkOpen first
-    (~90 us for a 2k-token prompt, a third of the message's cost).
-    Fields: LinkOpen 1 link_id (varint), 2 request (bytes), 3 timeout_s (double, left out at 0)."""
+def encode_open(link_id: int, request: bytes, timeout_s: float, notify_started: bool = False) -> bytes:
+    """The frame `DecodeServiceLinkRequest(open=LinkOpen(link_id, request, timeout_s,
+    notify_started))` with its length prefix, from the request's serialized bytes: what `encode`
+    gives for that message (tests/unit/common/test_link_wire.py), without copying the request
+    into a LinkOpen first (~90 us for a 2k-token prompt, a third of the message's cost).
+    Fields: LinkOpen 1 link_id (varint), 2 request (bytes), 3 timeout_s (double, left out at 0),
+    4 notify_started (bool, left out when false)."""
     body = b"\x08" + _varint(link_id) + b"\x12" + _varint(len(request)) + request
     if timeout_s:
         body += b"\x19" + _DOUBLE.pack(timeout_s)
+    if notify_started:
+        body += b"\x20\x01"
     frame = b"\x0a" + _varint(len(body)) + body  # DecodeServiceLinkRequest field 1, `open`
     return HEADER.pack(len(frame)) + frame
 

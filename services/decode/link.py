@@ -76,6 +76,7 @@ class LinkSession:
         self._cancelled: set[int] = set()  # ids the router cancelled (end with CANCELLED)
         self._tokens: dict[int, list[int]] = {}  # pending batch: new tokens per id
         self._ends: list[decode_pb2.LinkEnd] = []
+        self._started: list[int] = []  # pending batch: ids whose prefill began (notify_started)
         self._ready = asyncio.Event()
         self._error: LinkMalformed | None = None
         self._reading = True
@@ -95,7 +96,7 @@ class LinkSession:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                if self._tokens or self._ends:
+                if self._tokens or self._ends or self._started:
                     yield self._frame()
                 if self._error is not None:
                     raise self._error
@@ -130,9 +131,11 @@ class LinkSession:
     def _frame(self) -> decode_pb2.DecodeServiceLinkResponse:
         tokens, self._tokens = self._tokens, {}
         ends, self._ends = self._ends, []
+        started, self._started = self._started, []
         return decode_pb2.DecodeServiceLinkResponse(
             tokens=[decode_pb2.LinkTokens(link_id=i, token_ids=ids) for i, ids in tokens.items()],
             ends=ends,
+            started=started,
         )
 
     # ---- router -> worker ----------------------------------------------------
@@ -175,7 +178,8 @@ class LinkSession:
         except Exception as e:  # bad request: only this one ends, with its status
             self._end_error(lid, e)
             return
-        self._tasks[lid] = asyncio.get_running_loop().create_task(self._serve(lid, job))
+        on_started = partial(self._add_started, lid) if o.notify_started else None
+        self._tasks[lid] = asyncio.get_running_loop().create_task(self._serve(lid, job, on_started))
 
     def _cancel(self, lid: int) -> None:
         task = self._tasks.get(lid)
@@ -185,12 +189,13 @@ class LinkSession:
 
     # ---- one request -----------------------------------------------------------
 
-    async def _serve(self, lid: int, job: DecodeJob) -> None:
+    async def _serve(self, lid: int, job: DecodeJob, on_started: Callable[[], None] | None = None) -> None:
         end = None
         try:
             # The tokens go straight into the pending batch (past the first, from the
             # engine's delivery callback); the core yields only the request's end.
-            async with aclosing(self._worker.generate(job, sink=partial(self._add_tokens, lid))) as events:
+            events = self._worker.generate(job, sink=partial(self._add_tokens, lid), on_started=on_started)
+            async with aclosing(events):
                 async for event in events:  # with a sink: only the Finished
                     end = decode_pb2.LinkEnd(link_id=lid, final=self._final_of(event))
         except asyncio.CancelledError:
@@ -206,6 +211,13 @@ class LinkSession:
             self._cancelled.discard(lid)
         if end is not None:
             self._ends.append(end)
+            self._ready.set()
+
+    def _add_started(self, lid: int) -> None:
+        """The engine began `lid`'s prefill: tell the router in the next frame, sent at once
+        (the pass it starts is still to run; its tied copies elsewhere can be cancelled)."""
+        if lid in self._tasks and lid not in self._cancelled:
+            self._started.append(lid)
             self._ready.set()
 
     def _add_tokens(self, lid: int, token_ids: list[int]) -> None:

@@ -29,6 +29,7 @@ longest a request may run; a client deadline is capped by it too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -196,13 +197,20 @@ class DecodeWorker:
         ]
         return live + [RunningDecode(0, max(n - 1, 0), 0.0) for n in self._incoming.values()]
 
-    async def generate(self, job: DecodeJob, sink: TokenSink | None = None) -> AsyncIterator[Event]:
+    async def generate(
+        self, job: DecodeJob, sink: TokenSink | None = None, on_started: Callable[[], None] | None = None
+    ) -> AsyncIterator[Event]:
         """`Tokens` events, then one `Finished`; raises a MeshError (DeadlineExceeded)
         or an engine error. Close the iterator (aclosing) to abort early.
 
         With a `sink`, the tokens go to it instead and only `Finished` is yielded: after
         the first token the engine calls it from its delivery callback (`Engine.divert`),
-        so a decoding request costs no task wake-up per engine step (the link's path)."""
+        so a decoding request costs no task wake-up per engine step (the link's path).
+
+        `on_started()`: called once when this worker's engine begins the request's prefill
+        (EngineRequest.on_started), on the local path without a prefix pull only; a
+        remote prefill or a pull never reports it (the router's hedge then races on the
+        first token, as without it)."""
         self.metrics.requests.inc()
         started = time.monotonic()
         limit = self.max_request_s if job.timeout_s is None else min(job.timeout_s, self.max_request_s)
@@ -217,7 +225,7 @@ class DecodeWorker:
         self._record_decision(job, decision, context_len, cached)
         outcome = "cancelled"
         try:
-            async for event in self._run(req, account, deadline, started, sink):
+            async for event in self._run(req, account, deadline, started, sink, on_started):
                 yield event
             outcome = "ok"
             yield account.finished()
@@ -292,7 +300,13 @@ class DecodeWorker:
     # ---- running it ------------------------------------------------------------
 
     async def _run(
-        self, req: EngineRequest, account: _Account, deadline: float, started: float, sink: TokenSink | None
+        self,
+        req: EngineRequest,
+        account: _Account,
+        deadline: float,
+        started: float,
+        sink: TokenSink | None,
+        on_started: Callable[[], None] | None = None,
     ) -> AsyncIterator[Tokens]:
         outputs = None
         if account.decision.path is Path.REMOTE:
@@ -307,6 +321,8 @@ class DecodeWorker:
                 return
             outputs = result.outputs if result is not None else None
         if outputs is None:
+            if on_started is not None and account.pull is None:
+                req = dataclasses.replace(req, on_started=on_started)
             outputs = await self._local_outputs(req, account, deadline)
         decoding = _Decoding(self, req, account, started, sink)
         diverted = sink is None  # nothing to divert to

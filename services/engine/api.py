@@ -89,6 +89,11 @@ class EngineRequest:
     # for the next step. `workflow_final`: the last step; its end releases the pin.
     workflow_id: str = ""
     workflow_final: bool = False
+    # Called once when the engine first schedules the request's computation (its
+    # prefill begins), on the thread the engine delivers outputs on (the event loop
+    # for the async engines), before that pass runs: the router ties a hedged
+    # request's copies by it. Not called for a request that never starts.
+    on_started: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from services.engine.api import (
 )
 from services.engine.config import EngineConfig
 from services.engine.engine_spec import EngineSpec
-from services.engine.llm_engine import LLMEngine, RunnerFactory
+from services.engine.llm_engine import LLMEngine, RunnerFactory, call_each
 from services.engine.validation import validate_request
 
 _STOP = object()
@@ -82,6 +83,8 @@ class TorchEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._core = await asyncio.to_thread(LLMEngine, self.config, self._spec, self._runner_factory)
+        # EngineRequest.on_started callbacks run on the loop, posted before the pass they start
+        self._core.started_sink = partial(self._post, call_each)
         self._thread = threading.Thread(target=self._run, name="torch-engine-step", daemon=True)
         self._thread.start()
 

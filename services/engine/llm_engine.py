@@ -91,6 +91,10 @@ class LLMEngine:
         # thread may take it for `hold_prefix` without waiting for a step to end.
         self.mutex = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
+        # Requests whose first scheduled pass is reported (EngineRequest.on_started):
+        # each callback is handed to `started_sink` once, before that pass runs.
+        self._watch_start: dict[str, Callable[[], None]] = {}
+        self.started_sink: Callable[[list[Callable[[], None]]], None] = call_each
         self.prompt_tokens_computed = 0
         self.decode_tokens_computed = 0
         self.prompt_tokens_transferred = 0
@@ -153,6 +157,8 @@ class LLMEngine:
         self.validate(request)
         seq = self._new_sequence(request, prefill_only)
         self._seqs[seq.request_id] = seq
+        if request.on_started is not None:
+            self._watch_start[seq.request_id] = request.on_started
         self.scheduler.add(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -164,6 +170,8 @@ class LLMEngine:
         self.last_step_progressed = bool(out.scheduled or out.preempted)
         if not out.scheduled:
             return []
+        if self._watch_start:
+            self._report_started(out.scheduled)
         prompt_before = self.prompt_tokens_computed
         t0 = time.perf_counter()
         sampled = self.runner.run(out.scheduled)
@@ -181,6 +189,14 @@ class LLMEngine:
             # overestimate of recompute time, which only errs towards restoring.
             cost.observe_prefill(self.prompt_tokens_computed - prompt_before, elapsed)
         return outputs
+
+    def _report_started(self, scheduled) -> None:
+        """Hand the start callbacks of the watched requests in this pass to `started_sink`
+        (before the pass runs: a tied copy elsewhere can be cancelled while still queued)."""
+        watch = self._watch_start
+        started = [cb for seq, _ in scheduled if (cb := watch.pop(seq.request_id, None)) is not None]
+        if started:
+            self.started_sink(started)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state and free its blocks; False if unknown."""
@@ -482,3 +498,10 @@ class LLMEngine:
         self.scheduler.finish(seq, status)
         seq.finish_reason = reason
         self._seqs.pop(seq.request_id, None)
+        self._watch_start.pop(seq.request_id, None)
+
+
+def call_each(callbacks: list[Callable[[], None]]) -> None:
+    """`started_sink` of an engine driven in-process: the callbacks run at once."""
+    for cb in callbacks:
+        cb()

@@ -174,6 +174,9 @@ class DecodeAttempt:
         self._last = loop.time()
         self.started = self._last
         self.first_at: float | None = None  # when the first message arrived
+        # When the worker reported the request's prefill begun (a link opened with
+        # notify_started, before any message; None: not reported, or never asked).
+        self.computing_at: float | None = None
         # The ITL sample: tokens received, and how many came with the first message.
         self.tokens_received = 0
         self._first_tokens = 0
@@ -237,6 +240,12 @@ class DecodeAttempt:
             self._overflow()
             return
         self._wake.set()
+
+    def push_started(self) -> None:
+        """The worker began this request's prefill (a tied hedge races on it, hedge_race.py)."""
+        if not self.done and not self.messages and self.computing_at is None:
+            self.computing_at = self._loop.time()
+            self._wake.set()
 
     def push_final(self, final: decode_pb2.DecodeFinal) -> None:
         if not self.done:

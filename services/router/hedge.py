@@ -11,6 +11,15 @@ computed tokens are counted as wasted (`pdmesh_router_wasted_tokens_by_cause_tot
 {cause="hedged"}`). At most `max_hedges` copies per request, and never after
 the first token: after it, the request migrates instead.
 
+Tied copies (`tied`, on with hedging; "The Tail at Scale"'s tied requests): a
+copy sent while the primary was still queued (its worker had not reported its
+prefill begun, LinkOpen.notify_started) races on *starting* instead: the first
+leg whose worker begins its prefill is kept and the other, still queued, is
+cancelled before it computes anything. A primary already computing when the copy
+goes (late in its prefill, or on a worker that hung in it) races on the first
+message as before, as do legs on paths that never report a start (a remote
+prefill, a prefix pull, TensorRT-LLM, a Generate call).
+
     delay = hedge_delay(config, predicted_ttft)     # None: do not hedge
     worth_hedging(waited, copy_ttft, copy_wait)     # a candidate whose copy should win
     winner = race_winner(primary, hedge)            # which to keep, once either moved
@@ -32,6 +41,11 @@ class HedgeConfig:
     max_hedges: int = setting(1, "copies of one request at most")
     require_faster: bool = setting(
         True, "hedge only to a worker whose predicted TTFT + queue wait is under the primary's wait so far"
+    )
+    tied: bool = setting(
+        True,
+        "tie a copy to a still-queued primary: the first whose worker begins the prefill is kept, "
+        "the other is cancelled before computing (workers report starts on the link)",
     )
 
     def __post_init__(self) -> None:
@@ -61,6 +75,7 @@ class Leg(enum.Enum):
     """How far one attempt of a race has got."""
 
     WAITING = "waiting"  # nothing back yet
+    COMPUTING = "computing"  # its worker reported its prefill begun; no message yet
     STARTED = "started"  # its first message (tokens or final) arrived
     FAILED = "failed"  # ended with an error before any message
 
@@ -71,16 +86,20 @@ class Winner(enum.Enum):
     HEDGE = "hedge"  # keep the hedge, cancel the primary
 
 
-def race_winner(primary: Leg, hedge: Leg) -> Winner:
-    """Which attempt to keep. The first to start wins (the primary on a tie: its worker
-    was ranked better); a failed leg loses to one still waiting, which goes on alone;
-    when both failed the primary's error is the request's (it goes to recovery)."""
+def race_winner(primary: Leg, hedge: Leg, tied: bool = False) -> Winner:
+    """Which attempt to keep. The first to send a message wins (the primary on a tie: its
+    worker was ranked better); a failed leg loses to one still going, which goes on alone;
+    when both failed the primary's error is the request's (it goes to recovery).
+    `tied`: the legs race on their start, too: one computing beats one still waiting
+    (cancelled in its queue, it has computed nothing); both computing race on as before."""
     if primary is Leg.STARTED:
         return Winner.PRIMARY
     if hedge is Leg.STARTED:
         return Winner.HEDGE
-    if primary is Leg.FAILED and hedge is Leg.WAITING:
+    if primary is Leg.FAILED and hedge is not Leg.FAILED:
         return Winner.HEDGE
     if hedge is Leg.FAILED:
         return Winner.PRIMARY
+    if tied and primary is not hedge:  # one computing, one waiting
+        return Winner.PRIMARY if primary is Leg.COMPUTING else Winner.HEDGE
     return Winner.NONE

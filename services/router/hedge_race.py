@@ -9,6 +9,12 @@ a copy goes to the next-best worker (the retry budget pays for it). The flow cal
 cancelled at once and its registry, load-view, breaker and latency accounts are
 closed here. What a losing copy computed (estimated as its prefill) is in `waste`,
 which the flow adds to the request's cost (the journey does not know the copy).
+
+A copy sent while the primary's worker had not reported its prefill begun is tied
+to it (HedgeConfig.tied): the first leg reported computing wins, and the other,
+cancelled unreported, is estimated to have computed nothing (it was queued; a leg
+on a path that never reports, a remote prefill, may have: the engines' own
+counters are the measure, bench/faults.py).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ def expected_first_token_s(ctx, worker_id: str, prefill_blocks: int) -> float | 
 def leg_of(attempt: DecodeAttempt) -> Leg:
     if attempt.messages:
         return Leg.STARTED
-    return Leg.FAILED if attempt.done else Leg.WAITING
+    if attempt.done:
+        return Leg.FAILED
+    return Leg.WAITING if attempt.computing_at is None else Leg.COMPUTING
 
 
 class HedgeRace:
@@ -75,6 +83,7 @@ class HedgeRace:
         self._sent: tuple[decode_pb2.DecodeServiceGenerateRequest, int, int, float | None] | None = None
         self._routed: int | None = None  # the copy's LoadView key
         self._cached = 0  # input tokens the copy's worker was expected to have cached
+        self._tied = False  # the copy races the primary on starting (HedgeConfig.tied)
 
     def arm(
         self,
@@ -156,6 +165,9 @@ class HedgeRace:
             self._routed = ctx.load_view.begin(wid, to_prefill, new_blocks, len(inputs), cfg.block_size)
         self._cached = choice.overlap_blocks * cfg.block_size
         self.hedge = self._new_attempt(wid, call, len(inputs) - self._cached)
+        # Tied only to a primary still queued: one already computing may have hung in its
+        # prefill, and a copy that had to wait for it to report would never win.
+        self._tied = ctx.hedge.tied and primary.computing_at is None
         self._count("sent")
         log.info("hedged", request_id=request.request_id, worker=primary.worker_id, hedge=wid)
 
@@ -163,7 +175,7 @@ class HedgeRace:
         """(the attempt to go on with, its LoadView key): the primary while both wait."""
         hedge = self.hedge
         assert hedge is not None
-        winner = race_winner(leg_of(primary), leg_of(hedge))
+        winner = race_winner(leg_of(primary), leg_of(hedge), self._tied)
         if winner is Winner.NONE:
             return primary, routed
         self.hedge = None
@@ -172,8 +184,12 @@ class HedgeRace:
             self._routed = None
             self._count("lost")
             return primary, routed
+        # A tied primary cancelled before its worker reported it computing was queued there.
+        unstarted = self._tied and primary.computing_at is None and not primary.messages
         self._drop(primary, routed, in_journey=True)
-        self.journey.hedge_won(hedge.worker_id, cached_tokens=self._cached)
+        self.journey.hedge_won(
+            hedge.worker_id, cached_tokens=self._cached, loser_computed=0 if unstarted else None
+        )
         kept_routed, self._routed = self._routed, None
         self._count("won")
         return hedge, kept_routed
@@ -219,6 +235,8 @@ class HedgeRace:
         current = self.journey.current
         if current is None or in_journey:
             return
+        if self._tied and leg.computing_at is None and not leg.messages:
+            return  # a tied copy cancelled in its queue: nothing computed
         wasted = max(current.input_tokens - self._cached, 0)
         self.waste += wasted
         if ctx.metrics is not None and wasted:

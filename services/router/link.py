@@ -63,6 +63,8 @@ class Sink(Protocol):
 
     def push_error(self, error: AttemptError) -> None: ...
 
+    def push_started(self) -> None: ...
+
 
 class LinkBroken(Exception):
     """The worker broke the Link protocol; the link is dropped."""
@@ -206,6 +208,9 @@ class DecodeLink:
         self.broken: str | None = None  # why the link ended; None while it is up
         self._retiring = False
         self._heard = False  # a frame came back on this link
+        # Open requests with LinkOpen.notify_started: the worker reports when each one's
+        # prefill begins (the hedge's tie, services/router/hedge_race.py).
+        self.notify_started = False
 
     @property
     def alive(self) -> bool:
@@ -225,7 +230,9 @@ class DecodeLink:
     def _send_open(self, lid: int, request: decode_pb2.DecodeServiceGenerateRequest, timeout: float) -> None:
         self._send(
             decode_pb2.DecodeServiceLinkRequest(
-                open=decode_pb2.LinkOpen(link_id=lid, request=request, timeout_s=timeout)
+                open=decode_pb2.LinkOpen(
+                    link_id=lid, request=request, timeout_s=timeout, notify_started=self.notify_started
+                )
             )
         )
 
@@ -289,9 +296,16 @@ class DecodeLink:
         self._break(why)
 
     def _take(self, frame: decode_pb2.DecodeServiceLinkResponse) -> None:
-        """One frame of the worker: tokens into the requests' buffers, then their ends."""
+        """One frame of the worker: starts, tokens into the requests' buffers, then their ends."""
         self._heard = True
         calls, ending = self._calls, self._ending
+        for lid in frame.started:
+            call = calls.get(lid)
+            if call is not None:
+                if call.sink is not None:
+                    call.sink.push_started()
+            elif lid not in ending:
+                raise LinkBroken(f"a start of link_id {lid}, which is not open")
         for t in frame.tokens:
             call = calls.get(t.link_id)
             if call is not None:
@@ -422,7 +436,7 @@ class RawDecodeLink(DecodeLink):
         self._put(link_wire.encode(frame))
 
     def _send_open(self, lid: int, request: decode_pb2.DecodeServiceGenerateRequest, timeout: float) -> None:
-        self._put(link_wire.encode_open(lid, request.SerializeToString(), timeout))
+        self._put(link_wire.encode_open(lid, request.SerializeToString(), timeout, self.notify_started))
 
     def _put(self, data: bytes) -> None:
         if self.broken is not None:
@@ -471,7 +485,9 @@ class RawDecodeLink(DecodeLink):
             return
         try:
             frame = decode_pb2.DecodeServiceLinkResponse.FromString(backlog.popleft())
-            if frame.tokens or frame.ends:  # a status alone is not "heard" (a refused link's)
+            if (
+                frame.tokens or frame.ends or frame.started
+            ):  # a status alone is not "heard" (a refused link's)
                 self._take(frame)
             if frame.HasField("status"):
                 self._status(frame.status)

@@ -302,12 +302,13 @@ class RequestJourney:
                 out[cause] = out.get(cause, 0) + a.computed_tokens
         return out
 
-    def hedge_won(self, worker_id: str, cached_tokens: int = 0) -> Attempt:
+    def hedge_won(self, worker_id: str, cached_tokens: int = 0, loser_computed: int | None = None) -> Attempt:
         """A hedge on `worker_id` started before the running attempt, which is cancelled
-        (its work is wasted) and replaced: the hedge is the running attempt now. It counts
-        against neither the retry nor the migration limit (the retry budget paid for it)."""
+        (its work is wasted: `loser_computed` tokens, None = estimated) and replaced: the
+        hedge is the running attempt now. It counts against neither the retry nor the
+        migration limit (the retry budget paid for it)."""
         old = self._require_running()
-        self._end_attempt(AttemptOutcome.CANCELLED, None)
+        self._end_attempt(AttemptOutcome.CANCELLED, loser_computed)
         input_tokens = old.input_tokens
         attempt = Attempt(
             index=len(self._attempts),

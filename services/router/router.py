@@ -170,6 +170,7 @@ class Router:
             interceptors=interceptors,  # tracing: the trace context goes to the workers
         )
         self.pool.drain_grace_s = settings.server.drain_grace_s
+        self.pool.notify_started = settings.hedge.enabled and settings.hedge.tied
         self.pool.on_unhealthy = lambda worker_id: self.reroute_unstarted(worker_id, "not_serving")
         self.pool.on_forget = self._forget_latency
         self.ctx = RoutingContext(

@@ -121,6 +121,11 @@ class WorkerConnection:
         return link
 
     def _new_link(self) -> DecodeLink:
+        link = self._open_link()
+        link.notify_started = self.pool.notify_started
+        return link
+
+    def _open_link(self) -> DecodeLink:
         name = self.worker_id or self.address
         generate = lambda request, timeout: self.decode.Generate(request, timeout=timeout)  # noqa: E731
         port = self._raw_link_port()
@@ -350,6 +355,9 @@ class WorkerPool:
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ):
         self.config = config
+        # Links ask their workers to report when each request's prefill begins (the
+        # hedge's tie: RouterSettings.hedge, set by the Router).
+        self.notify_started = False
         # With TLS a worker must present a certificate of the mesh CA, or it never joins.
         self.tls = client_tls(tls)
         self.interceptors = tuple(interceptors)  # tracing's context injection, when on

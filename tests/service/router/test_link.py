@@ -50,11 +50,13 @@ LIMITS = RequestLimits(max_tokens_limit=100_000, max_prompt_tokens=1024)
 class SimDecode:
     """A real decode worker (sim engine) on loopback; `kill()` drops its connections."""
 
-    def __init__(self, worker_id: str, speedup: float = 20.0, raw: bool = False):
+    def __init__(self, worker_id: str, speedup: float = 20.0, raw: bool = False, **engine_kw):
         self.worker_id = worker_id
         self.raw = raw  # also serve the raw link port (WorkerInfo.link_port), as `pdmesh up` does
         self.link_server: LinkServer | None = None
-        engine = EngineConfig(backend="sim", sim_speedup=speedup, num_blocks=BLOCKS, max_model_len=200_000)
+        engine = EngineConfig(
+            backend="sim", sim_speedup=speedup, num_blocks=BLOCKS, max_model_len=200_000, **engine_kw
+        )
         self.rt = WorkerRuntime(
             "decode",
             "pdmesh.v1.DecodeService",

@@ -14,6 +14,7 @@ completing; a completed one proves the re-route.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import grpc
@@ -21,6 +22,7 @@ import pytest
 
 from pdmesh.v1 import common_pb2
 from services.common.errors import MeshError
+from services.engine.api import EngineRequest, SamplingParams
 from services.router.generate import FlowRequest, RequestFlow
 from services.router.hedge import HedgeConfig
 from services.router.outlier import OutlierConfig, OutlierState
@@ -192,13 +194,14 @@ async def test_a_much_slower_worker_is_ejected_and_gets_no_new_requests(mesh, si
     )
 
 
-async def test_a_hedge_to_the_next_worker_wins_when_the_first_is_hung(mesh, sims):
+@pytest.mark.parametrize("tied", [False, True])
+async def test_a_hedge_to_the_next_worker_wins_when_the_first_is_hung(mesh, sims, tied):
     a, b = await sims("a"), await sims("b")
     h = await mesh.router(
         decode=[a, b],
         policy="round_robin",
         first_token_timeout_multiple=0,  # the fixed 120 s: only the hedge can save this request
-        hedge=HedgeConfig(enabled=True, multiple=3.0, min_delay_s=0.05),
+        hedge=HedgeConfig(enabled=True, multiple=3.0, min_delay_s=0.05, tied=tied),
         outlier=OutlierConfig(min_samples=2, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
         retry_budget=RetryBudgetConfig(min_retries_per_second=1.0),
     )
@@ -212,8 +215,14 @@ async def test_a_hedge_to_the_next_worker_wins_when_the_first_is_hung(mesh, sims
     assert toks == want and final.worker_id == "b" and final.migrations == 0
     assert counter(h.router, "pdmesh_router_hedges_total", outcome="sent") == 1
     assert counter(h.router, "pdmesh_router_hedges_total", outcome="won") == 1
-    assert counter(h.router, "pdmesh_router_wasted_tokens_by_cause_total", cause="hedged") > 0
-    assert h.router.stats().wasted_tokens > 0  # the primary's prefill, thrown away
+    if tied:
+        # b reported the copy's prefill begun while a had not begun the primary (its engine
+        # held before the pass): the copy won at its start, the primary counted as queued
+        assert counter(h.router, "pdmesh_router_wasted_tokens_by_cause_total", cause="hedged") == 0
+        assert h.router.stats().wasted_tokens == 0
+    else:
+        assert counter(h.router, "pdmesh_router_wasted_tokens_by_cause_total", cause="hedged") > 0
+        assert h.router.stats().wasted_tokens > 0  # the primary's prefill, estimated and thrown away
     await eventually(lambda: a.free() == free_a and b.free() == free_b, what="both pools free", timeout=30)
 
 
@@ -252,8 +261,9 @@ async def test_a_hedge_that_loses_is_cancelled_and_counted_as_waste(mesh, sims):
         decode=[a, b],
         policy="round_robin",
         # Hedge every request at once, wherever the copy goes (require_faster would refuse a copy
-        # no faster than a primary that has waited ~0 s).
-        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0, require_faster=False),
+        # no faster than a primary that has waited ~0 s). Untied: both legs compute and race on
+        # their first message (tied, the one that begins first would win before the other did).
+        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0, require_faster=False, tied=False),
         outlier=OutlierConfig(min_samples=1, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
         retry_budget=RetryBudgetConfig(min_retries_per_second=10.0),
     )
@@ -271,6 +281,48 @@ async def test_a_hedge_that_loses_is_cancelled_and_counted_as_waste(mesh, sims):
         what="both pools free, the losing copies cancelled",
         timeout=30,
     )
+
+
+async def test_a_tied_copy_queued_behind_a_busy_worker_is_cancelled_before_it_computes(mesh, sims):
+    """The primary on an idle worker begins at once; its copy, sent at once to a worker busy
+    with one sequence at a time, waits in that worker's queue and is cancelled there: the
+    engine that held it computed none of it (its own counters say so)."""
+    workers = {w: await sims(w, speedup=2.0, max_num_seqs=1) for w in ("a", "b")}
+    h = await mesh.router(
+        decode=list(workers.values()),
+        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0, require_faster=False),
+        outlier=OutlierConfig(min_samples=1, eval_interval_s=0.0, eject_ratio=1e9, deprioritise_ratio=1e9),
+        retry_budget=RetryBudgetConfig(min_retries_per_second=10.0),
+    )
+    free = {w: s.free() for w, s in workers.items()}
+    want, ref = await run_flow(h.router, "ref", prompt(8), 6)  # no TTFT sample yet: not hedged
+    home = workers[ref.worker_id]  # holds the prompt's prefix: kv_aware sends its repeat there
+    other = workers["b" if ref.worker_id == "a" else "a"]
+    # the other worker's one sequence, for a while: a request of its engine's own (not routed)
+    long = EngineRequest("long", list(prompt(2)), SamplingParams(max_tokens=5_000, ignore_eos=True))
+    busy = asyncio.create_task(drain(other.rt.engine.generate(long)))
+    await eventually(lambda: other.running() == 1, what="the other worker busy", timeout=30)
+    computed = other.rt.engine.stats().prompt_tokens_computed
+    toks, final = await run_flow(h.router, "r", prompt(8), 6)  # on home, copied to the other at once
+    assert toks == want and final.worker_id == home.worker_id
+    for outcome in ("sent", "lost"):  # the copy went, and lost
+        assert counter(h.router, "pdmesh_router_hedges_total", outcome=outcome) == 1
+    assert counter(h.router, "pdmesh_router_wasted_tokens_by_cause_total", cause="hedged") == 0
+    await eventually(lambda: other.running() == 1, what="the copy gone from the other's queue", timeout=30)
+    assert other.rt.engine.stats().prompt_tokens_computed == computed  # it never began the copy
+    busy.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await busy
+    await eventually(
+        lambda: all(s.free() == free[w] and s.running() == 0 for w, s in workers.items()),
+        what="both pools free",
+        timeout=30,
+    )
+
+
+async def drain(outputs) -> None:
+    async for _ in outputs:
+        pass
 
 
 async def test_a_request_on_a_worker_whose_breaker_opens_is_rerouted_before_its_first_token(mesh, sims):

@@ -26,17 +26,19 @@ def _request(n: int, rid: str = "r") -> decode_pb2.DecodeServiceGenerateRequest:
 @pytest.mark.parametrize("link_id", [1, 127, 128, 300, 1 << 40])
 @pytest.mark.parametrize("timeout_s", [0.0, 0.25, 3600.0])
 @pytest.mark.parametrize("n", [0, 1, 2_000])
-def test_the_hand_encoded_open_frame_is_the_message_encoded(link_id, timeout_s, n):
+@pytest.mark.parametrize("notify", [False, True])
+def test_the_hand_encoded_open_frame_is_the_message_encoded(link_id, timeout_s, n, notify):
     req = _request(n)
     want = link_wire.encode(
         decode_pb2.DecodeServiceLinkRequest(
-            open=decode_pb2.LinkOpen(link_id=link_id, request=req, timeout_s=timeout_s)
+            open=decode_pb2.LinkOpen(link_id=link_id, request=req, timeout_s=timeout_s, notify_started=notify)
         )
     )
-    got = link_wire.encode_open(link_id, req.SerializeToString(), timeout_s)
+    got = link_wire.encode_open(link_id, req.SerializeToString(), timeout_s, notify)
     assert got == want
     frame = decode_pb2.DecodeServiceLinkRequest.FromString(got[4:])
     assert frame.open.link_id == link_id and frame.open.timeout_s == timeout_s
+    assert frame.open.notify_started is notify
     assert list(frame.open.request.prompt_token_ids) == list(req.prompt_token_ids)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvtransfer.layout import LayoutMismatch
@@ -306,3 +308,30 @@ def test_tokens_waiting_counts_the_rest_of_a_prompt_being_prefilled_in_chunks(ma
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().tokens_waiting == 0
+
+
+def test_a_watched_request_reports_its_start_once_before_its_first_pass(make_engine):
+    """EngineRequest.on_started (the router's tied hedge): called once, when the scheduler
+    first takes the request and before that pass runs; a queued request that is aborted
+    never reports."""
+    engine = make_engine(max_num_seqs=1)
+    log: list[str] = []
+    real_run = engine.runner.run
+    engine.runner.run = lambda scheduled: log.append("pass") or real_run(scheduled)
+
+    def watched(rid: str, length: int, seed: int) -> EngineRequest:
+        r = request(rid, prompt_of(length, seed=seed), max_tokens=3)
+        return dataclasses.replace(r, on_started=lambda: log.append(f"started {rid}"))
+
+    engine.add_request(watched("a", 20, 1))
+    engine.add_request(watched("b", 20, 2))  # waits: one sequence at a time
+    engine.add_request(watched("c", 20, 3))
+    engine.step()
+    assert log == ["started a", "pass"]  # before the pass, and only the one scheduled
+    while engine.has_unfinished_requests() and "started b" not in log:
+        engine.step()
+    assert engine.abort("c")  # still queued behind b: never started, never reported
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [e for e in log if e.startswith("started")] == ["started a", "started b"]
+    assert log.index("started b") < len(log) - 1 and log[log.index("started b") + 1] == "pass"

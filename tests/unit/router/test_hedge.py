@@ -40,6 +40,25 @@ def test_no_prediction_or_no_hedges_left_means_no_hedge():
 )
 def test_race_winner(primary, hedge, want):
     assert race_winner(primary, hedge) is want
+    assert race_winner(primary, hedge, tied=True) is want  # messages and failures decide alike
+
+
+@pytest.mark.parametrize(
+    ("primary", "hedge", "untied", "tied"),
+    [
+        # untied, a leg computing is still waiting for its first message
+        (Leg.COMPUTING, Leg.WAITING, Winner.NONE, Winner.PRIMARY),
+        (Leg.WAITING, Leg.COMPUTING, Winner.NONE, Winner.HEDGE),  # the queued primary is cancelled
+        (Leg.COMPUTING, Leg.COMPUTING, Winner.NONE, Winner.NONE),  # both computing: first message
+        (Leg.COMPUTING, Leg.STARTED, Winner.HEDGE, Winner.HEDGE),
+        (Leg.STARTED, Leg.COMPUTING, Winner.PRIMARY, Winner.PRIMARY),
+        (Leg.FAILED, Leg.COMPUTING, Winner.HEDGE, Winner.HEDGE),  # the copy goes on alone
+        (Leg.COMPUTING, Leg.FAILED, Winner.PRIMARY, Winner.PRIMARY),
+    ],
+)
+def test_a_tied_race_is_won_by_the_first_leg_to_begin_computing(primary, hedge, untied, tied):
+    assert race_winner(primary, hedge) is untied
+    assert race_winner(primary, hedge, tied=True) is tied
 
 
 def test_the_config_is_checked():

@@ -99,3 +99,51 @@ async def test_a_link_request_past_its_deadline_is_cancelled_on_the_link_and_fai
     assert link.open_requests == 0 and link.alive
     await link.close()
     assert fake.cancelled and not link.alive
+
+
+class ScriptedLinkCall(FakeLinkCall):
+    """FakeLinkCall whose worker frames are the ones the test puts in `frames`."""
+
+    def __init__(self):
+        super().__init__()
+        self.frames: asyncio.Queue[decode_pb2.DecodeServiceLinkResponse] = asyncio.Queue()
+
+    async def _gen(self):
+        while True:
+            yield await self.frames.get()
+
+
+async def test_a_link_asks_for_starts_when_told_and_a_start_marks_the_attempt_computing():
+    fake = ScriptedLinkCall()
+    link = DecodeLink("w", lambda: fake, lambda r, t: None)
+    link.notify_started = True
+    wake = asyncio.Event()
+    attempt = DecodeAttempt(
+        "w", link.open(decode_pb2.DecodeServiceGenerateRequest(request_id="r"), 5.0), wake
+    )
+    await eventually(lambda: len(fake.written) == 1, what="the open frame written")
+    assert fake.written[0].open.notify_started
+    assert attempt.computing_at is None
+    fake.frames.put_nowait(decode_pb2.DecodeServiceLinkResponse(started=[1]))
+    await asyncio.wait_for(wake.wait(), 10)  # the flow is woken: a tied race settles on it
+    assert attempt.computing_at is not None and not attempt.messages and not attempt.done
+    fake.frames.put_nowait(
+        decode_pb2.DecodeServiceLinkResponse(tokens=[decode_pb2.LinkTokens(link_id=1, token_ids=[5])])
+    )
+    await eventually(lambda: attempt.messages == 1, what="the first token")
+    assert attempt.take() == [5]
+    # a start for an id that is not open breaks the protocol: the link is dropped
+    fake.frames.put_nowait(decode_pb2.DecodeServiceLinkResponse(started=[9]))
+    await eventually(lambda: not link.alive, what="the link dropped")
+    assert "link_id 9" in (link.broken or "")
+    attempt.cancel()
+    await link.close()
+
+
+async def test_a_link_that_is_not_told_does_not_ask_for_starts():
+    fake = FakeLinkCall()
+    link = DecodeLink("w", lambda: fake, lambda r, t: None)
+    link.open(decode_pb2.DecodeServiceGenerateRequest(request_id="r"), 5.0)
+    await eventually(lambda: len(fake.written) == 1, what="the open frame written")
+    assert not fake.written[0].open.notify_started
+    await link.close()
