@@ -142,6 +142,7 @@ class _Worker:
         self.factor = 1.0
         self.score = 1.0
         self.until = 0.0  # EJECTED: when probing starts
+        self.others_out = 0  # EJECTED: workers of its role out for other reasons when it was ejected
         self.ejections = 0  # k in the backoff formula
         self.healthy_since = 0.0
         self.probes = 0  # PROBING: requests let through and not yet reported
@@ -453,17 +454,31 @@ class OutlierDetector:
         out, allowed = self._out_of(role)
         return out < allowed
 
+    def _others_out(self, role: str) -> int:
+        """Workers of `role` out for a reason other than this detector (not serving, breaker open)."""
+        is_out = self._is_out
+        if is_out is None:
+            return 0
+        return sum(w.role == role and is_out(wid) for wid, w in self._workers.items())
+
     def _probe_early_where_short(self, now: float) -> None:
-        """A role with more workers out than the share allows (one ejected as slow, then
-        another stopped answering) probes its ejected workers now instead of at the end of
-        their backoff: a slow worker, or one that has recovered meanwhile, is better than
-        none. Probing lets one request through at a time, judged on its own."""
+        """Ejected workers are probed now instead of at the end of their backoff where the
+        role is short of workers: more are out than the share allows (one ejected as slow,
+        then two more stopped answering), or more are out for other reasons than when the
+        worker was ejected. An ejection moves a slow worker's load onto the capacity the
+        others have left at that moment; when another worker fails, that capacity is gone
+        (the faults study: a worker ejected for 20 s by a probe sent in the last second of
+        its slowdown, then another stopped, left 2 of 4 workers carrying the load and
+        missed the SLOs for 15 s). A slow worker, or one recovered meanwhile, is better
+        than none. Probing lets one request through at a time, judged on its own; a bad
+        probe ejects again, against the outages of then."""
         for role in {w.role for w in self._workers.values() if w.state is OutlierState.EJECTED}:
             out, allowed = self._out_of(role)
-            if out <= allowed:
-                continue
+            others = self._others_out(role)
             for wid, w in self._workers.items():
-                if w.role == role and w.state is OutlierState.EJECTED:
+                if w.role != role or w.state is not OutlierState.EJECTED:
+                    continue
+                if out > allowed or others > w.others_out:
                     w.until = min(w.until, now)
                     self._advance(wid, w, now)
 
@@ -476,6 +491,7 @@ class OutlierDetector:
         period = min(cfg.base_ejection_s * cfg.ejection_multiplier**w.ejections, cfg.max_ejection_s)
         w.ejections += 1
         w.until = now + period
+        w.others_out = self._others_out(w.role)
         w.factor = 1.0  # it gets no traffic while ejected; probes are judged on their own
         w.probes = w.good = 0
         self.ejections += 1

@@ -198,6 +198,51 @@ def test_workers_out_for_other_reasons_count_against_the_share():
     assert det.state("w0") is OutlierState.PROBING and det.allow_request("w0")
 
 
+def test_a_worker_that_goes_out_after_an_ejection_has_the_ejected_one_probed_at_once():
+    """The ejection moved the slow worker's load onto the others' spare capacity; when one
+    of them stops answering, that capacity is gone: the ejected worker (recovered meanwhile
+    here) is probed now, not at the end of its backoff, and comes back on good probes."""
+    out: set[str] = set()
+    clock = Clock()
+    cfg = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0, probe_successes=2)
+    det = OutlierDetector(cfg, clock, is_out=out.__contains__)
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    feed(det, "w0", 0.5, itl=0.3)
+    assert det.state("w0") is OutlierState.EJECTED  # 1 of 4 out
+    clock.t += 1.0
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED and not det.allow_request("w0")  # nothing changed
+    out.add("w1")  # 2 of 4 out: within the share, but not the capacity the ejection counted on
+    det.evaluate()
+    assert det.state("w0") is OutlierState.PROBING and det.allow_request("w0")
+    det.record_ttft("w0", 0.05)
+    det.release("w0")
+    assert det.allow_request("w0")
+    det.record_ttft("w0", 0.05)
+    assert det.state("w0") is OutlierState.HEALTHY
+
+
+def test_a_bad_early_probe_ejects_again_against_the_outages_of_then():
+    out: set[str] = set()
+    clock = Clock()
+    cfg = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0)
+    det = OutlierDetector(cfg, clock, is_out=out.__contains__)
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    feed(det, "w0", 0.5, itl=0.3)
+    out.add("w1")
+    det.evaluate()
+    assert det.allow_request("w0")  # probed early
+    det.record_ttft("w0", 0.5)  # still slow
+    assert det.state("w0") is OutlierState.EJECTED
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED  # the same outage does not probe it again
+    out.add("w2")  # another one: probed again
+    det.evaluate()
+    assert det.state("w0") is OutlierState.PROBING
+
+
 def test_itl_counts_as_much_as_ttft():
     det, _, _ = mesh()
     for i in range(4):
