@@ -18,7 +18,10 @@ leg whose worker begins its prefill is kept and the other, still queued, is
 cancelled before it computes anything. A primary already computing when the copy
 goes (late in its prefill, or on a worker that hung in it) races on the first
 message as before, as do legs on paths that never report a start (a remote
-prefill, a prefix pull, TensorRT-LLM, a Generate call).
+prefill, a prefix pull, TensorRT-LLM, a Generate call). With the reports, a
+primary whose prefill began is late only against the time since it began (its
+queue is behind it): the copy waits until `multiple` x its predicted TTFT after
+that start (hedge_race.py).
 
     delay = hedge_delay(config, predicted_ttft)     # None: do not hedge
     worth_hedging(waited, copy_ttft, copy_wait)     # a candidate whose copy should win
@@ -45,7 +48,8 @@ class HedgeConfig:
     tied: bool = setting(
         True,
         "tie a copy to a still-queued primary: the first whose worker begins the prefill is kept, "
-        "the other is cancelled before computing (workers report starts on the link)",
+        "the other is cancelled before computing; a primary already computing is late only against "
+        "the time since it began (workers report starts on the link)",
     )
 
     def __post_init__(self) -> None:

@@ -45,7 +45,7 @@ class Journey:
         self.won.append({"worker": worker_id, "loser_computed": loser_computed})
 
 
-def scenario(tied: bool = True):
+def scenario(tied: bool = True, multiple: float = 1e-6, predicted_s: float = 0.01):
     outcomes: list[str] = []
     wasted: list[int] = []
     calls: dict[str, NeverCall] = {}
@@ -57,8 +57,8 @@ def scenario(tied: bool = True):
     candidate = SimpleNamespace(worker_id="b", load=SimpleNamespace(estimated_wait_ms=0.0))
     noop = lambda *a, **k: None  # noqa: E731
     ctx = SimpleNamespace(
-        hedge=HedgeConfig(enabled=True, multiple=1e-6, min_delay_s=0.0, require_faster=False, tied=tied),
-        outliers=SimpleNamespace(predicted_ttft=lambda worker, blocks: 0.01, record_ttft=noop),
+        hedge=HedgeConfig(enabled=True, multiple=multiple, min_delay_s=0.0, require_faster=False, tied=tied),
+        outliers=SimpleNamespace(predicted_ttft=lambda worker, blocks: predicted_s, record_ttft=noop),
         registry=SimpleNamespace(
             get=lambda worker: None, eligible=lambda role: [candidate], begin_request=noop, end_request=noop
         ),
@@ -147,3 +147,26 @@ async def test_untied_a_start_decides_nothing_and_the_losing_copy_is_waste():
     assert s.race.waste == len(PROMPT) and s.wasted == [len(PROMPT)]
     assert s.outcomes == ["sent", "lost"]
     await asyncio.sleep(0)
+
+
+async def test_a_primary_that_began_computing_is_late_only_against_the_time_since():
+    """Its queue is behind it: the hedge timer, due at 3x the predicted TTFT after the
+    attempt started, then waits until 3x the predicted TTFT after the reported start."""
+    s = scenario(multiple=3.0, predicted_s=1.0)  # the copy is due 3 s after the attempt started
+    s.primary.started -= 2.95  # it has waited 2.95 s: due in 0.05 s
+    s.primary.push_started()  # and its worker began it just now
+    s.race.arm(s.primary, s.request, len(PROMPT), 4, None)
+    first_due = s.race._due
+    await eventually(lambda: s.race._due != first_due or s.race.hedge is not None, what="the timer fired")
+    assert s.race.hedge is None  # not late against its own start: no copy
+    assert s.race._due == s.primary.computing_at + 3.0
+    s.race.end()
+
+
+async def test_untied_the_timer_counts_from_the_attempt_start_alone():
+    s = scenario(tied=False, multiple=3.0, predicted_s=1.0)
+    s.primary.started -= 2.95
+    s.primary.push_started()
+    s.race.arm(s.primary, s.request, len(PROMPT), 4, None)
+    await eventually(lambda: s.race.hedge is not None, what="the copy sent", timeout=10)
+    s.race.end()
