@@ -8,7 +8,6 @@ cancelled at once, and what the loser is counted as having computed.
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 from pdmesh.v1 import decode_pb2
@@ -146,7 +145,6 @@ async def test_untied_a_start_decides_nothing_and_the_losing_copy_is_waste():
     assert kept is s.primary and s.calls["b"].cancelled
     assert s.race.waste == len(PROMPT) and s.wasted == [len(PROMPT)]
     assert s.outcomes == ["sent", "lost"]
-    await asyncio.sleep(0)
 
 
 async def test_a_primary_that_began_computing_is_late_only_against_the_time_since():
