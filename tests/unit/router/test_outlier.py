@@ -180,15 +180,21 @@ def test_a_worker_queued_up_now_is_deprioritised_not_ejected():
     assert det.state("w0") is OutlierState.HEALTHY
 
 
+def with_outages(out: set[str], **cfg) -> tuple[OutlierDetector, Clock]:
+    """Four alike workers; those in `out` are out for other reasons (not serving, breaker open)."""
+    clock = Clock()
+    config = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0, **cfg)
+    det = OutlierDetector(config, clock, is_out=out.__contains__)
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    return det, clock
+
+
 def test_workers_out_for_other_reasons_count_against_the_share():
     """One of four not serving (is_out) and one ejected: with share 0.5 no third goes out,
     and when a second stops answering, the ejected one is probed at once."""
     out = {"w3"}
-    clock = Clock()
-    cfg = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0, max_ejected_share=0.5)
-    det = OutlierDetector(cfg, clock, is_out=out.__contains__)
-    for i in range(4):
-        feed(det, f"w{i}", 0.05, itl=0.03)
+    det, _ = with_outages(out, max_ejected_share=0.5)
     feed(det, "w0", 0.5, itl=0.3)
     assert det.state("w0") is OutlierState.EJECTED  # 2 of 4 out: the share
     feed(det, "w1", 0.5, itl=0.3)
@@ -203,11 +209,7 @@ def test_a_worker_that_goes_out_after_an_ejection_has_the_ejected_one_probed_at_
     of them stops answering, that capacity is gone: the ejected worker (recovered meanwhile
     here) is probed now, not at the end of its backoff, and comes back on good probes."""
     out: set[str] = set()
-    clock = Clock()
-    cfg = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0, probe_successes=2)
-    det = OutlierDetector(cfg, clock, is_out=out.__contains__)
-    for i in range(4):
-        feed(det, f"w{i}", 0.05, itl=0.03)
+    det, clock = with_outages(out, probe_successes=2)
     feed(det, "w0", 0.5, itl=0.3)
     assert det.state("w0") is OutlierState.EJECTED  # 1 of 4 out
     clock.t += 1.0
@@ -225,11 +227,7 @@ def test_a_worker_that_goes_out_after_an_ejection_has_the_ejected_one_probed_at_
 
 def test_a_bad_early_probe_ejects_again_against_the_outages_of_then():
     out: set[str] = set()
-    clock = Clock()
-    cfg = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0)
-    det = OutlierDetector(cfg, clock, is_out=out.__contains__)
-    for i in range(4):
-        feed(det, f"w{i}", 0.05, itl=0.03)
+    det, _ = with_outages(out)
     feed(det, "w0", 0.5, itl=0.3)
     out.add("w1")
     det.evaluate()
