@@ -13,7 +13,10 @@ its own; `cancel` cancels that task, which closes the core (engine abort, KV
 freed, at once) and ends the request with CANCELLED. Each request's tokens go
 to one pending batch through a sink (`DecodeWorker.generate`'s: past the first
 token, the engine calls it in its delivery callback, with no task of the
-request woken); its end is added by its task. Either wakes the writer, which
+request woken); its end is added by its task. A request opened with
+`notify_started` has its id added to the batch's `started` when the engine
+begins its prefill (before that pass runs, so the frame goes at once): the
+router's tied hedge races on it. Either wakes the writer, which
 sends the batch as one frame. The engine delivers every output of a step in one
 loop callback, so every request of a step lands in the same batch.
 

@@ -3,10 +3,12 @@
 `DecodeLink` owns one Link call to one worker. `open(request, timeout)` gives
 the request a link-local id, queues its `open` frame and returns a `LinkCall`,
 which the attempt (services/router/attempt.py) attaches to: the link's reader
-demultiplexes each frame of the worker (the new tokens of every request, then
-the requests that ended) straight into the attempts' buffers, with no task
-and no gRPC message per request. A writer task sends the queued frames in
-order (`open` and `cancel`).
+demultiplexes each frame of the worker (the requests whose prefill began, the
+new tokens of every request, then the requests that ended) straight into the
+attempts' buffers, with no task and no gRPC message per request. A writer task
+sends the queued frames in order (`open` and `cancel`). With `notify_started`
+(set when hedging is on) every open asks the worker to report its request's
+start, which a tied hedge races on (services/router/hedge_race.py).
 
 What a per-request call did for free is kept here, per request:
 - deadline: a timer per request fails it with DEADLINE_EXCEEDED and cancels
