@@ -127,8 +127,8 @@ class HedgeRace:
         computing = primary.computing_at
         if ctx.hedge.tied and computing is not None and computing + self._compute_delay - now > LATE_TIMER_S:
             # Its prefill began lately: it is late only if it computes for as long again, and a
-            # copy starting from nothing now would rarely beat it (in the faults study's
-            # fault-free run 18 of 19 copies sent to computing primaries lost).
+            # copy starting from nothing now would rarely beat it (BENCHMARKS.md, faults,
+            # session 23: with ties alone the fault-free run lost 18 of 19 copies).
             self._due = computing + self._compute_delay
             self._timer = self._loop.call_at(self._due, self._fire)
             return
