@@ -134,12 +134,14 @@ class LinkSession:
     def _frame(self) -> decode_pb2.DecodeServiceLinkResponse:
         tokens, self._tokens = self._tokens, {}
         ends, self._ends = self._ends, []
-        started, self._started = self._started, []
-        return decode_pb2.DecodeServiceLinkResponse(
+        frame = decode_pb2.DecodeServiceLinkResponse(
             tokens=[decode_pb2.LinkTokens(link_id=i, token_ids=ids) for i, ids in tokens.items()],
             ends=ends,
-            started=started,
         )
+        if self._started:  # only with hedging on, once per request: not on every step's frame
+            frame.started.extend(self._started)
+            self._started = []
+        return frame
 
     # ---- router -> worker ----------------------------------------------------
 

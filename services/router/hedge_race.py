@@ -198,7 +198,7 @@ class HedgeRace:
             self._count("lost")
             return primary, routed
         # A tied primary cancelled before its worker reported it computing was queued there.
-        unstarted = self._tied and primary.computing_at is None and not primary.messages
+        unstarted = self._queued(primary)
         self._drop(primary, routed, in_journey=True)
         self.journey.hedge_won(
             hedge.worker_id, cached_tokens=self._cached, loser_computed=0 if unstarted else None
@@ -248,12 +248,16 @@ class HedgeRace:
         current = self.journey.current
         if current is None or in_journey:
             return
-        if self._tied and leg.computing_at is None and not leg.messages:
+        if self._queued(leg):
             return  # a tied copy cancelled in its queue: nothing computed
         wasted = max(current.input_tokens - self._cached, 0)
         self.waste += wasted
         if ctx.metrics is not None and wasted:
             ctx.metrics.wasted("hedged", wasted)
+
+    def _queued(self, leg: DecodeAttempt) -> bool:
+        """A leg of a tied race that its worker never reported computing: it was queued."""
+        return self._tied and leg.computing_at is None and not leg.messages
 
     def _count(self, outcome: str) -> None:
         if self.ctx.metrics is not None:
