@@ -33,11 +33,21 @@ terms, so microsecond noise on an idle mesh is no outlier).
         max_ejection_s), k = ejections since it last stayed healthy for
         backoff_reset_s; never more than max(1, floor(share * workers)) of a
         role out at once, counting those out for another reason (`is_out`: not
-        serving, breaker open), and never the last one;
+        serving, breaker open), and never the last one; and only while the
+        role's other serving workers have room for its load: at most
+        `eject_room_waiting` requests waiting at each on average (their load
+        reports, `waiting`). Without room it stays in, deprioritised: moving
+        a slow worker's share into queues that are already there turns a
+        fifth of a worker's capacity into none, and the others' queues take
+        the misses (the faults study's overload);
     ejection over: PROBING, like the breaker's half-open: `probe_requests`
         requests at a time go through; each probe's samples are judged on their
         own against the peers: `probe_successes` good ones -> HEALTHY (its old
-        samples dropped), one bad one -> EJECTED again, for longer.
+        samples dropped), one bad one -> EJECTED again, for longer. An ejected
+        worker is probed at once when its peers queue past `recall_waiting`
+        each (or more of its role went out after it); a bad probe then, with no
+        room, readmits it HEALTHY at the probe's ratio as its cost factor
+        (samples afresh; out again on that verdict once the peers have room).
 
 Only the ITL (decode speed, and the gap a stream is in now) ejects. A worker's TTFT
 includes the wait in its queue, which is the router's own doing: a worker that was sent
@@ -101,6 +111,16 @@ class OutlierConfig:
     live_min_age_s: float = setting(
         0.5, "an attempt is judged live once this old (from its first message for ITL): scheduling noise"
     )
+    eject_room_waiting: float = setting(
+        1.0,
+        "eject only while the role's other serving workers hold at most this many waiting requests "
+        "each on average (room for the ejected one's load); < 0: eject regardless",
+    )
+    recall_waiting: float = setting(
+        2.0,
+        "above this many waiting requests per serving peer an ejected worker is probed at once, "
+        "and a slow probe stays in, deprioritised, instead of going out again",
+    )
 
     def __post_init__(self) -> None:
         require(self.window_s > 0 and self.max_samples >= 1, "need window_s > 0 and max_samples >= 1")
@@ -118,6 +138,10 @@ class OutlierConfig:
         require(self.live_min_attempts >= 1, "live_min_attempts must be >= 1")
         require(self.live_min_age_s >= 0, "live_min_age_s must be >= 0")
         require(self.live_eject_after_s >= 0, "live_eject_after_s must be >= 0")
+        require(
+            self.eject_room_waiting < 0 or self.recall_waiting >= self.eject_room_waiting,
+            "need recall_waiting >= eject_room_waiting",
+        )
 
 
 TTFT, ITL = 0, 1
@@ -153,6 +177,7 @@ class _Worker:
         self.live: list = []  # attempts in flight here (`track`), pruned as they end
         self.live_values: list[float | None] = [None, None]  # their medians at the last evaluation
         self.live_bad_since: float | None = None  # live score >= eject_ratio since (HEALTHY)
+        self.readmitted = False  # back in after a slow probe, for want of room (`_readmit`)
 
 
 class OutlierDetector:
@@ -164,11 +189,13 @@ class OutlierDetector:
         clock: Callable[[], float] = time.monotonic,
         on_transition: Callable[[str, OutlierState, OutlierState], None] | None = None,
         is_out: Callable[[str], bool] | None = None,
+        waiting: Callable[[str], int | None] | None = None,
     ):
         self.config = config or OutlierConfig()
         self._clock = clock
         self._on_transition = on_transition
         self._is_out = is_out  # out of routing for another reason (not serving, breaker open)
+        self._waiting = waiting  # requests waiting at a worker, its last load report (None: unknown)
         self._workers: dict[str, _Worker] = {}
         self._last_eval = -math.inf
         self._role_median: dict[str, float] = {}  # TTFT median over a role's samples
@@ -344,13 +371,23 @@ class OutlierDetector:
             if w.state is OutlierState.PROBING and cfg.live_enabled:
                 # A probe that is already far slower than the peers in flight: out again, now
                 # (a probe has the worker to itself: no queue in its TTFT).
-                if max(self._live_score(wid, w)) >= cfg.eject_ratio:
-                    self._eject(wid, w, now)
+                if (ratio := max(self._live_score(wid, w))) >= cfg.eject_ratio:
+                    if self._has_room(w.role, wid):
+                        self._eject(wid, w, now)
+                    else:
+                        self._readmit(wid, w, ratio)
                 continue
             if w.state is not OutlierState.HEALTHY:
                 continue
             window, live = self._score(wid, w), self._live_score(wid, w)
-            w.score = max(max(window), max(live))
+            score = max(max(window), max(live))
+            verdict = False  # a readmitted worker's slow probe is still all there is to go on
+            if w.readmitted:
+                if w.quantiles[TTFT] is not None or w.quantiles[ITL] is not None:
+                    w.readmitted = False
+                elif w.live_values[TTFT] is None and w.live_values[ITL] is None:
+                    score, verdict = w.score, w.score >= cfg.eject_ratio
+            w.score = score
             w.factor = min(w.score, cfg.max_factor) if w.score >= cfg.deprioritise_ratio else 1.0
             # Only the ITL ejects (the module docstring: TTFT carries the queue). The live view
             # steers new requests away at once (the factor) but ejects only when it has said so
@@ -364,7 +401,11 @@ class OutlierDetector:
             else:
                 w.live_bad_since = None
             sustained = w.live_bad_since is not None and now - w.live_bad_since >= cfg.live_eject_after_s
-            if (window >= cfg.eject_ratio or sustained) and self._may_eject(w.role):
+            if (
+                (window >= cfg.eject_ratio or sustained or verdict)
+                and self._may_eject(w.role)
+                and self._has_room(w.role, wid)
+            ):
                 w.live_bad_since = None
                 self._eject(wid, w, now)
         self._probe_early_where_short(now)
@@ -410,7 +451,7 @@ class OutlierDetector:
                 itl.append(max((a.last_at - a.first_at) / later, now - a.last_at))
             else:
                 itl.append(now - a.first_at)
-        need = 1 if w.state is OutlierState.PROBING else self.config.live_min_attempts
+        need = 1 if w.state is OutlierState.PROBING or w.readmitted else self.config.live_min_attempts
         w.live_values = [
             quantile(ttft, 0.5) if len(ttft) >= need else None,
             quantile(itl, 0.5) if len(itl) >= need else None,
@@ -461,6 +502,40 @@ class OutlierDetector:
             return 0
         return sum(w.role == role and is_out(wid) for wid, w in self._workers.items())
 
+    def _peers_waiting(self, role: str, worker_id: str) -> float | None:
+        """Mean requests waiting at the other workers of `role` that take traffic now (not
+        ejected or probing, not out for another reason), from their load reports; None when
+        there is no such worker or no report."""
+        waiting, is_out = self._waiting, self._is_out
+        if waiting is None:
+            return None
+        counts = [
+            n
+            for wid, o in self._workers.items()
+            if wid != worker_id and o.role == role and o.state is OutlierState.HEALTHY
+            if not (is_out is not None and is_out(wid)) and (n := waiting(wid)) is not None
+        ]
+        return sum(counts) / len(counts) if counts else None
+
+    def _has_room(self, role: str, worker_id: str) -> bool:
+        """May `worker_id`'s load move onto its peers? Only while their queues are short: an
+        ejection moves a slow worker's share onto the others, and when they are already
+        queueing that share waits in their queues instead (the faults study's overload: 8.9
+        req/s on what 3 of 4 workers could carry, a 5x slow worker ejected, and the healthy
+        ones' queues took the misses). A slow worker is a fifth of a worker; none is none."""
+        room = self.config.eject_room_waiting
+        if room < 0:
+            return True
+        mean = self._peers_waiting(role, worker_id)
+        return mean is None or mean <= room
+
+    def _short(self, role: str, worker_id: str) -> bool:
+        """Are `worker_id`'s peers queueing past `recall_waiting` each?"""
+        if self.config.eject_room_waiting < 0:
+            return False
+        mean = self._peers_waiting(role, worker_id)
+        return mean is not None and mean > self.config.recall_waiting
+
     def _probe_early_where_short(self, now: float) -> None:
         """Ejected workers are probed now instead of at the end of their backoff where the
         role is short of workers: more are out than the share allows (one ejected as slow,
@@ -478,7 +553,7 @@ class OutlierDetector:
             for wid, w in self._workers.items():
                 if w.role != role or w.state is not OutlierState.EJECTED:
                     continue
-                if out > allowed or others > w.others_out:
+                if out > allowed or others > w.others_out or self._short(role, wid):
                     w.until = min(w.until, now)
                     self._advance(wid, w, now)
 
@@ -493,6 +568,7 @@ class OutlierDetector:
         w.until = now + period
         w.others_out = self._others_out(w.role)
         w.factor = 1.0  # it gets no traffic while ejected; probes are judged on their own
+        w.readmitted = False
         w.probes = w.good = 0
         self.ejections += 1
         self._set(worker_id, w, OutlierState.EJECTED)
@@ -503,9 +579,14 @@ class OutlierDetector:
             self._set(worker_id, w, OutlierState.PROBING)
 
     def _judge_probe(self, worker_id: str, w: _Worker, metric: int, value: float, now: float) -> None:
-        """One sample of a probe request: good (within eject_ratio of the peers) or not."""
-        if self._ratio(worker_id, w.role, metric, value) >= self.config.eject_ratio:
-            self._eject(worker_id, w, now)
+        """One sample of a probe request: good (within eject_ratio of the peers) or not. A bad
+        one ejects again, or, while the peers have no room, readmits the worker deprioritised."""
+        ratio = self._ratio(worker_id, w.role, metric, value)
+        if ratio >= self.config.eject_ratio:
+            if self._has_room(w.role, worker_id):
+                self._eject(worker_id, w, now)
+            else:
+                self._readmit(worker_id, w, ratio)
             return
         if metric == TTFT:  # one verdict per probe request: its first sample
             w.probes -= 1
@@ -517,6 +598,28 @@ class OutlierDetector:
             w.median_ttft = None
             w.score, w.factor, w.healthy_since = 1.0, 1.0, now
             self._set(worker_id, w, OutlierState.HEALTHY)
+
+    def _readmit(self, worker_id: str, w: _Worker, ratio: float) -> None:
+        """Back to HEALTHY after a slow probe because its peers are queueing: it takes traffic
+        again with its cost multiplied by the probe's ratio (capped), so new work goes to it
+        only when the others' queues make it the cheaper place. Its samples start afresh
+        (they are of the slowness the ejection already answered); until new ones or its
+        requests in flight (judged from one, as a probe's) say otherwise, the probe's verdict
+        stands, and it goes out again once the peers have room. Its backoff is not reset: it
+        has not been healthy."""
+        cfg = self.config
+        for dq in w.samples:
+            dq.clear()
+        w.quantiles = [None, None]
+        w.median_ttft = None
+        w.live_values = [None, None]
+        w.live_bad_since = None
+        w.readmitted = True
+        w.probes = w.good = 0
+        w.score = ratio
+        w.factor = min(ratio, cfg.max_factor)
+        self._set(worker_id, w, OutlierState.HEALTHY)
+        self.inflated = True
 
     def _set(self, worker_id: str, w: _Worker, state: OutlierState) -> None:
         old, w.state = w.state, state

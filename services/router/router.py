@@ -136,7 +136,9 @@ class Router:
         self.metrics = RouterMetrics(self.stats)
         self.breakers = BreakerRegistry(settings.breaker, clock, self._on_breaker)
         # Always there: with --outlier-enabled false it only predicts TTFTs (nobody is ejected).
-        self.outliers = OutlierDetector(settings.outlier, clock, self._on_outlier, self._out_otherwise)
+        self.outliers = OutlierDetector(
+            settings.outlier, clock, self._on_outlier, self._out_otherwise, self._waiting_at
+        )
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = TieredPrefixIndex(settings.index)  # pool blocks + host tiers
@@ -437,6 +439,12 @@ class Router:
         The outlier detector counts these against its ejection share."""
         rec = self.registry.get(worker_id)
         return rec is None or not rec.healthy or not self.breakers.is_available(worker_id)
+
+    def _waiting_at(self, worker_id: str) -> int | None:
+        """Requests waiting at the worker, its last load report (the outlier detector asks
+        whether a slow worker's peers have room for its load)."""
+        rec = self.registry.get(worker_id)
+        return None if rec is None else rec.load.waiting
 
     def _forget_latency(self, worker_id: str) -> None:
         if self.outliers is not None:

@@ -26,6 +26,7 @@ from services.engine.api import EngineRequest, SamplingParams
 from services.router.generate import FlowRequest, RequestFlow
 from services.router.hedge import HedgeConfig
 from services.router.outlier import OutlierConfig, OutlierState
+from services.router.policy import WorkerLoad
 from services.router.retry_budget import RetryBudgetConfig
 from tests.service.router.test_link import SimDecode, greedy, prompt, run_flow
 from tests.support.poll import eventually
@@ -191,6 +192,34 @@ async def test_a_much_slower_worker_is_ejected_and_gets_no_new_requests(mesh, si
     assert {f.worker_id for f in finals} == {"fast"}  # round robin would have alternated
     await eventually(
         lambda: fast.free() == free_fast and slow.free() == free_slow, what="both pools free", timeout=30
+    )
+
+
+async def test_a_slow_worker_stays_in_while_its_peers_report_queues(mesh, sims):
+    """The same slow worker, while the other workers' load reports say requests wait there:
+    ejecting it would move its share into those queues, so it stays in, its cost multiplied,
+    and goes out at the first evaluation after the reports say the queues are gone. The
+    reports are written into the registry (where the Stats poll puts them: the poll is set
+    not to come round again in the test) by the test, as two busy workers would report."""
+    fast, other, slow = await sims("fast", speedup=50.0), await sims("other", speedup=50.0), await sims(
+        "slow", speedup=0.2
+    )
+    cfg = OutlierConfig(min_samples=3, eval_interval_s=0.0, base_ejection_s=100.0)
+    h = await mesh.router(
+        decode=[fast, other, slow], policy="round_robin", outlier=cfg, stats_interval_s=3600.0
+    )
+    frees = [w.free() for w in (fast, other, slow)]
+    for wid in ("fast", "other"):
+        assert h.router.registry.update_load(wid, WorkerLoad(running=4, waiting=3))
+    await warm(h, 9, max_tokens=6)  # round robin: 3 each
+    assert h.router.outliers.state("slow") is OutlierState.HEALTHY
+    assert h.router.outliers.factor("slow") > 1
+    for wid in ("fast", "other"):
+        h.router.registry.update_load(wid, WorkerLoad())
+    h.router.outliers.evaluate()
+    assert h.router.outliers.state("slow") is OutlierState.EJECTED
+    await eventually(
+        lambda: [w.free() for w in (fast, other, slow)] == frees, what="every pool free", timeout=30
     )
 
 

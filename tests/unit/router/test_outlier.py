@@ -241,6 +241,93 @@ def test_a_bad_early_probe_ejects_again_against_the_outages_of_then():
     assert det.state("w0") is OutlierState.PROBING
 
 
+def with_queues(waiting: dict[str, int], **cfg) -> tuple[OutlierDetector, Clock]:
+    """Four alike workers whose load reports say `waiting` requests wait at each (0 if absent)."""
+    clock = Clock()
+    config = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0, **cfg)
+    det = OutlierDetector(config, clock, waiting=lambda wid: waiting.get(wid, 0))
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    return det, clock
+
+
+def test_a_slow_worker_whose_peers_are_queueing_is_deprioritised_not_ejected():
+    """Ejecting it would move its share into queues that are already there (the faults
+    study's overload); it stays in at a multiplied cost, and goes out once they have room."""
+    waiting = {"w1": 3, "w2": 2, "w3": 2}  # 2.33 each on average: above the 1.0 of room
+    det, _ = with_queues(waiting)
+    feed(det, "w0", 0.5, itl=0.3)
+    assert det.state("w0") is OutlierState.HEALTHY and det.is_available("w0")
+    assert det.factor("w0") == CFG.max_factor  # 10x its peers: the cap
+    waiting.update(w1=1, w2=1, w3=0)  # 0.67 each
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED
+
+
+def test_room_counts_only_the_peers_that_take_traffic():
+    """A peer that is out (not serving here) holds requests it is not serving: its queue
+    says nothing of the room the others have."""
+    waiting = {"w3": 40}
+    clock = Clock()
+    config = OutlierConfig(min_samples=4, eval_interval_s=0.0, base_ejection_s=60.0)
+    det = OutlierDetector(config, clock, is_out={"w3"}.__contains__, waiting=waiting.get)
+    for i in range(4):
+        feed(det, f"w{i}", 0.05, itl=0.03)
+    feed(det, "w0", 0.5, itl=0.3)
+    assert det.state("w0") is OutlierState.EJECTED  # w1 and w2 report nothing waiting
+
+
+def test_an_ejected_worker_is_recalled_when_its_peers_queue_and_a_slow_probe_stays_in():
+    """Peers past recall_waiting: the ejected worker is probed at once; its probe is still
+    slow, but going out again would leave the queues to the others, so it is readmitted,
+    deprioritised by the probe's ratio; it goes out again once they have room, on that
+    verdict alone (no new sample needed), with its backoff grown."""
+    waiting: dict[str, int] = {}
+    det, clock = with_queues(waiting)
+    feed(det, "w0", 0.5, itl=0.3)
+    assert det.state("w0") is OutlierState.EJECTED
+    waiting.update(w1=2, w2=2, w3=2)  # 2 each: not past 2.0
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED
+    waiting.update(w1=3)  # 2.33 each
+    det.evaluate()
+    assert det.state("w0") is OutlierState.PROBING and det.allow_request("w0")
+    det.record_ttft("w0", 0.25)  # 5x the peers
+    assert det.state("w0") is OutlierState.HEALTHY and det.is_available("w0")
+    assert det.factor("w0") == pytest.approx(5.0)
+    det.evaluate()  # nothing new about it: the probe's verdict stands
+    assert det.factor("w0") == pytest.approx(5.0) and det.state("w0") is OutlierState.HEALTHY
+    waiting.update(w1=0, w2=1, w3=0)
+    det.evaluate()
+    assert det.state("w0") is OutlierState.EJECTED
+    clock.t += 60.0
+    assert det.state("w0") is OutlierState.EJECTED  # 120 s now: the backoff grew
+    clock.t += 60.0
+    assert det.state("w0") is OutlierState.PROBING
+
+
+def test_a_readmitted_worker_is_judged_afresh_by_what_it_does_next():
+    """Readmitted, it is judged by its own new samples, not its slow past: a worker that
+    recovered while it was out (its slowdown over) loses its multiplier as they come in."""
+    waiting: dict[str, int] = {}
+    det, _ = with_queues(waiting)
+    feed(det, "w0", 0.5, itl=0.3)
+    assert det.state("w0") is OutlierState.EJECTED
+    waiting.update(w1=3, w2=3, w3=3)
+    det.evaluate()  # the peers queue: recalled
+    assert det.allow_request("w0")
+    det.record_ttft("w0", 0.5)
+    assert det.state("w0") is OutlierState.HEALTHY and det.factor("w0") == CFG.max_factor
+    feed(det, "w0", 0.05, itl=0.03)  # fast again
+    assert det.factor("w0") == 1.0 and det.state("w0") is OutlierState.HEALTHY
+
+
+def test_with_room_unasked_a_slow_worker_is_ejected_whatever_the_queues():
+    det, _ = with_queues({"w1": 9, "w2": 9, "w3": 9}, eject_room_waiting=-1.0)
+    feed(det, "w0", 0.5, itl=0.3)
+    assert det.state("w0") is OutlierState.EJECTED
+
+
 def test_itl_counts_as_much_as_ttft():
     det, _, _ = mesh()
     for i in range(4):
@@ -294,6 +381,8 @@ def test_a_removed_worker_is_forgotten():
 def test_the_config_is_checked():
     with pytest.raises(ValueError):
         OutlierConfig(deprioritise_ratio=4.0, eject_ratio=3.0)
+    with pytest.raises(ValueError):
+        OutlierConfig(eject_room_waiting=2.0, recall_waiting=1.0)
     with pytest.raises(ConfigError):
         build(OutlierConfig, None, {"PDMESH_OUTLIER_ENABLED": "maybe"}, "outlier_")
     assert build(OutlierConfig, None, {"PDMESH_OUTLIER_ENABLED": "false"}, "outlier_").enabled is False
