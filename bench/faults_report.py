@@ -176,6 +176,7 @@ def summary_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, slack_s:
         f"    healthy workers' peak queue (waiting+running) {peak}, waiting alone {peak_wait}; "
         f"leaked blocks at the end {res.leaked_blocks}",
         *_miss_lines(res, slo_ttft_s, slo_tpot_s),
+        *_queue_lines(res, slo_ttft_s, slo_tpot_s),
     ]
     if res.slow_end > res.slow_at:
         lines.append(
@@ -195,6 +196,46 @@ def _miss_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, bin_s: flo
         return []
     text = ", ".join(f"{b * bin_s:g}-{(b + 1) * bin_s:g} s: {n}" for b, n in sorted(misses.items()))
     return [f"    missed the SLOs, by arrival: {text}"]
+
+
+def _queue_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, bin_s: float = 5.0) -> list[str]:
+    """Requests waiting in the workers' queues by time (each worker's mean over its polls in a
+    bin, summed over workers), and why the bin's arrivals missed the SLOs: where a run's queue
+    built up and what it cost, whatever the cause."""
+    acc: dict[int, dict[int, list[int]]] = {}
+    for s in res.samples:
+        acc.setdefault(int(s.t // bin_s), {}).setdefault(s.worker, []).append(s.waiting)
+    queued = {b: sum(sum(v) / len(v) for v in per.values()) for b, per in acc.items()}
+    lines = []
+    if any(q >= 0.05 for q in queued.values()):
+        text = ", ".join(f"{b * bin_s:g}: {q:.1f}" for b, q in sorted(queued.items()) if q >= 0.05)
+        lines.append(
+            f"    waiting in the workers' queues (mean, summed over workers), by {bin_s:g} s bin: {text}"
+        )
+    why: dict[int, list[int]] = {}
+    for r in res.records:
+        if meets_slo(r, slo_ttft_s, slo_tpot_s):
+            continue
+        k = why.setdefault(int(r.arrival_s // bin_s), [0, 0, 0])
+        if not r.ok or r.ttft_s is None or r.e2e_s is None or r.e2e_s > r.deadline_s:
+            k[2] += 1
+        elif r.ttft_s > slo_ttft_s:
+            k[0] += 1
+        else:
+            k[1] += 1
+    if why:
+        text = ", ".join(f"{b * bin_s:g}: {t}/{p}/{f}" for b, (t, p, f) in sorted(why.items()))
+        lines.append(f"    misses by arrival bin, TTFT/TPOT/failed-or-late: {text}")
+    per = new_requests(res)  # per worker, BIN_S bins
+    if per:
+        k = max(1, round(bin_s / BIN_S))
+        n = max(len(v) for v in per.values())
+        cols = []
+        for lo in range(0, n, k):
+            got = [int(per[w][lo : lo + k].sum()) if w in per else 0 for w in range(max(per) + 1)]
+            cols.append(f"{lo * BIN_S:g}: {'/'.join(map(str, got))}")
+        lines.append(f"    new requests per worker (0/1/2/...), by {k * BIN_S:g} s bin: {', '.join(cols)}")
+    return lines
 
 
 def _error_lines(res: RunResult, top: int = 4) -> list[str]:

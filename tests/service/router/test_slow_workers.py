@@ -201,8 +201,10 @@ async def test_a_slow_worker_stays_in_while_its_peers_report_queues(mesh, sims):
     and goes out at the first evaluation after the reports say the queues are gone. The
     reports are written into the registry (where the Stats poll puts them: the poll is set
     not to come round again in the test) by the test, as two busy workers would report."""
-    fast, other, slow = await sims("fast", speedup=50.0), await sims("other", speedup=50.0), await sims(
-        "slow", speedup=0.2
+    fast, other, slow = (
+        await sims("fast", speedup=50.0),
+        await sims("other", speedup=50.0),
+        await sims("slow", speedup=0.2),
     )
     cfg = OutlierConfig(min_samples=3, eval_interval_s=0.0, base_ejection_s=100.0)
     h = await mesh.router(

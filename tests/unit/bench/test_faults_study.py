@@ -137,3 +137,21 @@ def test_rerouted_late_counts_first_tokens_past_the_bound_from_the_routers_histo
     }
     assert rerouted_within(deltas) == (6.0, 4.0)  # 2 of 6 came after 2 s
     assert rerouted_within({}) == (0.0, 0.0)
+
+
+def test_queue_lines_sum_each_workers_mean_waiting_and_split_the_misses():
+    from bench.faults_report import _queue_lines
+
+    s = SimpleNamespace
+    samples = [
+        s(t=1.0, worker=0, incarnation="a", waiting=2, running=4, requests_total=0),
+        s(t=3.0, worker=0, incarnation="a", waiting=4, running=4, requests_total=3),
+        s(t=1.0, worker=1, incarnation="b", waiting=1, running=4, requests_total=0),
+        s(t=6.0, worker=1, incarnation="b", waiting=0, running=1, requests_total=2),
+    ]
+    slow = _rec(1, True)
+    slow.first_token_s = 1.5  # over a 1 s TTFT SLO
+    lines = _queue_lines(_result([_rec(0, True), slow, _rec(2, False)], samples), 1.0, 0.5)
+    assert lines[0].endswith("by 5 s bin: 0: 4.0")  # worker 0's mean 3 + worker 1's 1; 0 at 5 s left out
+    assert lines[1].endswith("TTFT/TPOT/failed-or-late: 0: 1/0/1")
+    assert "by 4 s bin: 0: 3/0, 4: 0/2, 8: 0/0," in lines[2]
