@@ -201,6 +201,8 @@ class EngineStats:
     prompt_tokens_cached: int
     prompt_tokens_transferred: int
     preemptions: int
+    # Admissions of an on-time request ahead of a late one (EngineConfig.queue_late_after_s).
+    admitted_ahead: int = 0
     # Quantization (issue 22): the linears' scheme, their bytes as stored and the worst
     # relative round-trip error over them; the KV pool's scheme and bytes.
     weight_scheme: str = "fp"

@@ -42,6 +42,12 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(
         1024, "token budget of one step (decodes + prompt chunks); longer prompts are chunked"
     )
+    queue_late_after_s: float = setting(
+        0.0,
+        "a request waiting this long without starting yields the next free slot to one that can "
+        "still start in time (the deployment's TTFT target; goodput under overload); 0 = first come, "
+        "first served",
+    )
     max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
     num_threads: int = setting(0, "torch intra-op threads of the step loop; 0 = torch's default")
     adapt_threads: bool = setting(
@@ -120,6 +126,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
         if not (self.workflow_pin_ttl_s >= 0 and math.isfinite(self.workflow_pin_ttl_s)):
             raise ValueError(f"EngineConfig.workflow_pin_ttl_s must be >= 0, got {self.workflow_pin_ttl_s}")
+        if not (self.queue_late_after_s >= 0 and math.isfinite(self.queue_late_after_s)):
+            raise ValueError(f"EngineConfig.queue_late_after_s must be >= 0, got {self.queue_late_after_s}")
         if self.host_tier_bytes < 0:
             raise ValueError(f"EngineConfig.host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
         if self.num_threads < 0:

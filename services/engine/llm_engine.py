@@ -81,7 +81,12 @@ class LLMEngine:
         )
         if config.host_tier_bytes > 0 and config.enable_prefix_caching:
             self._attach_host_tier(block_manager, config)
-        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            late_after_s=config.queue_late_after_s,
+        )
         # The Scheduler drives it (allocation, freeing, the prefix cache); this class
         # reads it (lookups, events, stats) and borrows scratch blocks in
         # prompt_logits, freed before that call returns.
@@ -371,6 +376,7 @@ class LLMEngine:
             prompt_tokens_cached=sched.prompt_tokens_cached,
             prompt_tokens_transferred=self.prompt_tokens_transferred,
             preemptions=sched.num_preemptions,
+            admitted_ahead=sched.num_admitted_ahead,
             **self._quant_stats,
             pinned_blocks=pins.pinned_blocks,
             pins_evicted=pins.pins_evicted,

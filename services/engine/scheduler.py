@@ -9,6 +9,17 @@ of the budget is computed in chunks over several steps. When a running sequence
 cannot get a block, the most recently admitted one is preempted: its blocks are
 freed and it recomputes later (its full blocks usually survive as cache hits).
 
+Admission order is first come, first served within a priority, except under
+overload when `late_after_s` is set (the deployment's TTFT target): a request
+that has waited longer than that without starting yields the next free slot to
+one of its priority that can still start in time ("on time first"). Under a
+backlog, strict FIFO makes every request wait the whole backlog and miss its
+target; serving the on-time ones first keeps them within it, and the late
+ones, late whatever happens, follow once the queue has no on-time request
+left (Facebook's adaptive LIFO and CoDel make the same trade; see
+docs/DESIGN.md). Only requests with no token out yet can be late: a resumed
+(migrated) stream or a preempted sequence keeps its place.
+
 The output goes to ModelRunner; LLMEngine reports back with `computed` (the
 tokens ran), `decoding` / `hold` / `finish` (what the sampled token meant).
 Every change of a sequence's `status` happens here.
@@ -16,7 +27,9 @@ Every change of a sequence's `status` happens here.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
@@ -40,10 +53,18 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        late_after_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        if late_after_s < 0:
+            raise ValueError(f"late_after_s must be >= 0, got {late_after_s}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.late_after_s = late_after_s  # 0: strict first come, first served
+        self._clock = clock
+        # Admissions of an on-time request ahead of a late one at the head of the queue.
+        self.num_admitted_ahead = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}
@@ -63,6 +84,7 @@ class Scheduler:
         """Queue a new sequence behind those of equal or higher priority."""
         if seq.workflow_id:  # the workflow's pinned context must outlive this step's wait
             self.block_manager.touch_pin(seq.workflow_id)
+        seq.queued_at = self._clock()
         i = len(self.waiting)
         while i > 0 and self.waiting[i - 1].priority < seq.priority:
             i -= 1
@@ -96,8 +118,10 @@ class Scheduler:
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
         bm = self.block_manager
+        now = self._clock() if self.late_after_s > 0 else 0.0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            k = self._next_waiting(now) if self.late_after_s > 0 else 0
+            seq = self.waiting[k]
             # The last token is always computed: its logits give the next sample.
             cached = bm.match_prefix(seq, seq.num_tokens - 1)
             # Blocks after the pool's hits that the host tier holds (when restoring beats recomputing).
@@ -106,7 +130,11 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             if not bm.allocate_slots(seq, num_cached + n, cached):
                 break
-            self.waiting.popleft()
+            if k:
+                del self.waiting[k]
+                self.num_admitted_ahead += 1
+            else:
+                self.waiting.popleft()
             if restore:
                 # The allocation's own offloads may have pushed some out of the host tier:
                 # restore what is still there; the blocks allocated cover computing the rest.
@@ -124,6 +152,31 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
         return budget
+
+    # A queue scan stops after this many entries: under a storm the head's priority
+    # band can be thousands long, and an on-time request is near the back anyway.
+    MAX_SCAN = 256
+
+    def _late(self, seq: Sequence, now: float) -> bool:
+        """Has `seq` waited past `late_after_s` for its first token? A sequence with
+        tokens out already (resumed after a migration) or preempted mid-run is not
+        waiting for a first token: it is never late."""
+        return seq.num_emitted == 0 and seq.num_preemptions == 0 and now - seq.queued_at > self.late_after_s
+
+    def _next_waiting(self, now: float) -> int:
+        """Index of the next sequence to admit: the head, unless it is late and an
+        on-time one of the same priority waits behind it (the first such)."""
+        waiting = self.waiting
+        head = waiting[0]
+        if not self._late(head, now):
+            return 0
+        for k in range(1, min(len(waiting), self.MAX_SCAN)):
+            seq = waiting[k]
+            if seq.priority != head.priority:
+                break
+            if not self._late(seq, now):
+                return k
+        return 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -64,6 +64,7 @@ class Sequence:
         self.prefill_target = len(self.token_ids)
         self.num_computed_prompt_tokens = 0
         self.num_preemptions = 0
+        self.queued_at = 0.0  # when it last joined the waiting queue (Scheduler's clock)
         self.block_table: list[int] = []
         # Chained hashes of the full blocks of token_ids, extended lazily.
         self._block_hashes: list[int] = []

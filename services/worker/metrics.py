@@ -79,6 +79,11 @@ class EngineCollector:
                 s.prompt_tokens_transferred,
             ),
             ("pdmesh_engine_preemptions", "requests preempted (recomputed later)", s.preemptions),
+            (
+                "pdmesh_engine_admitted_ahead",
+                "requests admitted ahead of one waiting past queue_late_after_s (on time first)",
+                s.admitted_ahead,
+            ),
             ("pdmesh_kv_pins_evicted", "workflow KV pins released under memory pressure", s.pins_evicted),
             ("pdmesh_kv_pins_expired", "workflow KV pins released on their TTL", s.pins_expired),
             ("pdmesh_kv_host_restores", "prefix hits restored from the host tier", s.host_restores),

@@ -53,3 +53,17 @@ def test_the_forward_progress_stall_time_is_a_worker_setting_of_both_roles():
     assert parse_prefill([], {"PDMESH_STALL_NOT_SERVING_S": "0"}).worker.stall_not_serving_s == 0.0  # off
     with pytest.raises(ConfigError, match="stall_not_serving_s"):
         parse_decode(["--stall-not-serving-s", "-1"], {})
+
+
+def test_on_time_first_admission_is_an_engine_setting_and_its_count_reaches_the_stats():
+    from services.engine.api import EngineStats
+    from services.worker.serving import counters_from_stats
+
+    assert parse_decode([], {}).engine.queue_late_after_s == 0.0  # first come, first served
+    assert parse_decode(["--engine-queue-late-after-s", "1.5"], {}).engine.queue_late_after_s == 1.5
+    with pytest.raises(ConfigError, match="queue_late_after_s"):
+        parse_decode(["--engine-queue-late-after-s", "-1"], {})
+    counts = dict.fromkeys(
+        (f.name for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING), 0
+    )
+    assert counters_from_stats(EngineStats(**counts | {"admitted_ahead": 3})).admitted_ahead == 3

@@ -335,3 +335,27 @@ def test_a_watched_request_reports_its_start_once_before_its_first_pass(make_eng
         engine.step()
     assert [e for e in log if e.startswith("started")] == ["started a", "started b"]
     assert log.index("started b") < len(log) - 1 and log[log.index("started b") + 1] == "pass"
+
+
+def test_queue_late_after_s_admits_an_on_time_request_first_with_the_same_tokens(make_engine):
+    """The engine's on-time-first admission (Scheduler.late_after_s) through LLMEngine: with one
+    slot, a request that has waited past the setting yields it to a newer one; both produce
+    exactly the tokens they produce alone, the Stats count the overtaking, the pool comes back."""
+    t = [0.0]
+    engine = make_engine(max_num_seqs=1, queue_late_after_s=1.0)
+    engine.scheduler._clock = lambda: t[0]
+    reqs = [request(rid, prompt_of(20, seed=i), max_tokens=4) for i, rid in enumerate(("old", "new"))]
+    engine.add_request(reqs[0])
+    t[0] = 2.0
+    engine.add_request(reqs[1])
+    order: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.token_ids and o.request_id not in order:
+                order.append(o.request_id)
+            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+    assert order == ["new", "old"]
+    assert engine.stats().admitted_ahead == 1
+    assert_pool_restored(engine)
+    assert tokens == run_alone(make_engine, reqs)

@@ -109,3 +109,100 @@ def test_hold_and_remote_paths():
     for x in (s, r):
         sched.finish(x, SequenceStatus.FINISHED)
     assert sched.block_manager.num_free_blocks == 32 and not sched.held and not sched.has_work()
+
+
+# ---- on time first (late_after_s) ------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def timed(late_after_s: float, max_seqs: int = 1) -> tuple[Scheduler, Clock]:
+    clock = Clock()
+    sched = Scheduler(BlockManager(32, BS, True, 100), max_seqs, 64, late_after_s=late_after_s, clock=clock)
+    return sched, clock
+
+
+def admitted(sched: Scheduler) -> list[str]:
+    return [s.request_id for s, _ in sched.schedule().scheduled if s.status is SequenceStatus.PREFILLING]
+
+
+def test_a_late_head_yields_the_slot_to_an_on_time_request_then_follows():
+    sched, clock = timed(1.0)
+    sched.add(seq(4, "old"))
+    clock.t = 1.5
+    sched.add(seq(4, "new", base=10))
+    clock.t = 1.6  # old has waited 1.6 s (late), new 0.1 s
+    assert admitted(sched) == ["new"]
+    assert sched.num_admitted_ahead == 1
+    sched.finish(sched.running[0], SequenceStatus.FINISHED)
+    assert admitted(sched) == ["old"]  # no on-time request left: the late one goes next
+    sched.finish(sched.running[0], SequenceStatus.FINISHED)
+    assert sched.block_manager.num_free_blocks == 32
+
+
+def test_off_by_default_first_come_first_served():
+    sched, clock = timed(0.0)
+    sched.add(seq(4, "old"))
+    clock.t = 100.0
+    sched.add(seq(4, "new", base=10))
+    assert admitted(sched) == ["old"]
+    assert sched.num_admitted_ahead == 0
+
+
+def test_late_requests_keep_their_order_among_themselves():
+    sched, clock = timed(1.0, max_seqs=2)
+    for i in range(3):
+        sched.add(seq(4, f"late{i}", base=10 * i))
+    clock.t = 5.0
+    assert admitted(sched) == ["late0", "late1"]
+    assert sched.num_admitted_ahead == 0
+
+
+def test_the_head_on_time_keeps_its_place():
+    sched, clock = timed(1.0)
+    sched.add(seq(4, "first"))
+    clock.t = 0.5
+    sched.add(seq(4, "second", base=10))
+    clock.t = 0.9
+    assert admitted(sched) == ["first"]
+
+
+def test_a_resumed_stream_is_never_late():
+    sched, clock = timed(1.0)
+    resumed = Sequence(EngineRequest("resumed", list(range(4)), resume_token_ids=[5, 6]), BS, None)
+    sched.add(resumed)
+    clock.t = 3.0
+    sched.add(seq(4, "new", base=10))
+    assert admitted(sched) == ["resumed"]  # its first token went out long ago: it is not waiting for one
+
+
+def test_a_preempted_sequence_keeps_its_place_at_the_head():
+    sched, clock = timed(1.0)
+    sched.add(seq(4, "a"))
+    assert admitted(sched) == ["a"]
+    sched._preempt(sched.running[0])  # back to the head of the queue, as a recompute
+    clock.t = 3.0
+    sched.add(seq(4, "new", base=10))
+    out = sched.schedule().scheduled
+    assert [s.request_id for s, _ in out] == ["a"]
+
+
+def test_an_on_time_request_of_lower_priority_does_not_pass_a_late_higher_one():
+    sched, clock = timed(1.0)
+    sched.add(seq(4, "high", priority=5))
+    clock.t = 2.0
+    sched.add(seq(4, "low", priority=0, base=10))
+    assert admitted(sched) == ["high"]
+
+
+def test_late_after_s_must_not_be_negative():
+    import pytest
+
+    with pytest.raises(ValueError, match="late_after_s"):
+        Scheduler(BlockManager(8, BS, True, 100), 1, 16, late_after_s=-1.0)
