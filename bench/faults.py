@@ -249,6 +249,7 @@ class Mesh:
     launcher: Launcher
     router_kind: str
     router_args: dict
+    worker_args: dict = field(default_factory=dict)  # extra decode worker flags (--late-after-s)
     router: RunningService | None = None
     workers: dict[int, RunningService] = field(default_factory=dict)
     incarnation: dict[int, int] = field(default_factory=dict)
@@ -296,6 +297,7 @@ class Mesh:
             engine_enable_prefix_caching=0,
             engine_sim_slowdown_file=str(self.slowdown_file(i)),
             log_level="warning",
+            **self.worker_args,
         )
         name = f"{self.router_kind}-decode-{i}" + (f".{n}" if n else "")
         svc = self.launcher.start(
@@ -563,11 +565,12 @@ def run_one(
     items: list[Item],
     workdir: str,
     seed: int = 0,
+    worker_args: dict | None = None,
 ):
     from bench.faults_report import RunResult
 
     launcher = Launcher(Path(workdir) / name)
-    mesh = Mesh(launcher, router_kind, router_args)
+    mesh = Mesh(launcher, router_kind, router_args, dict(worker_args or {}))
     stop, closed = threading.Event(), threading.Event()
     win = Windows()
     samples: list[Sample] = []
@@ -634,8 +637,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SIDE.FLAG=VALUE",
         help="override a router flag of one side, e.g. pdmesh.hedge_enabled=false (repeatable)",
     )
+    ap.add_argument(
+        "--late-after-s",
+        type=float,
+        default=SLO_TTFT_S,
+        help="every run's workers: --engine-queue-late-after-s (on time first; 0 = first come, first served)",
+    )
     ap.add_argument("--out", default="", help="results file name under bench/results/")
     args = ap.parse_args(argv)
+    worker_args = {"engine_queue_late_after_s": args.late_after_s} if args.late_after_s else {}
     sched = QUICK if args.quick else Schedule()
     items = trace(sched.span_s, args.seed)
     lines: list[str] = []
@@ -650,7 +660,12 @@ def main(argv: list[str] | None = None) -> int:
         f"no prefix cache); Poisson {RATE:g} req/s for {sched.span_s:.0f} s = {len(items)} requests (seed {args.seed}), "
         f"prompts 48-384, outputs 16-48 tokens; deadline {DEADLINE_S:g} s, client read timeout "
         f"{READ_TIMEOUT_S:g} s; SLO TTFT <= {SLO_TTFT_S:g} s, "
-        f"TPOT <= {1000 * SLO_TPOT_S:g} ms"
+        f"TPOT <= {1000 * SLO_TPOT_S:g} ms; workers' queue: "
+        + (
+            f"on time first after {args.late_after_s:g} s"
+            if args.late_after_s
+            else "first come, first served"
+        )
     )
     out(
         f"  schedule: decode-0 5x slower {sched.slow_at:g}-{sched.slow_at + sched.slow_s:g} s; decode-1 "
@@ -696,7 +711,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             kind, faulted = plan[name]
             out(f"  {name}: load average before {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-            results[name] = res = run_one(name, kind, args_of[kind], faulted, sched, items, workdir, seed)
+            results[name] = res = run_one(
+                name, kind, args_of[kind], faulted, sched, items, workdir, seed, worker_args
+            )
             for line in rep.summary_lines(res, SLO_TTFT_S, SLO_TPOT_S, HUNG_SLACK_S):
                 out(line)
         fig = rep.figures(results, SLO_TTFT_S, SLO_TPOT_S, HUNG_SLACK_S)
