@@ -110,6 +110,14 @@ def check_priority(priority: int, limits: RequestLimits) -> None:
     )
 
 
+MAX_WAITED_S = 86_400.0
+
+
+def check_waited(waited_s: float) -> None:
+    """The wait a request brings from earlier attempts: finite, in [0, a day]."""
+    _check(0.0 <= waited_s <= MAX_WAITED_S, "waited_s", f"must be in [0, {MAX_WAITED_S:g}], got {waited_s}")
+
+
 def check_enum(value: int, enum_type: object, field: str) -> None:
     """Unknown enum numbers (sent by newer or broken clients) are refused."""
     known = {v.number for v in enum_type.DESCRIPTOR.values}  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ from services.common.validation import (
     check_priority,
     check_prompt,
     check_resume,
+    check_waited,
 )
 from services.decode.config import DecodeConfig
 from services.decode.disagg_policy import Candidate, DisaggregationPolicy, Mode
@@ -127,6 +128,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             list(r.prompt_token_ids), sampling.max_tokens, info.vocab_size, info.max_model_len, self.limits
         )
         check_resume(list(r.resume_token_ids), sampling.max_tokens, info.vocab_size)
+        check_waited(r.waited_s)
         for i, c in enumerate(r.prefill_candidates):
             check_ident(c.address, f"prefill_candidates[{i}].address", 256, required=True)
         pull = _pull_hint(r) if r.HasField("prefix_pull") else None
@@ -139,6 +141,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             # Pins this step's KV for the workflow's next step (EngineConfig.workflow_pin_ttl_s).
             workflow_id=r.workflow.workflow_id,
             workflow_final=r.workflow.final_step,
+            waited_s=r.waited_s,
         )
         candidates = [
             Candidate(c.worker_id or c.address, c.address, c.estimated_wait_ms / 1000.0)

@@ -89,6 +89,10 @@ class EngineRequest:
     # for the next step. `workflow_final`: the last step; its end releases the pin.
     workflow_id: str = ""
     workflow_final: bool = False
+    # Seconds already spent waiting for a first token in earlier attempts elsewhere
+    # (the router's re-routes and hedges): the scheduler's on-time-first admission
+    # (EngineConfig.queue_late_after_s) counts the wait from then.
+    waited_s: float = 0.0
     # Called once when the engine first schedules the request's computation (its
     # prefill begins), on the thread the engine delivers outputs on (the event loop
     # for the async engines), before that pass runs: the router ties a hedged

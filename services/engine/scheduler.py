@@ -17,7 +17,9 @@ backlog, strict FIFO makes every request wait the whole backlog and miss its
 target; serving the on-time ones first keeps them within it, and the late
 ones, late whatever happens, follow once the queue has no on-time request
 left (Facebook's adaptive LIFO and CoDel make the same trade; see
-docs/DESIGN.md). Only requests with no token out yet can be late: a resumed
+docs/DESIGN.md). A request's wait counts from when it began in the mesh
+(`EngineRequest.waited_s`: a re-routed or hedged request brings the wait it
+had elsewhere). Only requests with no token out yet can be late: a resumed
 (migrated) stream or a preempted sequence keeps its place.
 
 The output goes to ModelRunner; LLMEngine reports back with `computed` (the
@@ -84,7 +86,7 @@ class Scheduler:
         """Queue a new sequence behind those of equal or higher priority."""
         if seq.workflow_id:  # the workflow's pinned context must outlive this step's wait
             self.block_manager.touch_pin(seq.workflow_id)
-        seq.queued_at = self._clock()
+        seq.queued_at = self._clock() - seq.waited_s
         i = len(self.waiting)
         while i > 0 and self.waiting[i - 1].priority < seq.priority:
             i -= 1

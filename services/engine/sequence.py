@@ -64,7 +64,8 @@ class Sequence:
         self.prefill_target = len(self.token_ids)
         self.num_computed_prompt_tokens = 0
         self.num_preemptions = 0
-        self.queued_at = 0.0  # when it last joined the waiting queue (Scheduler's clock)
+        self.queued_at = 0.0  # when its wait for a first token began (Scheduler's clock)
+        self.waited_s = request.waited_s  # of that wait, spent before it reached this engine
         self.block_table: list[int] = []
         # Chained hashes of the full blocks of token_ids, extended lazily.
         self._block_hashes: list[int] = []

@@ -509,6 +509,9 @@ class RequestFlow:
             workflow=self.req.workflow,
             prefill_candidates=self._prefill_candidates(len(hashes), overlaps),
             prefix_pull=self._pull_hint(pull, choice.worker_id),
+            # A re-routed request brings the wait it had (the worker's on-time-first admission);
+            # a resumed stream had its first token and is never late there.
+            waited_s=0.0 if plan.resume_token_ids else max(self._loop.time() - self._started, 0.0),
         )
         self.journey.start_attempt(choice.worker_id, cached_tokens=choice.overlap_blocks * cfg.block_size)
         total_blocks = -(-(len(input_ids) + plan.max_tokens_remaining) // cfg.block_size)

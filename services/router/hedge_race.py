@@ -172,6 +172,11 @@ class HedgeRace:
         ctx.budget.record_retry()
         self._hedges += 1
         wid = choice.worker_id
+        if not request.resume_token_ids:  # the copy brings the primary's wait (on-time-first admission)
+            copy = decode_pb2.DecodeServiceGenerateRequest()
+            copy.CopyFrom(request)
+            copy.waited_s = request.waited_s + max(self._loop.time() - primary.started, 0.0)
+            request = copy
         ctx.registry.begin_request(wid, 0 if ctx.load_view is not None else new_blocks)
         call = ctx.call_decode(wid, request, timeout)
         if ctx.load_view is not None:

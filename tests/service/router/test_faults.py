@@ -134,6 +134,7 @@ async def test_migration_mid_stream_gives_an_identical_stream(mesh):
     assert list(moved.resume_token_ids) == expected[:5]
     assert moved.sampling.max_tokens == 12 and list(moved.prompt_token_ids) == list(PROMPT.encode())
     assert moved.request_id == d1.calls[0].request_id
+    assert moved.waited_s == 0.0  # it had its first token: never late at the next worker
     s = await _stats(h)
     assert s.migrations == 1 and s.requests_succeeded == 1
     # d1's prompt and 5 tokens were thrown away; d2 recomputed them.
@@ -197,3 +198,5 @@ async def test_no_first_message_in_time_is_retried_elsewhere(mesh):
     assert tokens_of(deltas) == expected_tokens(list(PROMPT.encode()), 3)
     await d1.cancelled_event.wait()
     assert (await _stats(h)).retries == 1
+    # The retry brings the wait it had (the worker's on-time-first admission counts from then).
+    assert d2.calls[0].waited_s >= 0.2 > d1.calls[0].waited_s

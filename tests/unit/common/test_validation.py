@@ -124,3 +124,13 @@ def test_validation_does_not_import_the_engine():
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in imported if m.startswith("services.engine")], imported
+
+
+@pytest.mark.parametrize("waited_s", [-0.001, float("nan"), float("inf"), 86_400.001])
+def test_a_wait_brought_from_earlier_attempts_must_be_in_range(waited_s):
+    from services.common.validation import check_waited
+
+    with pytest.raises(InvalidArgument, match="waited_s"):
+        check_waited(waited_s)
+    check_waited(0.0)
+    check_waited(86_400.0)

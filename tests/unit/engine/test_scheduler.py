@@ -206,3 +206,14 @@ def test_late_after_s_must_not_be_negative():
 
     with pytest.raises(ValueError, match="late_after_s"):
         Scheduler(BlockManager(8, BS, True, 100), 1, 16, late_after_s=-1.0)
+
+
+def test_a_request_that_waited_elsewhere_brings_its_wait():
+    """A re-routed request (EngineRequest.waited_s) is late here as soon as its wait in the mesh
+    passes the setting, so it does not take a slot ahead of one that can still start in time."""
+    sched, clock = timed(1.0)
+    sched.add(Sequence(EngineRequest("rerouted", list(range(4)), waited_s=1.5), BS, None))
+    clock.t = 0.1
+    sched.add(seq(4, "new", base=10))
+    assert admitted(sched) == ["new"]
+    assert sched.num_admitted_ahead == 1

@@ -49,8 +49,11 @@ def scenario(tied: bool = True, multiple: float = 1e-6, predicted_s: float = 0.0
     wasted: list[int] = []
     calls: dict[str, NeverCall] = {}
 
+    sent: dict[str, decode_pb2.DecodeServiceGenerateRequest] = {}
+
     def call_decode(worker_id, request, timeout):
         calls[worker_id] = NeverCall()
+        sent[worker_id] = request
         return calls[worker_id]
 
     candidate = SimpleNamespace(worker_id="b", load=SimpleNamespace(estimated_wait_ms=0.0))
@@ -88,6 +91,7 @@ def scenario(tied: bool = True, multiple: float = 1e-6, predicted_s: float = 0.0
         primary=primary,
         request=request,
         calls=calls,
+        sent=sent,
         journey=journey,
         outcomes=outcomes,
         wasted=wasted,
@@ -168,3 +172,14 @@ async def test_untied_the_timer_counts_from_the_attempt_start_alone():
     s.race.arm(s.primary, s.request, len(PROMPT), 4, None)
     await eventually(lambda: s.race.hedge is not None, what="the copy sent", timeout=10)
     s.race.end()
+
+
+async def test_the_copy_brings_the_wait_the_request_had_for_the_workers_admission():
+    """EngineConfig.queue_late_after_s counts a request's wait from its start in the mesh: the
+    copy says how long it has waited already (what it waited before the primary, plus since)."""
+    s = scenario()
+    s.request.waited_s = 0.25
+    copy = await copy_sent(s)
+    waited = s.sent["b"].waited_s
+    assert 0.25 < waited <= 0.25 + (copy.started - s.primary.started)
+    assert s.request.waited_s == 0.25  # the primary's request is not changed
