@@ -209,6 +209,18 @@ class RequestFlow:
             self._race.cancel()
         self._wake.set()
 
+    def _waited_s(self, plan) -> float:
+        """What this attempt tells its worker the request has waited for a first token (the
+        worker's on-time-first admission, EngineConfig.queue_late_after_s): the time since it
+        began, so a retry after a first-token timeout is not fresh at the next worker. 0 for
+        a resumed stream (it had its first token) and for a request moved off a worker that
+        went unhealthy: the wait was the mesh's fault, and such a request is owed a first
+        token soon (issue 18: within 2 s of the router noticing), not a place behind every
+        on-time request there."""
+        if plan.resume_token_ids or self._rerouted_at is not None:
+            return 0.0
+        return max(self._loop.time() - self._started, 0.0)
+
     def reroute_unstarted(self, worker_id: str, why: str) -> bool:
         """`worker_id` went unhealthy: if this request's attempt (or hedge) there has had
         nothing back yet, fail it now so the request moves to another worker (nothing is
@@ -509,9 +521,7 @@ class RequestFlow:
             workflow=self.req.workflow,
             prefill_candidates=self._prefill_candidates(len(hashes), overlaps),
             prefix_pull=self._pull_hint(pull, choice.worker_id),
-            # A re-routed request brings the wait it had (the worker's on-time-first admission);
-            # a resumed stream had its first token and is never late there.
-            waited_s=0.0 if plan.resume_token_ids else max(self._loop.time() - self._started, 0.0),
+            waited_s=self._waited_s(plan),
         )
         self.journey.start_attempt(choice.worker_id, cached_tokens=choice.overlap_blocks * cfg.block_size)
         total_blocks = -(-(len(input_ids) + plan.max_tokens_remaining) // cfg.block_size)

@@ -200,3 +200,21 @@ async def test_no_first_message_in_time_is_retried_elsewhere(mesh):
     assert (await _stats(h)).retries == 1
     # The retry brings the wait it had (the worker's on-time-first admission counts from then).
     assert d2.calls[0].waited_s >= 0.2 > d1.calls[0].waited_s
+
+
+async def test_a_request_moved_off_an_unhealthy_worker_arrives_fresh_at_the_next(mesh):
+    """A re-route is the mesh's fault: the moved request is sent with waited_s 0, so a worker's
+    on-time-first admission does not put it behind every on-time request there (issue 18: its
+    first token within 2 s of the router noticing), unlike a retry after a first-token timeout
+    (test_no_first_message_in_time_is_retried_elsewhere)."""
+    import asyncio
+
+    d1, d2 = await mesh.decode("d1"), await mesh.decode("d2")
+    d1.stall_after = 0
+    h = await mesh.router([d1, d2], policy="round_robin")  # d1 first
+    task = asyncio.ensure_future(h.generate(PROMPT, max_tokens=3))
+    await h.router.wait_until(lambda: len(d1.calls) == 1)
+    assert h.router.reroute_unstarted("d1", "not_serving") == 1
+    deltas, final, _ = await task
+    assert final.worker_id == "d2" and tokens_of(deltas) == expected_tokens(list(PROMPT.encode()), 3)
+    assert d2.calls[0].waited_s == 0.0
