@@ -331,9 +331,16 @@ async def test_a_tied_copy_queued_behind_a_busy_worker_is_cancelled_before_it_co
     other = workers["b" if ref.worker_id == "a" else "a"]
     # the other worker's one sequence, for a while: a request of its engine's own (not routed)
     long = EngineRequest("long", list(prompt(2)), SamplingParams(max_tokens=5_000, ignore_eos=True))
+    before = other.rt.engine.stats().prompt_tokens_computed
     busy = asyncio.create_task(drain(other.rt.engine.generate(long)))
-    await eventually(lambda: other.running() == 1, what="the other worker busy", timeout=30)
-    computed = other.rt.engine.stats().prompt_tokens_computed
+    # Busy once its prompt is computed: counted after the pass, so reading the counter as soon
+    # as it was admitted missed those tokens under load and blamed them on the copy.
+    computed = before + len(long.prompt_token_ids)
+    await eventually(
+        lambda: other.running() == 1 and other.rt.engine.stats().prompt_tokens_computed == computed,
+        what="the other worker busy",
+        timeout=30,
+    )
     toks, final = await run_flow(h.router, "r", prompt(8), 6)  # on home, copied to the other at once
     assert toks == want and final.worker_id == home.worker_id
     for outcome in ("sent", "lost"):  # the copy went, and lost
