@@ -90,7 +90,7 @@ class EngineRequest:
     workflow_id: str = ""
     workflow_final: bool = False
     # Seconds already spent waiting for a first token in earlier attempts elsewhere
-    # (the router's re-routes and hedges): the scheduler's on-time-first admission
+    # (the router's retries after a first-token timeout, hedge copies): the scheduler's on-time-first admission
     # (EngineConfig.queue_late_after_s) counts the wait from then.
     waited_s: float = 0.0
     # Called once when the engine first schedules the request's computation (its

@@ -18,8 +18,8 @@ target; serving the on-time ones first keeps them within it, and the late
 ones, late whatever happens, follow once the queue has no on-time request
 left (Facebook's adaptive LIFO and CoDel make the same trade; see
 docs/DESIGN.md). A request's wait counts from when it began in the mesh
-(`EngineRequest.waited_s`: a re-routed or hedged request brings the wait it
-had elsewhere). Only requests with no token out yet can be late: a resumed
+(`EngineRequest.waited_s`: a request retried after a first-token timeout, or a
+hedge copy, brings the wait it had elsewhere). Only requests with no token out yet can be late: a resumed
 (migrated) stream or a preempted sequence keeps its place.
 
 The output goes to ModelRunner; LLMEngine reports back with `computed` (the
