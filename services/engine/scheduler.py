@@ -86,7 +86,8 @@ class Scheduler:
         """Queue a new sequence behind those of equal or higher priority."""
         if seq.workflow_id:  # the workflow's pinned context must outlive this step's wait
             self.block_manager.touch_pin(seq.workflow_id)
-        seq.queued_at = self._clock() - seq.waited_s
+        if self.late_after_s > 0:  # read only by on-time-first admission
+            seq.queued_at = self._clock() - seq.waited_s
         i = len(self.waiting)
         while i > 0 and self.waiting[i - 1].priority < seq.priority:
             i -= 1
