@@ -11,18 +11,23 @@ Why: one decision walks the prompt's blocks as deep as any worker holds them
 was over half of the decision. A prefix deep in the index was, in the common
 case, routed by this router before (the conversation's previous turn, a
 shared system prompt), so its hashes were computed before. The memo keeps them
-per chunk of `CHUNK` blocks, keyed by a 16-byte BLAKE2b of (the chain's digest
-before the chunk + the chunk's token bytes): one hash call over 1 KiB and one
-dict lookup then give 16 block hashes.
+per chunk of `CHUNK` blocks, keyed by the chunk's own bytes: the chain's digest
+before the chunk + the chunk's tokens as little-endian u32 (1,032 bytes). One
+packing of the tokens, one dict lookup (SipHash of the key, then an exact
+compare) and one unpack then give 16 block hashes.
 
-Trust: the key is collision resistant (128-bit BLAKE2b over exactly the inputs
-that determine the 16 hashes), so a crafted prompt cannot make the router
-compute another prompt's hashes short of a 2^64 birthday search; and what the
-router does with the hashes is a routing hint (which worker to try), never the
-engines' cache identity, which each engine computes from the tokens itself.
+Trust: the key is the input itself, so a hit is exact: no prompt can be made
+to read another prompt's hashes, whatever it contains (until session 26 the
+key was a 16-byte BLAKE2b of the same bytes, collision resistant but a third
+of a warm decision). Python's dict hashes bytes with SipHash under a per-process
+random key, so crafted keys cannot pile onto one slot. What the router does with
+the hashes is a routing hint (which worker to try), never the engines' cache
+identity, which each engine computes from the tokens itself.
 
-Memory: per chunk a 16-byte key and 8 x CHUNK bytes of hashes, about 300 B
-with the ordered dict's share (~19 B per block); `max_chunks` bounds it (LRU).
+Memory: per chunk the 1,032-byte key and 8 x CHUNK bytes of hashes, about
+1.3 KiB with the ordered dict's share (~80 B per block; 5 B per prompt token);
+`max_chunks` bounds it (LRU): 32,768 chunks by default, 8.4M tokens of prompts
+in about 42 MiB.
 """
 
 from __future__ import annotations
@@ -30,17 +35,18 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from services.model.hashing import ROOT_HASH, BlockHashChain, _u32_bytes
+from services.model.hashing import ROOT_HASH, BlockHashChain, _packer, _u32_bytes
 
 CHUNK = 16  # blocks per memo entry
 
 
 class HashMemo:
-    """Chunk key -> the chunk's block digests (8 bytes each, concatenated), LRU-bounded."""
+    """Chunk key (parent digest + the chunk's token bytes) -> the chunk's block digests
+    (8 bytes each, concatenated), LRU-bounded."""
 
-    def __init__(self, max_chunks: int = 1 << 16):
+    def __init__(self, max_chunks: int = 1 << 15):
         if max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
         self.max_chunks = max_chunks
@@ -82,32 +88,73 @@ class MemoHashChain(BlockHashChain):
         self._memo = memo
 
     def _extend(self, upto: int) -> None:
-        hashes, bs, n = self._hashes, self._bs, self._n
+        hashes = self._hashes
         start = len(hashes)
         if upto <= start:
             return
         if start % CHUNK:  # not on a chunk boundary (cannot happen through this class alone)
             super()._extend(upto)
             return
-        full_end = (n // CHUNK) * CHUNK  # blocks covered by whole chunks
-        stop = min(-(-upto // CHUNK) * CHUNK, full_end)
+        bs = self._bs
+        stop = min(-(-upto // CHUNK) * CHUNK, (self._n // CHUNK) * CHUNK)  # whole chunks only
         if stop > start:
-            data = _u32_bytes(self._tokens[start * bs : stop * bs])
-            step = 4 * bs * CHUNK
-            b2, memo, unpack = hashlib.blake2b, self._memo, _UNPACK[CHUNK]
+            span, tokens, memo = bs * CHUNK, self._tokens, self._memo
+            lru, unpack = memo._map, _UNPACK[CHUNK]
             p = self._parent
-            for off in range(0, (stop - start) * 4 * bs, step):
-                chunk = p + data[off : off + step]
-                key = b2(chunk, digest_size=16).digest()
-                digests = memo.get(key)
+            for t in range(start * bs, stop * bs, span):
+                key = p + _u32_bytes(tokens[t : t + span])
+                digests = lru.get(key)
                 if digests is None:
-                    digests = _chain(chunk, bs)
+                    memo.misses += 1
+                    digests = _chain(key, bs)
                     memo.put(key, digests)
-                hashes.extend(unpack(digests))
+                else:
+                    memo.hits += 1
+                    lru.move_to_end(key)
+                hashes += unpack(digests)
                 p = digests[-8:]
             self._parent = p
         if upto > len(hashes):  # into the trailing part-chunk: plain hashing
             super()._extend(upto)
+
+    def chunks(self, size: int = CHUNK) -> Iterator[Sequence[int]]:
+        """As `BlockHashChain.chunks`, for `size` = CHUNK without a method call per chunk:
+        each memo chunk is yielded as it is looked up (the routing decision's walk)."""
+        if size != CHUNK:
+            yield from super().chunks(size)
+            return
+        hashes, n, bs = self._hashes, self._n, self._bs
+        full_end, span = (n // CHUNK) * CHUNK, bs * CHUNK
+        tokens, memo = self._tokens, self._memo
+        lru, unpack, pack = memo._map, _UNPACK[CHUNK], _packer(span)
+        i = 0  # hashes yielded
+        while i < n:
+            if i < len(hashes):  # computed already (before, or by a read in between)
+                j = min(len(hashes), i + CHUNK) if i % CHUNK else len(hashes)
+                yield hashes[i:j]
+                i = j
+            elif i % CHUNK or i >= full_end:  # the trailing part-chunk (or off the grid)
+                self._extend(min(n, i + CHUNK))
+            else:
+                t = i * bs
+                part = tokens[t : t + span]
+                try:
+                    key = self._parent + pack(*part)
+                except struct.error:  # out of range or not an int: raise as _u32_bytes does
+                    key = self._parent + _u32_bytes(part)
+                digests = lru.get(key)
+                if digests is None:
+                    memo.misses += 1
+                    digests = _chain(key, bs)
+                    memo.put(key, digests)
+                else:
+                    memo.hits += 1
+                    lru.move_to_end(key)
+                block = unpack(digests)
+                hashes += block
+                self._parent = digests[-8:]
+                i += CHUNK
+                yield block
 
 
 def _chain(chunk: bytes, block_size: int) -> bytes:

@@ -20,7 +20,9 @@ costs a dict update per block. (Until session 7 this was a trie of nodes, each
 with a set of holders and a set of "reachable" holders kept by walking the
 chain below every stored or removed block: the router's KV events and the
 garbage collection of those nodes' sets were a quarter of its CPU in the
-Dynamo side by side's profile, BENCHMARKS.md issue 16.)
+Dynamo side by side's profile, BENCHMARKS.md issue 16.) The mask and the
+parent share one int per block, `mask << 65 | parent` (parent 1 << 64 for a
+chain's first block): one dict probe per block walked, not two.
 
 Optimistic entries (`apply_provisional`): when the router routes a request,
 the chosen worker's entries gain the prompt's blocks at once, marked
@@ -33,7 +35,7 @@ evicted them before reporting). They are ordinary holders otherwise, so
 `match` needs no second structure, and `clear` (sequence gap, resync) drops
 them with everything else: a snapshot then rebuilds the worker exactly.
 
-Memory: two dict entries per block cached by at least one worker (mask, parent),
+Memory: one dict entry per block cached by at least one worker (mask and parent),
 freed when its last holder removes it, when a worker is cleared, or when a worker passes
 `max_blocks_per_worker` (a stream that never reports evictions), in which case
 `IndexOverflow` tells the caller to resubscribe as for a gap.
@@ -45,8 +47,19 @@ import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 from services.common.config import require, setting
+
+_SHIFT = 65  # an entry is mask << _SHIFT | parent
+_PARENT = (1 << _SHIFT) - 1  # the parent's bits of an entry
+_ROOT = 1 << 64  # the "parent" of a chain's first block (hashes are < 2**64)
+
+
+def _parts(block_hashes: Sequence[int]) -> Iterable[Sequence[int]]:
+    """`block_hashes` as consecutive lists: a lazy chain's `chunks()`, else itself whole."""
+    chunks = getattr(block_hashes, "chunks", None)
+    return chunks() if chunks is not None else (block_hashes,)
 
 
 class IndexOverflow(Exception):
@@ -75,17 +88,18 @@ class PrefixIndex:
 
     def __init__(self, config: PrefixIndexConfig | None = None):
         self.config = config or PrefixIndexConfig()
-        self._masks: dict[int, int] = {}  # hash -> bitmask of the workers holding it
-        self._parents: dict[int, int | None] = {}  # hash -> its parent's (the first store's)
+        # hash -> (bitmask of the workers holding it) << _SHIFT | its parent's hash (the first
+        # store's; _ROOT for a chain's first block)
+        self._entries: dict[int, int] = {}
         self._held: dict[str, set[int]] = {}
         self._bits: dict[str, int] = {}  # worker -> its bit (1 << slot), while it is known
         self._by_slot: list[str | None] = []  # slot -> worker; a freed slot is None
         # worker -> {hash: expiry} of its provisional blocks (a subset of _held[worker])
         self._provisional: dict[str, dict[int, float]] = {}
-        # (expiry, worker, hash) in insertion order; entries whose expiry no longer
-        # matches _provisional are stale (confirmed, removed or refreshed) and skipped.
-        # Expiries only grow when every insertion uses the same TTL, so the head is next.
-        self._expiries: deque[tuple[float, str, int]] = deque()
+        # (expiry, worker, hashes) per apply_provisional call, in call order; a hash whose
+        # expiry no longer matches _provisional is stale (confirmed, removed or refreshed)
+        # and skipped. Expiries only grow when every call uses the same TTL, so the head is next.
+        self._expiries: deque[tuple[float, str, list[int]]] = deque()
 
     # ---- events -------------------------------------------------------------
 
@@ -94,19 +108,18 @@ class PrefixIndex:
         (None when the chain starts at a prompt's first block)."""
         held, bit = self._known(worker_id)
         prov = self._provisional.get(worker_id)
-        masks, parents = self._masks, self._parents
-        prev = parent_hash
+        entries, mark = self._entries, bit << _SHIFT
+        prev = _ROOT if parent_hash is None else parent_hash
         for h in block_hashes:
             if prov and prov.pop(h, None) is not None:
                 prev = h  # routed here optimistically: now confirmed, nothing else changes
                 continue
-            m = masks.get(h)
-            if m is None:
-                masks[h] = bit
-                parents[h] = prev
+            v = entries.get(h)
+            if v is None:
+                entries[h] = mark | prev
                 held.add(h)
-            elif not m & bit:
-                masks[h] = m | bit
+            elif not v & mark:
+                entries[h] = v | mark
                 held.add(h)
             prev = h
         limit = self.config.max_blocks_per_worker
@@ -135,13 +148,13 @@ class PrefixIndex:
             self._by_slot[bit.bit_length() - 1] = None  # free: no hash carries this bit below
         if not held:
             return
-        masks, parents, keep = self._masks, self._parents, ~bit
+        entries, keep = self._entries, ~(bit << _SHIFT)
         for h in held:
-            m = masks[h] & keep
-            if m:
-                masks[h] = m
+            v = entries[h] & keep
+            if v > _PARENT:  # other holders left
+                entries[h] = v
             else:
-                del masks[h], parents[h]
+                del entries[h]
 
     def apply_snapshot(self, worker_id: str, chains: Iterable[tuple[int | None, Sequence[int]]]) -> None:
         """Replace what is known of `worker_id` by a snapshot: (parent hash, block
@@ -162,30 +175,36 @@ class PrefixIndex:
         held, bit = self._known(worker_id)
         limit = self.config.max_blocks_per_worker
         prov = self._provisional.setdefault(worker_id, {})
-        masks, parents = self._masks, self._parents
+        entries, mark = self._entries, bit << _SHIFT
+        marked: list[int] = []  # the hashes given this expiry (added or refreshed)
         added = 0
-        prev: int | None = None
-        for h in block_hashes:
-            if h in held:
-                if h in prov:
-                    prov[h] = expires_at
-                    self._expiries.append((expires_at, worker_id, h))
+        prev = _ROOT
+        for part in _parts(block_hashes):
+            for h in part:
+                if h in held:
+                    if h in prov:
+                        prov[h] = expires_at
+                        marked.append(h)
+                    prev = h
+                    continue
+                if len(held) >= limit:
+                    break
+                v = entries.get(h)
+                if v is None:
+                    v = prev
+                elif v & _PARENT != prev:
+                    break  # a hash collision: leave that chain alone
+                entries[h] = v | mark
+                held.add(h)
+                prov[h] = expires_at
+                marked.append(h)
+                added += 1
                 prev = h
+            else:
                 continue
-            if len(held) >= limit:
-                break
-            m = masks.get(h)
-            if m is None:
-                parents[h] = prev
-                m = 0
-            elif parents[h] != prev:
-                break  # a hash collision: leave that chain alone
-            masks[h] = m | bit
-            held.add(h)
-            prov[h] = expires_at
-            self._expiries.append((expires_at, worker_id, h))
-            added += 1
-            prev = h
+            break
+        if marked:
+            self._expiries.append((expires_at, worker_id, marked))
         return added
 
     def expire(self, now: float) -> int:
@@ -193,12 +212,15 @@ class PrefixIndex:
         q = self._expiries
         n = 0
         while q and q[0][0] <= now:
-            expiry, worker_id, h = q.popleft()
+            expiry, worker_id, hashes = q.popleft()
             prov = self._provisional.get(worker_id)
-            if prov is None or prov.get(h) != expiry:
-                continue  # confirmed, removed, refreshed or cleared since
-            self._drop(worker_id, self._held[worker_id], h)
-            n += 1
+            if not prov:
+                continue  # every one confirmed, removed or cleared since
+            held = self._held[worker_id]
+            for h in hashes:
+                if prov.get(h) == expiry:  # else confirmed, removed or refreshed since
+                    self._drop(worker_id, held, h)
+                    n += 1
         return n
 
     def provisional(self, worker_id: str) -> int:
@@ -210,30 +232,34 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of `block_hashes` each worker has cached, contiguously
         from the first block; workers with no match are absent."""
-        # Iterates (never indexes past what it needs): a lazy BlockHashChain hashes only
-        # the blocks walked, up to the first one no worker holds.
-        it = iter(block_hashes)
-        prev = next(it, None)
-        if prev is None:
+        # A lazy BlockHashChain is walked list by list (`_parts`): it hashes only the blocks
+        # walked, up to the first one no worker holds, and no generator resumes per block.
+        parts = iter(_parts(block_hashes))
+        first = next(parts, None)
+        if not first:
             return {}
-        masks, parents = self._masks, self._parents
-        active = masks.get(prev, 0)
-        if not active or parents[prev] is not None:
+        prev = first[0]
+        entries = self._entries
+        v = entries.get(prev, 0)
+        active = v >> _SHIFT
+        if not active or v & _PARENT != _ROOT:
             return {}
         result: dict[str, int] = {}
-        i = 0
-        for i, h in enumerate(it, 1):
-            m = masks.get(h, 0)
-            nxt = active & m
-            if nxt and parents[h] != prev:
-                nxt = 0  # a parent mismatch can only come from a hash collision: absent
-            if nxt != active:
-                self._name(active ^ nxt, i, result)
-                if not nxt:
-                    return result
-                active = nxt
-            prev = h
-        self._name(active, i + 1, result)  # every block: the loop ended on the last one
+        i = 1  # blocks walked
+        for part in chain((first[1:],), parts):
+            for h in part:
+                v = entries.get(h, 0)
+                nxt = active & (v >> _SHIFT)
+                if nxt and v & _PARENT != prev:
+                    nxt = 0  # a parent mismatch can only come from a hash collision: absent
+                if nxt != active:
+                    self._name(active ^ nxt, i, result)
+                    if not nxt:
+                        return result
+                    active = nxt
+                prev = h
+                i += 1
+        self._name(active, i, result)  # every block matched by these
         return result
 
     def blocks(self, worker_id: str) -> int:
@@ -245,7 +271,7 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Distinct blocks cached by at least one worker."""
-        return len(self._masks)
+        return len(self._entries)
 
     # ---- internals ----------------------------------------------------------
 
@@ -278,11 +304,12 @@ class PrefixIndex:
         if prov:
             prov.pop(h, None)
         held.discard(h)
-        m = self._masks[h] & ~self._bits[worker_id]
-        if m:
-            self._masks[h] = m
+        entries = self._entries
+        v = entries[h] & ~(self._bits[worker_id] << _SHIFT)
+        if v > _PARENT:  # other holders left
+            entries[h] = v
         else:
-            del self._masks[h], self._parents[h]
+            del entries[h]
 
 
 class SeqVerdict(enum.Enum):

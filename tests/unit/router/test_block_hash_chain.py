@@ -65,3 +65,17 @@ def test_bad_input_is_refused_like_before():
         block_hashes([-1] * 16, 16)
     with pytest.raises(OverflowError):
         BlockHashChain([1 << 32] * 16, 16).all()
+
+
+@pytest.mark.parametrize("n", [0, 15, 16, 17, 255, 256, 257, 1000])
+def test_chunks_are_the_hashes_in_order_and_computed_as_reached(n):
+    tokens = list(range(n))
+    ref = reference(tokens, 16)
+    assert [h for part in BlockHashChain(tokens, 16).chunks() for h in part] == ref
+    c = BlockHashChain(tokens, 16)
+    parts = c.chunks(4)
+    first = next(parts, [])
+    assert list(first) == ref[:4] and c.computed == len(first)  # nothing past the first list
+    if len(ref) > 6:
+        assert c[6] == ref[6]  # a read in between: the walk goes on from where it was
+    assert list(first) + [h for part in parts for h in part] == ref

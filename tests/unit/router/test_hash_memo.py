@@ -65,3 +65,53 @@ def test_out_of_range_tokens_still_raise_when_read():
     chain = MemoHashChain([1 << 32] * BS * CHUNK, BS, HashMemo())
     with pytest.raises(OverflowError):
         chain[0]
+
+
+@pytest.mark.parametrize("tokens", [0, BS * CHUNK - 1, BS * CHUNK, BS * CHUNK * 3 + 5 * BS + 7])
+def test_chunks_walk_gives_the_engines_hashes_cold_and_warm(tokens):
+    toks = prompt(tokens)
+    want = block_hashes(toks, BS)
+    memo = HashMemo()
+    for _ in range(2):  # cold, then from the memo
+        assert [h for part in MemoHashChain(toks, BS, memo).chunks() for h in part] == want
+    assert memo.hits == memo.misses == tokens // (BS * CHUNK)
+    # Reads in between: the walk yields each hash once, in order.
+    chain = MemoHashChain(toks, BS, memo)
+    got = []
+    for part in chain.chunks():
+        got += part
+        if len(want) > len(got) + 3:
+            assert chain[len(got) + 3] == want[len(got) + 3]
+    assert got == want
+
+
+def test_a_chunk_differing_in_its_last_token_is_not_a_hit():
+    """The key is the chunk's bytes themselves: one token anywhere in it makes another key."""
+    memo = HashMemo()
+    a = prompt(BS * CHUNK)
+    b = [*a[:-1], a[-1] ^ 1]
+    assert MemoHashChain(a, BS, memo).all() == block_hashes(a, BS)
+    assert MemoHashChain(b, BS, memo).all() == block_hashes(b, BS)
+    assert (memo.hits, memo.misses) == (0, 2)
+
+
+def test_out_of_range_tokens_raise_through_the_walk_too():
+    for bad in ([1 << 32] * BS * CHUNK, [-1] * BS * CHUNK):
+        with pytest.raises(OverflowError):
+            next(MemoHashChain(bad, BS, HashMemo()).chunks())
+    with pytest.raises(TypeError):
+        next(MemoHashChain([1.5] * BS * CHUNK, BS, HashMemo()).chunks())
+
+
+def test_the_index_walk_hashes_one_chunk_past_the_last_match_at_most():
+    from services.router.prefix_index import PrefixIndex
+
+    toks = prompt(BS * CHUNK * 8)
+    hashes = block_hashes(toks, BS)
+    idx = PrefixIndex()
+    idx.apply_stored("w1", None, hashes[: CHUNK + 3])
+    memo = HashMemo()
+    for _ in range(2):  # cold, then warm
+        chain = MemoHashChain(toks, BS, memo)
+        assert idx.match(chain) == {"w1": CHUNK + 3}
+        assert chain.computed == 2 * CHUNK < len(chain)

@@ -87,7 +87,7 @@ def test_removal_frees_nodes_no_worker_holds():
     assert idx.blocks("w1") == 0
     idx.apply_removed("w2", A[:2])
     assert len(idx) == 0
-    assert idx._parents == {}  # no dangling per-block entries
+    assert idx._entries == {}  # no dangling per-block entries
 
 
 def test_a_cleared_workers_slot_is_reused_without_its_blocks():
@@ -105,7 +105,7 @@ def test_a_cleared_workers_slot_is_reused_without_its_blocks():
     assert idx.match(A) == {"w2": 3, "w3": 5}
     for w in ("w2", "w3"):
         idx.clear(w)
-    assert len(idx) == 0 and idx._parents == {}
+    assert len(idx) == 0 and idx._entries == {}
 
 
 def test_removing_an_unknown_block_or_worker_is_a_no_op():
