@@ -643,9 +643,18 @@ def main(argv: list[str] | None = None) -> int:
         default=SLO_TTFT_S,
         help="every run's workers: --engine-queue-late-after-s (on time first; 0 = first come, first served)",
     )
+    ap.add_argument(
+        "--late-max-s",
+        type=float,
+        default=0.0,
+        help="every run's workers: --engine-queue-late-max-s (a late request overdue after this "
+        "takes its place again; 0 = no bound)",
+    )
     ap.add_argument("--out", default="", help="results file name under bench/results/")
     args = ap.parse_args(argv)
     worker_args = {"engine_queue_late_after_s": args.late_after_s} if args.late_after_s else {}
+    if args.late_max_s:
+        worker_args["engine_queue_late_max_s"] = args.late_max_s
     sched = QUICK if args.quick else Schedule()
     items = trace(sched.span_s, args.seed)
     lines: list[str] = []
@@ -663,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         f"TPOT <= {1000 * SLO_TPOT_S:g} ms; workers' queue: "
         + (
             f"on time first after {args.late_after_s:g} s"
+            + (f", overdue after {args.late_max_s:g} s" if args.late_max_s else "")
             if args.late_after_s
             else "first come, first served"
         )

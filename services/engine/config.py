@@ -48,6 +48,11 @@ class EngineConfig:
         "still start in time (the deployment's TTFT target; goodput under overload); 0 = first come, "
         "first served",
     )
+    queue_late_max_s: float = setting(
+        0.0,
+        "with queue_late_after_s: a late request that has waited this long is overdue and takes its "
+        "first-come place again (bounds how long on-time requests may pass it); 0 = no bound",
+    )
     max_model_len: int | None = setting(None, "context limit (prompt + output); unset = the model's")
     num_threads: int = setting(0, "torch intra-op threads of the step loop; 0 = torch's default")
     adapt_threads: bool = setting(
@@ -128,6 +133,14 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.workflow_pin_ttl_s must be >= 0, got {self.workflow_pin_ttl_s}")
         if not (self.queue_late_after_s >= 0 and math.isfinite(self.queue_late_after_s)):
             raise ValueError(f"EngineConfig.queue_late_after_s must be >= 0, got {self.queue_late_after_s}")
+        if not (self.queue_late_max_s >= 0 and math.isfinite(self.queue_late_max_s)):
+            raise ValueError(f"EngineConfig.queue_late_max_s must be >= 0, got {self.queue_late_max_s}")
+        if self.queue_late_max_s and not 0 < self.queue_late_after_s < self.queue_late_max_s:
+            raise ValueError(
+                "EngineConfig.queue_late_max_s bounds on-time-first admission: it needs "
+                f"0 < queue_late_after_s < queue_late_max_s, got {self.queue_late_after_s} and "
+                f"{self.queue_late_max_s}"
+            )
         if self.host_tier_bytes < 0:
             raise ValueError(f"EngineConfig.host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
         if self.num_threads < 0:

@@ -86,6 +86,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             late_after_s=config.queue_late_after_s,
+            late_max_s=config.queue_late_max_s,
         )
         # The Scheduler drives it (allocation, freeing, the prefix cache); this class
         # reads it (lookups, events, stats) and borrows scratch blocks in

@@ -17,7 +17,10 @@ backlog, strict FIFO makes every request wait the whole backlog and miss its
 target; serving the on-time ones first keeps them within it, and the late
 ones, late whatever happens, follow once the queue has no on-time request
 left (Facebook's adaptive LIFO and CoDel make the same trade; see
-docs/DESIGN.md). A request's wait counts from when it began in the mesh
+docs/DESIGN.md). With `late_max_s` a late request is passed over only until
+it has waited that long: then it is overdue and takes its first-come place
+again, so a sustained overload cannot starve it (and its client's read
+timeout, which would send it again as new work, is not reached first). A request's wait counts from when it began in the mesh
 (`EngineRequest.waited_s`: a request retried after a first-token timeout, or a
 hedge copy, brings the wait it had elsewhere). Only requests with no token out yet can be late: a resumed
 (migrated) stream or a preempted sequence keeps its place.
@@ -57,13 +60,19 @@ class Scheduler:
         max_num_batched_tokens: int,
         late_after_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        late_max_s: float = 0.0,
     ):
         if late_after_s < 0:
             raise ValueError(f"late_after_s must be >= 0, got {late_after_s}")
+        if late_max_s and not 0 < late_after_s < late_max_s:
+            raise ValueError(
+                f"late_max_s needs 0 < late_after_s < late_max_s, got {late_after_s}, {late_max_s}"
+            )
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.late_after_s = late_after_s  # 0: strict first come, first served
+        self.late_max_s = late_max_s  # 0: a late request may be passed for as long as on-time ones come
         self._clock = clock
         # Admissions of an on-time request ahead of a late one at the head of the queue.
         self.num_admitted_ahead = 0
@@ -167,17 +176,19 @@ class Scheduler:
         return seq.num_emitted == 0 and seq.num_preemptions == 0 and now - seq.queued_at > self.late_after_s
 
     def _next_waiting(self, now: float) -> int:
-        """Index of the next sequence to admit: the head, unless it is late and an
-        on-time one of the same priority waits behind it (the first such)."""
+        """Index of the next sequence to admit: the first of the head's priority, in
+        queue order, that is on time or overdue (waited past `late_max_s`); the head
+        when there is none. Late ones not yet overdue are passed over."""
         waiting = self.waiting
         head = waiting[0]
         if not self._late(head, now):
             return 0
-        for k in range(1, min(len(waiting), self.MAX_SCAN)):
+        late_max = self.late_max_s
+        for k in range(min(len(waiting), self.MAX_SCAN)):
             seq = waiting[k]
             if seq.priority != head.priority:
                 break
-            if not self._late(seq, now):
+            if not self._late(seq, now) or (late_max and now - seq.queued_at > late_max):
                 return k
         return 0
 

@@ -63,6 +63,13 @@ def test_on_time_first_admission_is_an_engine_setting_and_its_count_reaches_the_
     assert parse_decode(["--engine-queue-late-after-s", "1.5"], {}).engine.queue_late_after_s == 1.5
     with pytest.raises(ConfigError, match="queue_late_after_s"):
         parse_decode(["--engine-queue-late-after-s", "-1"], {})
+    s = parse_decode(["--engine-queue-late-after-s", "1", "--engine-queue-late-max-s", "3"], {})
+    assert (s.engine.queue_late_after_s, s.engine.queue_late_max_s) == (1.0, 3.0)
+    assert parse_decode([], {}).engine.queue_late_max_s == 0.0  # no bound
+    with pytest.raises(ConfigError, match="queue_late_max_s"):
+        parse_decode(["--engine-queue-late-max-s", "3"], {})  # a bound on nothing
+    with pytest.raises(ConfigError, match="queue_late_max_s"):
+        parse_decode(["--engine-queue-late-after-s", "2", "--engine-queue-late-max-s", "1"], {})
     counts = dict.fromkeys(
         (f.name for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING), 0
     )

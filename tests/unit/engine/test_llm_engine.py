@@ -359,3 +359,26 @@ def test_queue_late_after_s_admits_an_on_time_request_first_with_the_same_tokens
     assert engine.stats().admitted_ahead == 1
     assert_pool_restored(engine)
     assert tokens == run_alone(make_engine, reqs)
+
+
+def test_queue_late_max_s_gives_an_overdue_request_its_place_back(make_engine):
+    """EngineConfig.queue_late_max_s through LLMEngine: the same two requests as above, but the
+    old one has waited past the bound, so it keeps its first-come slot; tokens as alone."""
+    t = [0.0]
+    engine = make_engine(max_num_seqs=1, queue_late_after_s=1.0, queue_late_max_s=1.5)
+    engine.scheduler._clock = lambda: t[0]
+    reqs = [request(rid, prompt_of(20, seed=i), max_tokens=4) for i, rid in enumerate(("old", "new"))]
+    engine.add_request(reqs[0])
+    t[0] = 2.0
+    engine.add_request(reqs[1])
+    order: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.token_ids and o.request_id not in order:
+                order.append(o.request_id)
+            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+    assert order == ["old", "new"]
+    assert engine.stats().admitted_ahead == 0
+    assert_pool_restored(engine)
+    assert tokens == run_alone(make_engine, reqs)

@@ -217,3 +217,67 @@ def test_a_request_that_waited_elsewhere_brings_its_wait():
     sched.add(seq(4, "new", base=10))
     assert admitted(sched) == ["new"]
     assert sched.num_admitted_ahead == 1
+
+
+# ---- the bound on being passed over (late_max_s) --------------------------------------
+
+
+def bounded(late_after_s: float, late_max_s: float) -> tuple[Scheduler, Clock]:
+    clock = Clock()
+    sched = Scheduler(
+        BlockManager(32, BS, True, 100), 1, 64, late_after_s=late_after_s, clock=clock, late_max_s=late_max_s
+    )
+    return sched, clock
+
+
+def test_an_overdue_request_takes_its_first_come_place_again():
+    sched, clock = bounded(1.0, 3.0)
+    sched.add(seq(4, "old"))
+    clock.t = 2.9
+    sched.add(seq(4, "new", base=10))
+    clock.t = 3.1  # old has waited 3.1 s: past late_max_s, overdue
+    assert admitted(sched) == ["old"]
+    assert sched.num_admitted_ahead == 0
+    sched.finish(sched.running[0], SequenceStatus.FINISHED)
+    assert admitted(sched) == ["new"]
+    sched.finish(sched.running[0], SequenceStatus.FINISHED)
+    assert sched.block_manager.num_free_blocks == 32
+
+
+def test_a_late_request_not_yet_overdue_is_still_passed_over():
+    sched, clock = bounded(1.0, 3.0)
+    sched.add(seq(4, "old"))
+    clock.t = 2.0
+    sched.add(seq(4, "new", base=10))
+    clock.t = 2.5  # old late (2.5 s) but not overdue
+    assert admitted(sched) == ["new"]
+    assert sched.num_admitted_ahead == 1
+
+
+def test_an_overdue_request_behind_a_late_head_goes_before_on_time_ones():
+    """Queue order: late head (not overdue), then one overdue (it brought its wait from elsewhere),
+    then an on-time one: the overdue one is the first to take the slot."""
+    sched, clock = bounded(1.0, 3.0)
+    sched.add(seq(4, "late"))
+    sched.add(Sequence(EngineRequest("overdue", list(range(10, 14)), waited_s=2.5), BS, None))
+    clock.t = 1.5
+    sched.add(seq(4, "on_time", base=20))
+    assert admitted(sched) == ["overdue"]  # late 1.5 s, overdue 4.0 s, on_time 0 s
+    assert sched.num_admitted_ahead == 1
+
+
+def test_without_the_bound_a_late_request_waits_for_as_long_as_on_time_ones_come():
+    sched, clock = timed(1.0)
+    sched.add(seq(4, "old"))
+    clock.t = 99.0
+    sched.add(seq(4, "new", base=10))
+    clock.t = 99.5
+    assert admitted(sched) == ["new"]
+
+
+def test_late_max_s_needs_a_late_after_s_below_it():
+    import pytest
+
+    for after, bound in ((0.0, 3.0), (3.0, 3.0), (4.0, 3.0)):
+        with pytest.raises(ValueError, match="late_max_s"):
+            Scheduler(BlockManager(8, BS, True, 100), 1, 16, late_after_s=after, late_max_s=bound)
