@@ -152,16 +152,16 @@ class BlockHashChain(Sequence[int]):
             yield from hashes[i:j]  # the C-level list iterator: no Python step per hash
             i = j
 
-    def chunks(self, size: int = 16) -> Iterator[list[int]]:
-        """The hashes in order as lists of up to `size` (computing each list as it is
-        reached): a caller walking many hashes loops over lists, not over a generator
-        resumed per hash."""
+    def chunks(self, size: int = 16, start: int = 0) -> Iterator[list[int]]:
+        """The hashes from index `start` on, in order, as lists (computing each list as it
+        is reached, `size` hashes at a time): a caller walking many hashes loops over lists,
+        not over a generator resumed per hash."""
         hashes, n = self._hashes, self._n
-        i = 0
+        i = start
         while i < n:
-            if i == len(hashes):
+            if i >= len(hashes):
                 self._extend(min(n, i + size))
-            j = len(hashes) if i else min(len(hashes), size)
+            j = len(hashes)
             yield hashes[i:j]
             i = j
 

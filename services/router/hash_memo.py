@@ -88,53 +88,31 @@ class MemoHashChain(BlockHashChain):
         self._memo = memo
 
     def _extend(self, upto: int) -> None:
-        hashes = self._hashes
-        start = len(hashes)
-        if upto <= start:
-            return
-        if start % CHUNK:  # not on a chunk boundary (cannot happen through this class alone)
-            super()._extend(upto)
-            return
-        bs = self._bs
-        stop = min(-(-upto // CHUNK) * CHUNK, (self._n // CHUNK) * CHUNK)  # whole chunks only
-        if stop > start:
-            span, tokens, memo = bs * CHUNK, self._tokens, self._memo
-            lru, unpack = memo._map, _UNPACK[CHUNK]
-            p = self._parent
-            for t in range(start * bs, stop * bs, span):
-                key = p + _u32_bytes(tokens[t : t + span])
-                digests = lru.get(key)
-                if digests is None:
-                    memo.misses += 1
-                    digests = _chain(key, bs)
-                    memo.put(key, digests)
-                else:
-                    memo.hits += 1
-                    lru.move_to_end(key)
-                hashes += unpack(digests)
-                p = digests[-8:]
-            self._parent = p
-        if upto > len(hashes):  # into the trailing part-chunk: plain hashing
-            super()._extend(upto)
+        if upto > len(self._hashes):
+            for _ in self.chunks(start=len(self._hashes)):
+                if len(self._hashes) >= upto:
+                    break
 
-    def chunks(self, size: int = CHUNK) -> Iterator[Sequence[int]]:
-        """As `BlockHashChain.chunks`, for `size` = CHUNK without a method call per chunk:
-        each memo chunk is yielded as it is looked up (the routing decision's walk)."""
+    def chunks(self, size: int = CHUNK, start: int = 0) -> Iterator[Sequence[int]]:
+        """As `BlockHashChain.chunks`; for `size` = CHUNK each whole chunk comes from the
+        memo (or is computed into it) as it is reached, with no method call per chunk (the
+        routing decision's walk), and blocks off the chunk grid or in the trailing part-chunk
+        are hashed directly."""
         if size != CHUNK:
-            yield from super().chunks(size)
+            yield from super().chunks(size, start)
             return
         hashes, n, bs = self._hashes, self._n, self._bs
         full_end, span = (n // CHUNK) * CHUNK, bs * CHUNK
         tokens, memo = self._tokens, self._memo
         lru, unpack, pack = memo._map, _UNPACK[CHUNK], _packer(span)
-        i = 0  # hashes yielded
+        i = start  # hashes yielded
         while i < n:
             if i < len(hashes):  # computed already (before, or by a read in between)
                 j = min(len(hashes), i + CHUNK) if i % CHUNK else len(hashes)
                 yield hashes[i:j]
                 i = j
-            elif i % CHUNK or i >= full_end:  # the trailing part-chunk (or off the grid)
-                self._extend(min(n, i + CHUNK))
+            elif i % CHUNK or i >= full_end:  # to the next chunk boundary (or the end), directly
+                BlockHashChain._extend(self, min(n, (i // CHUNK + 1) * CHUNK))
             else:
                 t = i * bs
                 part = tokens[t : t + span]

@@ -79,3 +79,11 @@ def test_chunks_are_the_hashes_in_order_and_computed_as_reached(n):
     if len(ref) > 6:
         assert c[6] == ref[6]  # a read in between: the walk goes on from where it was
     assert list(first) + [h for part in parts for h in part] == ref
+
+
+def test_chunks_from_a_start_index():
+    tokens = list(range(16 * 40))
+    ref = reference(tokens, 16)
+    c = BlockHashChain(tokens, 16)
+    assert [h for part in c.chunks(8, start=0) for h in part][:3] == ref[:3]
+    assert [h for part in BlockHashChain(tokens, 16).chunks(8, start=5) for h in part] == ref[5:]

@@ -115,3 +115,16 @@ def test_the_index_walk_hashes_one_chunk_past_the_last_match_at_most():
         chain = MemoHashChain(toks, BS, memo)
         assert idx.match(chain) == {"w1": CHUNK + 3}
         assert chain.computed == 2 * CHUNK < len(chain)
+
+
+def test_a_chain_pushed_off_the_chunk_grid_realigns_and_uses_the_memo_again():
+    from services.model.hashing import BlockHashChain
+
+    toks = prompt(BS * CHUNK * 3)
+    memo = HashMemo()
+    MemoHashChain(toks, BS, memo).all()
+    chain = MemoHashChain(toks, BS, memo)
+    BlockHashChain._extend(chain, 5)  # 5 blocks hashed directly, off the grid
+    hits = memo.hits
+    assert chain.all() == block_hashes(toks, BS)
+    assert memo.hits == hits + 2  # the first chunk's rest directly, then two memo chunks
