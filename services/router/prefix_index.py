@@ -236,7 +236,7 @@ class PrefixIndex:
         # walked, up to the first one no worker holds, and no generator resumes per block.
         parts = iter(_parts(block_hashes))
         first = next(parts, None)
-        if not first:
+        if first is None or len(first) == 0:
             return {}
         prev = first[0]
         entries = self._entries
