@@ -26,41 +26,41 @@ from pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 from pdmesh.v1 import worker_pb2 as pdmesh_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/decode.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\x1a\x16pdmesh/v1/worker.proto\"i\n\x10PrefillCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x19\n\x11\x65stimated_wait_ms\x18\x04 \x01(\x01\"\x8a\x03\n\x1c\x44\x65\x63odeServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10resume_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12,\n\x08workflow\x18\x07 \x01(\x0b\x32\x1a.pdmesh.v1.WorkflowContext\x12\x37\n\x12prefill_candidates\x18\x08 \x03(\x0b\x32\x1b.pdmesh.v1.PrefillCandidate\x12*\n\x0b\x64isagg_mode\x18\t \x01(\x0e\x32\x15.pdmesh.v1.DisaggMode\x12.\n\x0bprefix_pull\x18\n \x01(\x0b\x32\x19.pdmesh.v1.PrefixPullHint\x12\x10\n\x08waited_s\x18\x0b \x01(\x01\"[\n\x0ePrefixPullHint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rkv_agent_name\x18\x03 \x01(\t\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\"}\n\x1d\x44\x65\x63odeServiceGenerateResponse\x12*\n\x06tokens\x18\x01 \x01(\x0b\x32\x18.pdmesh.v1.TokenIdsDeltaH\x00\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdmesh.v1.DecodeFinalH\x00\x42\x07\n\x05\x63hunk\"\"\n\rTokenIdsDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xe2\x01\n\x0b\x44\x65\x63odeFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x14\n\x0cprefill_path\x18\x03 \x01(\t\x12\x15\n\rdisagg_reason\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x1c\n\x14kv_bytes_transferred\x18\x06 \x01(\x04\x12\x1c\n\x14pulled_prefix_tokens\x18\x07 \x01(\r\"q\n\x18\x44\x65\x63odeServiceLinkRequest\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.LinkOpenH\x00\x12\'\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.LinkCancelH\x00\x42\x07\n\x05\x66rame\"\x80\x01\n\x08LinkOpen\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\x12\x38\n\x07request\x18\x02 \x01(\x0b\x32\'.pdmesh.v1.DecodeServiceGenerateRequest\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x16\n\x0enotify_started\x18\x04 \x01(\x08\"\x1d\n\nLinkCancel\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\"\x9c\x01\n\x19\x44\x65\x63odeServiceLinkResponse\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.pdmesh.v1.LinkTokens\x12 \n\x04\x65nds\x18\x02 \x03(\x0b\x32\x12.pdmesh.v1.LinkEnd\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.pdmesh.v1.LinkStatus\x12\x0f\n\x07started\x18\x04 \x03(\x04\"0\n\nLinkTokens\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"v\n\x07LinkEnd\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdmesh.v1.DecodeFinalH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.pdmesh.v1.LinkStatusH\x00\x42\t\n\x07outcome\"+\n\nLinkStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t*X\n\nDisaggMode\x12\x1b\n\x17\x44ISAGG_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44ISAGG_MODE_LOCAL\x10\x01\x12\x16\n\x12\x44ISAGG_MODE_REMOTE\x10\x02\x32\xe5\x02\n\rDecodeService\x12_\n\x08Generate\x12\'.pdmesh.v1.DecodeServiceGenerateRequest\x1a(.pdmesh.v1.DecodeServiceGenerateResponse0\x01\x12`\n\x11SubscribeKvEvents\x12#.pdmesh.v1.SubscribeKvEventsRequest\x1a$.pdmesh.v1.SubscribeKvEventsResponse0\x01\x12:\n\x05Stats\x12\x17.pdmesh.v1.StatsRequest\x1a\x18.pdmesh.v1.StatsResponse\x12U\n\x04Link\x12#.pdmesh.v1.DecodeServiceLinkRequest\x1a$.pdmesh.v1.DecodeServiceLinkResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/decode.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\x1a\x16pdmesh/v1/worker.proto\"i\n\x10PrefillCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x19\n\x11\x65stimated_wait_ms\x18\x04 \x01(\x01\"\x99\x03\n\x1c\x44\x65\x63odeServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10resume_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12,\n\x08workflow\x18\x07 \x01(\x0b\x32\x1a.pdmesh.v1.WorkflowContext\x12\x37\n\x12prefill_candidates\x18\x08 \x03(\x0b\x32\x1b.pdmesh.v1.PrefillCandidate\x12*\n\x0b\x64isagg_mode\x18\t \x01(\x0e\x32\x15.pdmesh.v1.DisaggMode\x12.\n\x0bprefix_pull\x18\n \x01(\x0b\x32\x19.pdmesh.v1.PrefixPullHint\x12\x10\n\x08waited_s\x18\x0b \x01(\x01\x12\r\n\x05\x66ront\x18\x0c \x01(\x08\"[\n\x0ePrefixPullHint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rkv_agent_name\x18\x03 \x01(\t\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\"}\n\x1d\x44\x65\x63odeServiceGenerateResponse\x12*\n\x06tokens\x18\x01 \x01(\x0b\x32\x18.pdmesh.v1.TokenIdsDeltaH\x00\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdmesh.v1.DecodeFinalH\x00\x42\x07\n\x05\x63hunk\"\"\n\rTokenIdsDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xe2\x01\n\x0b\x44\x65\x63odeFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x14\n\x0cprefill_path\x18\x03 \x01(\t\x12\x15\n\rdisagg_reason\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x1c\n\x14kv_bytes_transferred\x18\x06 \x01(\x04\x12\x1c\n\x14pulled_prefix_tokens\x18\x07 \x01(\r\"q\n\x18\x44\x65\x63odeServiceLinkRequest\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.LinkOpenH\x00\x12\'\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.LinkCancelH\x00\x42\x07\n\x05\x66rame\"\x80\x01\n\x08LinkOpen\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\x12\x38\n\x07request\x18\x02 \x01(\x0b\x32\'.pdmesh.v1.DecodeServiceGenerateRequest\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x16\n\x0enotify_started\x18\x04 \x01(\x08\"\x1d\n\nLinkCancel\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\"\x9c\x01\n\x19\x44\x65\x63odeServiceLinkResponse\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.pdmesh.v1.LinkTokens\x12 \n\x04\x65nds\x18\x02 \x03(\x0b\x32\x12.pdmesh.v1.LinkEnd\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.pdmesh.v1.LinkStatus\x12\x0f\n\x07started\x18\x04 \x03(\x04\"0\n\nLinkTokens\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"v\n\x07LinkEnd\x12\x0f\n\x07link_id\x18\x01 \x01(\x04\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdmesh.v1.DecodeFinalH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.pdmesh.v1.LinkStatusH\x00\x42\t\n\x07outcome\"+\n\nLinkStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t*X\n\nDisaggMode\x12\x1b\n\x17\x44ISAGG_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44ISAGG_MODE_LOCAL\x10\x01\x12\x16\n\x12\x44ISAGG_MODE_REMOTE\x10\x02\x32\xe5\x02\n\rDecodeService\x12_\n\x08Generate\x12\'.pdmesh.v1.DecodeServiceGenerateRequest\x1a(.pdmesh.v1.DecodeServiceGenerateResponse0\x01\x12`\n\x11SubscribeKvEvents\x12#.pdmesh.v1.SubscribeKvEventsRequest\x1a$.pdmesh.v1.SubscribeKvEventsResponse0\x01\x12:\n\x05Stats\x12\x17.pdmesh.v1.StatsRequest\x1a\x18.pdmesh.v1.StatsResponse\x12U\n\x04Link\x12#.pdmesh.v1.DecodeServiceLinkRequest\x1a$.pdmesh.v1.DecodeServiceLinkResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DISAGGMODE']._serialized_start=1725
-  _globals['_DISAGGMODE']._serialized_end=1813
+  _globals['_DISAGGMODE']._serialized_start=1740
+  _globals['_DISAGGMODE']._serialized_end=1828
   _globals['_PREFILLCANDIDATE']._serialized_start=85
   _globals['_PREFILLCANDIDATE']._serialized_end=190
   _globals['_DECODESERVICEGENERATEREQUEST']._serialized_start=193
-  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_end=587
-  _globals['_PREFIXPULLHINT']._serialized_start=589
-  _globals['_PREFIXPULLHINT']._serialized_end=680
-  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_start=682
-  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_end=807
-  _globals['_TOKENIDSDELTA']._serialized_start=809
-  _globals['_TOKENIDSDELTA']._serialized_end=843
-  _globals['_DECODEFINAL']._serialized_start=846
-  _globals['_DECODEFINAL']._serialized_end=1072
-  _globals['_DECODESERVICELINKREQUEST']._serialized_start=1074
-  _globals['_DECODESERVICELINKREQUEST']._serialized_end=1187
-  _globals['_LINKOPEN']._serialized_start=1190
-  _globals['_LINKOPEN']._serialized_end=1318
-  _globals['_LINKCANCEL']._serialized_start=1320
-  _globals['_LINKCANCEL']._serialized_end=1349
-  _globals['_DECODESERVICELINKRESPONSE']._serialized_start=1352
-  _globals['_DECODESERVICELINKRESPONSE']._serialized_end=1508
-  _globals['_LINKTOKENS']._serialized_start=1510
-  _globals['_LINKTOKENS']._serialized_end=1558
-  _globals['_LINKEND']._serialized_start=1560
-  _globals['_LINKEND']._serialized_end=1678
-  _globals['_LINKSTATUS']._serialized_start=1680
-  _globals['_LINKSTATUS']._serialized_end=1723
-  _globals['_DECODESERVICE']._serialized_start=1816
-  _globals['_DECODESERVICE']._serialized_end=2173
+  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_end=602
+  _globals['_PREFIXPULLHINT']._serialized_start=604
+  _globals['_PREFIXPULLHINT']._serialized_end=695
+  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_start=697
+  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_end=822
+  _globals['_TOKENIDSDELTA']._serialized_start=824
+  _globals['_TOKENIDSDELTA']._serialized_end=858
+  _globals['_DECODEFINAL']._serialized_start=861
+  _globals['_DECODEFINAL']._serialized_end=1087
+  _globals['_DECODESERVICELINKREQUEST']._serialized_start=1089
+  _globals['_DECODESERVICELINKREQUEST']._serialized_end=1202
+  _globals['_LINKOPEN']._serialized_start=1205
+  _globals['_LINKOPEN']._serialized_end=1333
+  _globals['_LINKCANCEL']._serialized_start=1335
+  _globals['_LINKCANCEL']._serialized_end=1364
+  _globals['_DECODESERVICELINKRESPONSE']._serialized_start=1367
+  _globals['_DECODESERVICELINKRESPONSE']._serialized_end=1523
+  _globals['_LINKTOKENS']._serialized_start=1525
+  _globals['_LINKTOKENS']._serialized_end=1573
+  _globals['_LINKEND']._serialized_start=1575
+  _globals['_LINKEND']._serialized_end=1693
+  _globals['_LINKSTATUS']._serialized_start=1695
+  _globals['_LINKSTATUS']._serialized_end=1738
+  _globals['_DECODESERVICE']._serialized_start=1831
+  _globals['_DECODESERVICE']._serialized_end=2188
 # @@protoc_insertion_point(module_scope)

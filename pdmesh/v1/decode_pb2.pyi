@@ -31,7 +31,7 @@ class PrefillCandidate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "resume_token_ids", "sampling", "tenant", "priority", "workflow", "prefill_candidates", "disagg_mode", "prefix_pull", "waited_s")
+    __slots__ = ("request_id", "prompt_token_ids", "resume_token_ids", "sampling", "tenant", "priority", "workflow", "prefill_candidates", "disagg_mode", "prefix_pull", "waited_s", "front")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class DecodeServiceGenerateRequest(_message.Message):
     DISAGG_MODE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULL_FIELD_NUMBER: _ClassVar[int]
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    FRONT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -54,7 +55,8 @@ class DecodeServiceGenerateRequest(_message.Message):
     disagg_mode: DisaggMode
     prefix_pull: PrefixPullHint
     waited_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., workflow: _Optional[_Union[_common_pb2.WorkflowContext, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[_Union[PrefillCandidate, _Mapping]]] = ..., disagg_mode: _Optional[_Union[DisaggMode, str]] = ..., prefix_pull: _Optional[_Union[PrefixPullHint, _Mapping]] = ..., waited_s: _Optional[float] = ...) -> None: ...
+    front: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., workflow: _Optional[_Union[_common_pb2.WorkflowContext, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[_Union[PrefillCandidate, _Mapping]]] = ..., disagg_mode: _Optional[_Union[DisaggMode, str]] = ..., prefix_pull: _Optional[_Union[PrefixPullHint, _Mapping]] = ..., waited_s: _Optional[float] = ..., front: _Optional[bool] = ...) -> None: ...
 
 class PrefixPullHint(_message.Message):
     __slots__ = ("worker_id", "address", "kv_agent_name", "blocks")

@@ -142,6 +142,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             workflow_id=r.workflow.workflow_id,
             workflow_final=r.workflow.final_step,
             waited_s=r.waited_s,
+            front=r.front,
         )
         candidates = [
             Candidate(c.worker_id or c.address, c.address, c.estimated_wait_ms / 1000.0)

@@ -93,6 +93,9 @@ class EngineRequest:
     # (the router's retries after a first-token timeout, hedge copies): the scheduler's on-time-first admission
     # (EngineConfig.queue_late_after_s) counts the wait from then.
     waited_s: float = 0.0
+    # Queued ahead of every waiting request of its priority but moved or preempted ones (the
+    # router sets it for a stream moved off another worker: DecodeServiceGenerateRequest.front).
+    front: bool = False
     # Called once when the engine first schedules the request's computation (its
     # prefill begins), on the thread the engine delivers outputs on (the event loop
     # for the async engines), before that pass runs: the router ties a hedged

@@ -23,7 +23,10 @@ again, so a sustained overload cannot starve it (and its client's read
 timeout, which would send it again as new work, is not reached first). A request's wait counts from when it began in the mesh
 (`EngineRequest.waited_s`: a request retried after a first-token timeout, or a
 hedge copy, brings the wait it had elsewhere). Only requests with no token out yet can be late: a resumed
-(migrated) stream or a preempted sequence keeps its place.
+(migrated) stream or a preempted sequence keeps its place. A stream moved off another worker
+(`EngineRequest.front`: resumed after a migration, or moved before its first token off a
+worker that went unhealthy) is queued ahead of the other requests of its priority, behind
+only preempted and other moved ones, first come, first served or not.
 
 The output goes to ModelRunner; LLMEngine reports back with `computed` (the
 tokens ran), `decoding` / `hold` / `finish` (what the sampled token meant).
@@ -92,15 +95,29 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence behind those of equal or higher priority."""
+        """Queue a new sequence behind those of equal or higher priority; one moved off
+        another worker (`front`) goes ahead of those of its priority that are neither moved
+        nor preempted: the mesh owes it its next token soon."""
         if seq.workflow_id:  # the workflow's pinned context must outlive this step's wait
             self.block_manager.touch_pin(seq.workflow_id)
         if self.late_after_s > 0:  # read only by on-time-first admission
             seq.queued_at = self._clock() - seq.waited_s
-        i = len(self.waiting)
-        while i > 0 and self.waiting[i - 1].priority < seq.priority:
-            i -= 1
-        self.waiting.insert(i, seq)
+        waiting, p = self.waiting, seq.priority
+        i = len(waiting)
+        if seq.front:
+            while i > 0 and (
+                waiting[i - 1].priority < p
+                or (
+                    waiting[i - 1].priority == p
+                    and not waiting[i - 1].front
+                    and not waiting[i - 1].num_preemptions
+                )
+            ):
+                i -= 1
+        else:
+            while i > 0 and waiting[i - 1].priority < p:
+                i -= 1
+        waiting.insert(i, seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

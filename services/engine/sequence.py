@@ -66,6 +66,7 @@ class Sequence:
         self.num_preemptions = 0
         self.queued_at = 0.0  # when its wait for a first token began (Scheduler's clock)
         self.waited_s = request.waited_s  # of that wait, spent before it reached this engine
+        self.front = request.front  # moved off another worker: queued ahead (Scheduler.add)
         self.block_table: list[int] = []
         # Chained hashes of the full blocks of token_ids, extended lazily.
         self._block_hashes: list[int] = []

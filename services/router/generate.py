@@ -522,6 +522,8 @@ class RequestFlow:
             prefill_candidates=self._prefill_candidates(len(hashes), overlaps),
             prefix_pull=self._pull_hint(pull, choice.worker_id),
             waited_s=self._waited_s(plan),
+            # A stream moved off another worker goes ahead in the next one's queue (issue 18).
+            front=bool(plan.resume_token_ids) or self._rerouted_at is not None,
         )
         self.journey.start_attempt(choice.worker_id, cached_tokens=choice.overlap_blocks * cfg.block_size)
         total_blocks = -(-(len(input_ids) + plan.max_tokens_remaining) // cfg.block_size)

@@ -4,8 +4,9 @@ The worker runs `--engine-queue-late-after-s 60 --engine-max-num-seqs 1`. While 
 request holds the only slot, a request that says it waited 100 s elsewhere (`waited_s`,
 as the router sends for a re-route or a hedge copy) and then a fresh one queue behind it;
 the fresh one, on time, gets the slot first. The order does not depend on timing: the
-first is late from its arrival, the second on time for a minute. Bad `waited_s` values
-are refused with INVALID_ARGUMENT, and the pool comes back.
+first is late from its arrival, the second on time for a minute. A stream moved off
+another worker (`front`) queued behind a fresh request takes the slot first. Bad
+`waited_s` values are refused with INVALID_ARGUMENT, and the pool comes back.
 """
 
 from __future__ import annotations
@@ -39,19 +40,21 @@ def mesh(tmp_path_factory):
     m.close()
 
 
-def req(rid: str, seed: int, max_tokens: int, waited_s: float = 0.0):
+def req(rid: str, seed: int, max_tokens: int, waited_s: float = 0.0, front: bool = False):
     return decode_pb2.DecodeServiceGenerateRequest(
         request_id=rid,
         prompt_token_ids=prompt_of(32, seed=seed),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         disagg_mode=LOCAL,
         waited_s=waited_s,
+        front=front,
     )
 
 
-def test_a_fresh_request_takes_the_slot_before_one_that_waited_elsewhere(mesh):
+def first_tokens_in_order(mesh, queued: list) -> list[str]:
+    """Hold the only slot with a long request, queue `queued` behind it one by one (each seen
+    waiting before the next is sent), release, and return the order of first tokens."""
     stub = mesh.decode_stub()
-    initial = mesh.decode_stats().load.free_blocks
     firsts: list[str] = []
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -71,21 +74,34 @@ def test_a_fresh_request_takes_the_slot_before_one_that_waited_elsewhere(mesh):
     threads = []
     try:
         wait_until(lambda: "hold" in firsts, what="the long request running")
-        late = threading.Thread(target=run, args=(req("late", 2, 4, waited_s=100.0),))
-        late.start()
-        threads.append(late)
-        wait_until(lambda: mesh.decode_stats().load.waiting >= 1, what="the late one queued")
-        fresh = threading.Thread(target=run, args=(req("fresh", 3, 4),))
-        fresh.start()
-        threads.append(fresh)
-        wait_until(lambda: mesh.decode_stats().load.waiting >= 2, what="both queued")
-        assert "late" not in firsts and "fresh" not in firsts  # the slot was still held
+        for k, r in enumerate(queued, 1):
+            t = threading.Thread(target=run, args=(r,))
+            t.start()
+            threads.append(t)
+            wait_until(lambda k=k: mesh.decode_stats().load.waiting >= k, what=f"{r.request_id} queued")
+        assert firsts == ["hold"]  # the slot was still held
     finally:
         for t in (hold, *threads):
             t.join(timeout=120)
     assert not errors
-    assert firsts == ["hold", "fresh", "late"]
-    assert mesh.decode_stats().counters.admitted_ahead == 1
+    return firsts
+
+
+def test_a_stream_moved_off_another_worker_goes_ahead_of_the_queue(mesh):
+    """`front` (the router sets it for a stream moved off another worker): queued behind a
+    fresh request, it takes the slot first; the pool comes back."""
+    initial = mesh.decode_stats().load.free_blocks
+    order = first_tokens_in_order(mesh, [req("queued", 5, 4), req("moved", 6, 4, front=True)])
+    assert order == ["hold", "moved", "queued"]
+    wait_until(lambda: mesh.decode_stats().load.free_blocks == initial, what="decode pool back")
+
+
+def test_a_fresh_request_takes_the_slot_before_one_that_waited_elsewhere(mesh):
+    initial = mesh.decode_stats().load.free_blocks
+    ahead = mesh.decode_stats().counters.admitted_ahead
+    order = first_tokens_in_order(mesh, [req("late", 2, 4, waited_s=100.0), req("fresh", 3, 4)])
+    assert order == ["hold", "fresh", "late"]
+    assert mesh.decode_stats().counters.admitted_ahead == ahead + 1
     wait_until(lambda: mesh.decode_stats().load.free_blocks == initial, what="decode pool back")
 
 

@@ -135,6 +135,7 @@ async def test_migration_mid_stream_gives_an_identical_stream(mesh):
     assert moved.sampling.max_tokens == 12 and list(moved.prompt_token_ids) == list(PROMPT.encode())
     assert moved.request_id == d1.calls[0].request_id
     assert moved.waited_s == 0.0  # it had its first token: never late at the next worker
+    assert moved.front and not d1.calls[0].front  # and it goes ahead in the next worker's queue
     s = await _stats(h)
     assert s.migrations == 1 and s.requests_succeeded == 1
     # d1's prompt and 5 tokens were thrown away; d2 recomputed them.
@@ -200,6 +201,7 @@ async def test_no_first_message_in_time_is_retried_elsewhere(mesh):
     assert (await _stats(h)).retries == 1
     # The retry brings the wait it had (the worker's on-time-first admission counts from then).
     assert d2.calls[0].waited_s >= 0.2 > d1.calls[0].waited_s
+    assert not d1.calls[0].front and not d2.calls[0].front  # a retry is not a moved stream
 
 
 async def test_a_request_moved_off_an_unhealthy_worker_arrives_fresh_at_the_next(mesh):
@@ -218,3 +220,4 @@ async def test_a_request_moved_off_an_unhealthy_worker_arrives_fresh_at_the_next
     deltas, final, _ = await task
     assert final.worker_id == "d2" and tokens_of(deltas) == expected_tokens(list(PROMPT.encode()), 3)
     assert d2.calls[0].waited_s == 0.0
+    assert d2.calls[0].front and not d1.calls[0].front  # ahead in d2's queue

@@ -281,3 +281,46 @@ def test_late_max_s_needs_a_late_after_s_below_it():
     for after, bound in ((0.0, 3.0), (3.0, 3.0), (4.0, 3.0)):
         with pytest.raises(ValueError, match="late_max_s"):
             Scheduler(BlockManager(8, BS, True, 100), 1, 16, late_after_s=after, late_max_s=bound)
+
+
+# ---- moved streams go ahead (front) -------------------------------------------------------
+
+
+def moved(n: int, rid: str, priority: int = 0, base: int = 0) -> Sequence:
+    return Sequence(EngineRequest(rid, list(range(base, base + n)), priority=priority, front=True), BS, None)
+
+
+def queue(sched: Scheduler) -> list[str]:
+    return [s.request_id for s in sched.waiting]
+
+
+def test_a_moved_stream_goes_ahead_of_its_priority_but_behind_higher_ones():
+    sched = Scheduler(BlockManager(32, BS, True, 100), 1, 64)  # first come, first served
+    for rid, prio in (("high", 1), ("a", 0), ("b", 0), ("low", -1)):
+        sched.add(seq(4, rid, priority=prio, base=10 * len(sched.waiting)))
+    sched.add(moved(4, "moved1", base=50))
+    sched.add(moved(4, "moved2", base=60))  # moved ones keep their order among themselves
+    assert queue(sched) == ["high", "moved1", "moved2", "a", "b", "low"]
+    assert admitted(sched) == ["high"]
+
+
+def test_a_moved_stream_stays_behind_a_preempted_one():
+    sched = Scheduler(BlockManager(32, BS, True, 100), 1, 64)
+    sched.add(seq(4, "a"))
+    assert admitted(sched) == ["a"]
+    sched._preempt(sched.running[0])  # back to the head, as a recompute
+    sched.add(seq(4, "b", base=10))
+    sched.add(moved(4, "moved", base=20))
+    assert queue(sched) == ["a", "moved", "b"]
+
+
+def test_a_moved_request_is_admitted_before_on_time_ones_that_queued_first():
+    """With on time first, a request moved off an unhealthy worker (waited_s 0, front) takes the
+    next slot even though on-time requests queued before it."""
+    sched, clock = timed(1.0)
+    sched.add(seq(4, "x"))
+    sched.add(seq(4, "y", base=10))
+    clock.t = 0.5
+    sched.add(moved(4, "moved", base=20))
+    assert admitted(sched) == ["moved"]
+    assert sched.num_admitted_ahead == 0  # it was at the head: nobody was passed over
