@@ -337,12 +337,10 @@ def test_a_watched_request_reports_its_start_once_before_its_first_pass(make_eng
     assert log.index("started b") < len(log) - 1 and log[log.index("started b") + 1] == "pass"
 
 
-def test_queue_late_after_s_admits_an_on_time_request_first_with_the_same_tokens(make_engine):
-    """The engine's on-time-first admission (Scheduler.late_after_s) through LLMEngine: with one
-    slot, a request that has waited past the setting yields it to a newer one; both produce
-    exactly the tokens they produce alone, the Stats count the overtaking, the pool comes back."""
+def _old_then_new(engine) -> tuple[list, list[str], dict[str, list[int]]]:
+    """With one slot: "old" queued at t = 0 and "new" at t = 2 (the scheduler's clock), run to
+    the end; the requests, the order of their first tokens and every request's tokens."""
     t = [0.0]
-    engine = make_engine(max_num_seqs=1, queue_late_after_s=1.0)
     engine.scheduler._clock = lambda: t[0]
     reqs = [request(rid, prompt_of(20, seed=i), max_tokens=4) for i, rid in enumerate(("old", "new"))]
     engine.add_request(reqs[0])
@@ -355,6 +353,15 @@ def test_queue_late_after_s_admits_an_on_time_request_first_with_the_same_tokens
             if o.token_ids and o.request_id not in order:
                 order.append(o.request_id)
             tokens.setdefault(o.request_id, []).extend(o.token_ids)
+    return reqs, order, tokens
+
+
+def test_queue_late_after_s_admits_an_on_time_request_first_with_the_same_tokens(make_engine):
+    """The engine's on-time-first admission (Scheduler.late_after_s) through LLMEngine: with one
+    slot, a request that has waited past the setting yields it to a newer one; both produce
+    exactly the tokens they produce alone, the Stats count the overtaking, the pool comes back."""
+    engine = make_engine(max_num_seqs=1, queue_late_after_s=1.0)
+    reqs, order, tokens = _old_then_new(engine)
     assert order == ["new", "old"]
     assert engine.stats().admitted_ahead == 1
     assert_pool_restored(engine)
@@ -362,22 +369,10 @@ def test_queue_late_after_s_admits_an_on_time_request_first_with_the_same_tokens
 
 
 def test_queue_late_max_s_gives_an_overdue_request_its_place_back(make_engine):
-    """EngineConfig.queue_late_max_s through LLMEngine: the same two requests as above, but the
-    old one has waited past the bound, so it keeps its first-come slot; tokens as alone."""
-    t = [0.0]
+    """EngineConfig.queue_late_max_s through LLMEngine: the same two requests, but the old one
+    has waited past the bound, so it keeps its first-come slot; tokens as alone."""
     engine = make_engine(max_num_seqs=1, queue_late_after_s=1.0, queue_late_max_s=1.5)
-    engine.scheduler._clock = lambda: t[0]
-    reqs = [request(rid, prompt_of(20, seed=i), max_tokens=4) for i, rid in enumerate(("old", "new"))]
-    engine.add_request(reqs[0])
-    t[0] = 2.0
-    engine.add_request(reqs[1])
-    order: list[str] = []
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.token_ids and o.request_id not in order:
-                order.append(o.request_id)
-            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+    reqs, order, tokens = _old_then_new(engine)
     assert order == ["old", "new"]
     assert engine.stats().admitted_ahead == 0
     assert_pool_restored(engine)

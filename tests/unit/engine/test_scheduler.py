@@ -122,9 +122,16 @@ class Clock:
         return self.t
 
 
-def timed(late_after_s: float, max_seqs: int = 1) -> tuple[Scheduler, Clock]:
+def timed(late_after_s: float, max_seqs: int = 1, late_max_s: float = 0.0) -> tuple[Scheduler, Clock]:
     clock = Clock()
-    sched = Scheduler(BlockManager(32, BS, True, 100), max_seqs, 64, late_after_s=late_after_s, clock=clock)
+    sched = Scheduler(
+        BlockManager(32, BS, True, 100),
+        max_seqs,
+        64,
+        late_after_s=late_after_s,
+        clock=clock,
+        late_max_s=late_max_s,
+    )
     return sched, clock
 
 
@@ -222,16 +229,8 @@ def test_a_request_that_waited_elsewhere_brings_its_wait():
 # ---- the bound on being passed over (late_max_s) --------------------------------------
 
 
-def bounded(late_after_s: float, late_max_s: float) -> tuple[Scheduler, Clock]:
-    clock = Clock()
-    sched = Scheduler(
-        BlockManager(32, BS, True, 100), 1, 64, late_after_s=late_after_s, clock=clock, late_max_s=late_max_s
-    )
-    return sched, clock
-
-
 def test_an_overdue_request_takes_its_first_come_place_again():
-    sched, clock = bounded(1.0, 3.0)
+    sched, clock = timed(1.0, late_max_s=3.0)
     sched.add(seq(4, "old"))
     clock.t = 2.9
     sched.add(seq(4, "new", base=10))
@@ -245,7 +244,7 @@ def test_an_overdue_request_takes_its_first_come_place_again():
 
 
 def test_a_late_request_not_yet_overdue_is_still_passed_over():
-    sched, clock = bounded(1.0, 3.0)
+    sched, clock = timed(1.0, late_max_s=3.0)
     sched.add(seq(4, "old"))
     clock.t = 2.0
     sched.add(seq(4, "new", base=10))
@@ -257,7 +256,7 @@ def test_a_late_request_not_yet_overdue_is_still_passed_over():
 def test_an_overdue_request_behind_a_late_head_goes_before_on_time_ones():
     """Queue order: late head (not overdue), then one overdue (it brought its wait from elsewhere),
     then an on-time one: the overdue one is the first to take the slot."""
-    sched, clock = bounded(1.0, 3.0)
+    sched, clock = timed(1.0, late_max_s=3.0)
     sched.add(seq(4, "late"))
     sched.add(Sequence(EngineRequest("overdue", list(range(10, 14)), waited_s=2.5), BS, None))
     clock.t = 1.5
