@@ -51,7 +51,7 @@ from services.router.attempt import AttemptError, DecodeAttempt, DecodeCall, Wak
 from services.router.circuit_breaker import BreakerRegistry
 from services.router.config import RouterConfig
 from services.router.cost import CostLedger, RequestCost
-from services.router.hash_memo import HashMemo, MemoHashChain
+from services.router.hash_memo import HashMemo, prompt_chain
 from services.router.hedge import HedgeConfig
 from services.router.hedge_race import HedgeRace, expected_first_token_s
 from services.router.load_view import LoadView
@@ -458,10 +458,7 @@ class RequestFlow:
         ctx, cfg, plan = self.ctx, self.ctx.config, self.journey.next_attempt()
         input_ids = plan.prompt_token_ids + plan.resume_token_ids
         # Hashed as far as the match reads; through the memo, a prefix routed before costs a lookup.
-        if ctx.hash_memo is not None:
-            hashes: BlockHashChain = MemoHashChain(input_ids, cfg.block_size, ctx.hash_memo)
-        else:
-            hashes = BlockHashChain(input_ids, cfg.block_size)
+        hashes = prompt_chain(input_ids, cfg.block_size, ctx.hash_memo)
         now = ctx.clock()
         ctx.index.expire(now)  # optimistic entries nobody confirmed in time
         overlaps = ctx.index.match(hashes) if hashes else {}

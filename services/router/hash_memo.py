@@ -135,6 +135,14 @@ class MemoHashChain(BlockHashChain):
                 yield block
 
 
+def prompt_chain(tokens: Sequence[int], block_size: int, memo: HashMemo | None) -> BlockHashChain:
+    """The lazy block-hash chain of a prompt the router routes: through `memo` when the router
+    keeps one (a prefix it routed before costs a lookup per chunk), else hashed directly."""
+    if memo is not None:
+        return MemoHashChain(tokens, block_size, memo)
+    return BlockHashChain(tokens, block_size)
+
+
 def _chain(chunk: bytes, block_size: int) -> bytes:
     """The block digests of `chunk` = parent digest (8 bytes) + token bytes, concatenated."""
     step, b2 = 4 * block_size, hashlib.blake2b

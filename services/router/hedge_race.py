@@ -25,8 +25,8 @@ from collections.abc import Callable
 import structlog
 
 from pdmesh.v1 import decode_pb2
-from services.model.hashing import BlockHashChain
 from services.router.attempt import LATE_TIMER_S, DecodeAttempt, DecodeCall
+from services.router.hash_memo import prompt_chain
 from services.router.hedge import Leg, Winner, hedge_delay, race_winner, worth_hedging
 from services.router.migration import RequestJourney
 from services.router.policy import Choice
@@ -159,7 +159,7 @@ class HedgeRace:
             return
         cands = faster
         inputs = tuple(request.prompt_token_ids) + tuple(request.resume_token_ids)
-        hashes = BlockHashChain(inputs, cfg.block_size)
+        hashes = prompt_chain(inputs, cfg.block_size, ctx.hash_memo)  # the primary's chunks: memo hits
         overlaps = ctx.index.match(hashes) if hashes and cands else {}
         choice = self._pick(ctx.decode_policy.rank(cands, len(hashes), overlaps)) if cands else None
         if choice is None:

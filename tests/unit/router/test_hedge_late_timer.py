@@ -30,6 +30,7 @@ def context(outcomes: list[str]) -> SimpleNamespace:
         registry=SimpleNamespace(get=lambda worker: None, eligible=lambda role: []),
         budget=SimpleNamespace(can_retry=lambda: True),
         config=SimpleNamespace(block_size=16),
+        hash_memo=None,
         metrics=SimpleNamespace(hedge=outcomes.append),
     )
 

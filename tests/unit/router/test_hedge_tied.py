@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from pdmesh.v1 import decode_pb2
 from services.router.attempt import DecodeAttempt, Wake
+from services.router.hash_memo import HashMemo
 from services.router.hedge import HedgeConfig
 from services.router.hedge_race import HedgeRace
 from tests.support.poll import eventually
@@ -66,6 +67,7 @@ def scenario(tied: bool = True, multiple: float = 1e-6, predicted_s: float = 0.0
         ),
         budget=SimpleNamespace(can_retry=lambda: True, record_retry=noop),
         config=SimpleNamespace(block_size=16),
+        hash_memo=HashMemo(),  # the copy's prompt chain goes through the router's memo, as in the flow
         index=SimpleNamespace(match=lambda hashes: {}),
         decode_policy=SimpleNamespace(rank=lambda cands, n, overlaps: cands),
         breakers=SimpleNamespace(record_ignored=noop, record_failure=noop),
