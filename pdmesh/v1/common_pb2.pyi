@@ -268,7 +268,7 @@ class KvCacheCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "decode_tokens_computed", "prompt_tokens_cached", "prompt_tokens_transferred", "preemptions", "pinned_blocks", "pins_evicted", "pins_expired", "host_blocks", "host_capacity_blocks", "host_bytes", "prompt_tokens_restored", "host_restores", "host_restore_s", "host_restores_declined", "host_rejected", "host_evicted", "admitted_ahead")
+    __slots__ = ("prompt_tokens_computed", "decode_tokens_computed", "prompt_tokens_cached", "prompt_tokens_transferred", "preemptions", "pinned_blocks", "pins_evicted", "pins_expired", "host_blocks", "host_capacity_blocks", "host_bytes", "prompt_tokens_restored", "host_restores", "host_restore_s", "host_restores_declined", "host_rejected", "host_evicted", "admitted_ahead", "admitted_overdue", "moved_ahead")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,8 @@ class EngineCounters(_message.Message):
     HOST_REJECTED_FIELD_NUMBER: _ClassVar[int]
     HOST_EVICTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_OVERDUE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     decode_tokens_computed: int
     prompt_tokens_cached: int
@@ -305,4 +307,6 @@ class EngineCounters(_message.Message):
     host_rejected: int
     host_evicted: int
     admitted_ahead: int
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_transferred: _Optional[int] = ..., preemptions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_evicted: _Optional[int] = ..., pins_expired: _Optional[int] = ..., host_blocks: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., host_bytes: _Optional[int] = ..., prompt_tokens_restored: _Optional[int] = ..., host_restores: _Optional[int] = ..., host_restore_s: _Optional[float] = ..., host_restores_declined: _Optional[int] = ..., host_rejected: _Optional[int] = ..., host_evicted: _Optional[int] = ..., admitted_ahead: _Optional[int] = ...) -> None: ...
+    admitted_overdue: int
+    moved_ahead: int
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_transferred: _Optional[int] = ..., preemptions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_evicted: _Optional[int] = ..., pins_expired: _Optional[int] = ..., host_blocks: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., host_bytes: _Optional[int] = ..., prompt_tokens_restored: _Optional[int] = ..., host_restores: _Optional[int] = ..., host_restore_s: _Optional[float] = ..., host_restores_declined: _Optional[int] = ..., host_rejected: _Optional[int] = ..., host_evicted: _Optional[int] = ..., admitted_ahead: _Optional[int] = ..., admitted_overdue: _Optional[int] = ..., moved_ahead: _Optional[int] = ...) -> None: ...

@@ -208,8 +208,12 @@ class EngineStats:
     prompt_tokens_cached: int
     prompt_tokens_transferred: int
     preemptions: int
-    # Admissions of an on-time request ahead of a late one (EngineConfig.queue_late_after_s).
+    # Admissions ahead of a late request at the head of the queue (EngineConfig.queue_late_after_s).
     admitted_ahead: int = 0
+    # Admissions of an overdue request (EngineConfig.queue_late_max_s), and moved streams
+    # (EngineRequest.front) queued ahead of at least one waiting request.
+    admitted_overdue: int = 0
+    moved_ahead: int = 0
     # Quantization (issue 22): the linears' scheme, their bytes as stored and the worst
     # relative round-trip error over them; the KV pool's scheme and bytes.
     weight_scheme: str = "fp"

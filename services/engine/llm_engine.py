@@ -378,6 +378,8 @@ class LLMEngine:
             prompt_tokens_transferred=self.prompt_tokens_transferred,
             preemptions=sched.num_preemptions,
             admitted_ahead=sched.num_admitted_ahead,
+            admitted_overdue=sched.num_admitted_overdue,
+            moved_ahead=sched.num_moved_ahead,
             **self._quant_stats,
             pinned_blocks=pins.pinned_blocks,
             pins_evicted=pins.pins_evicted,

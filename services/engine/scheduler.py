@@ -79,6 +79,9 @@ class Scheduler:
         self._clock = clock
         # Admissions of an on-time request ahead of a late one at the head of the queue.
         self.num_admitted_ahead = 0
+        # Admissions of an overdue request (late_max_s); moved streams queued ahead of others.
+        self.num_admitted_overdue = 0
+        self.num_moved_ahead = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}
@@ -114,6 +117,7 @@ class Scheduler:
                 )
             ):
                 i -= 1
+            self.num_moved_ahead += i < len(waiting)
         else:
             while i > 0 and waiting[i - 1].priority < p:
                 i -= 1
@@ -159,6 +163,8 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             if not bm.allocate_slots(seq, num_cached + n, cached):
                 break
+            if self.late_max_s and self._overdue(seq, now):
+                self.num_admitted_overdue += 1
             if k:
                 del self.waiting[k]
                 self.num_admitted_ahead += 1
@@ -208,6 +214,10 @@ class Scheduler:
             if not self._late(seq, now) or (late_max and now - seq.queued_at > late_max):
                 return k
         return 0
+
+    def _overdue(self, seq: Sequence, now: float) -> bool:
+        """Late and waited past `late_max_s` (when set)."""
+        return bool(self.late_max_s) and self._late(seq, now) and now - seq.queued_at > self.late_max_s
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

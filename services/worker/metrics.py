@@ -84,6 +84,16 @@ class EngineCollector:
                 "requests admitted ahead of one waiting past queue_late_after_s (on time first)",
                 s.admitted_ahead,
             ),
+            (
+                "pdmesh_engine_admitted_overdue",
+                "requests admitted past queue_late_max_s, in their first-come place again",
+                s.admitted_overdue,
+            ),
+            (
+                "pdmesh_engine_moved_ahead",
+                "streams moved off another worker queued ahead of waiting requests",
+                s.moved_ahead,
+            ),
             ("pdmesh_kv_pins_evicted", "workflow KV pins released under memory pressure", s.pins_evicted),
             ("pdmesh_kv_pins_expired", "workflow KV pins released on their TTL", s.pins_expired),
             ("pdmesh_kv_host_restores", "prefix hits restored from the host tier", s.host_restores),

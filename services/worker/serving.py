@@ -110,6 +110,8 @@ def counters_from_stats(s: EngineStats) -> common_pb2.EngineCounters:
         prompt_tokens_transferred=s.prompt_tokens_transferred,
         preemptions=s.preemptions,
         admitted_ahead=s.admitted_ahead,
+        admitted_overdue=s.admitted_overdue,
+        moved_ahead=s.moved_ahead,
         pinned_blocks=s.pinned_blocks,
         pins_evicted=s.pins_evicted,
         pins_expired=s.pins_expired,

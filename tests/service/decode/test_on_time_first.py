@@ -91,8 +91,10 @@ def test_a_stream_moved_off_another_worker_goes_ahead_of_the_queue(mesh):
     """`front` (the router sets it for a stream moved off another worker): queued behind a
     fresh request, it takes the slot first; the pool comes back."""
     initial = mesh.decode_stats().load.free_blocks
+    ahead = mesh.decode_stats().counters.moved_ahead
     order = first_tokens_in_order(mesh, [req("queued", 5, 4), req("moved", 6, 4, front=True)])
     assert order == ["hold", "moved", "queued"]
+    assert mesh.decode_stats().counters.moved_ahead == ahead + 1
     wait_until(lambda: mesh.decode_stats().load.free_blocks == initial, what="decode pool back")
 
 

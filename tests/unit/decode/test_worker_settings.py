@@ -73,4 +73,7 @@ def test_on_time_first_admission_is_an_engine_setting_and_its_count_reaches_the_
     counts = dict.fromkeys(
         (f.name for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING), 0
     )
-    assert counters_from_stats(EngineStats(**counts | {"admitted_ahead": 3})).admitted_ahead == 3
+    c = counters_from_stats(
+        EngineStats(**counts | {"admitted_ahead": 3, "admitted_overdue": 4, "moved_ahead": 5})
+    )
+    assert (c.admitted_ahead, c.admitted_overdue, c.moved_ahead) == (3, 4, 5)

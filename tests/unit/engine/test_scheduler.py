@@ -236,7 +236,7 @@ def test_an_overdue_request_takes_its_first_come_place_again():
     sched.add(seq(4, "new", base=10))
     clock.t = 3.1  # old has waited 3.1 s: past late_max_s, overdue
     assert admitted(sched) == ["old"]
-    assert sched.num_admitted_ahead == 0
+    assert (sched.num_admitted_ahead, sched.num_admitted_overdue) == (0, 1)
     sched.finish(sched.running[0], SequenceStatus.FINISHED)
     assert admitted(sched) == ["new"]
     sched.finish(sched.running[0], SequenceStatus.FINISHED)
@@ -250,7 +250,7 @@ def test_a_late_request_not_yet_overdue_is_still_passed_over():
     sched.add(seq(4, "new", base=10))
     clock.t = 2.5  # old late (2.5 s) but not overdue
     assert admitted(sched) == ["new"]
-    assert sched.num_admitted_ahead == 1
+    assert (sched.num_admitted_ahead, sched.num_admitted_overdue) == (1, 0)
 
 
 def test_an_overdue_request_behind_a_late_head_goes_before_on_time_ones():
@@ -300,6 +300,7 @@ def test_a_moved_stream_goes_ahead_of_its_priority_but_behind_higher_ones():
     sched.add(moved(4, "moved1", base=50))
     sched.add(moved(4, "moved2", base=60))  # moved ones keep their order among themselves
     assert queue(sched) == ["high", "moved1", "moved2", "a", "b", "low"]
+    assert sched.num_moved_ahead == 2
     assert admitted(sched) == ["high"]
 
 
@@ -311,6 +312,13 @@ def test_a_moved_stream_stays_behind_a_preempted_one():
     sched.add(seq(4, "b", base=10))
     sched.add(moved(4, "moved", base=20))
     assert queue(sched) == ["a", "moved", "b"]
+    assert sched.num_moved_ahead == 1
+    sched.add(seq(4, "low", priority=-1, base=30))
+    sched.add(moved(4, "moved_low", priority=-1, base=40))
+    assert queue(sched) == ["a", "moved", "b", "moved_low", "low"] and sched.num_moved_ahead == 2
+    alone = Scheduler(BlockManager(32, BS, True, 100), 1, 64)
+    alone.add(moved(4, "first"))  # nobody to pass: not counted
+    assert alone.num_moved_ahead == 0
 
 
 def test_a_moved_request_is_admitted_before_on_time_ones_that_queued_first():
