@@ -20,7 +20,8 @@ left (Facebook's adaptive LIFO and CoDel make the same trade; see
 docs/DESIGN.md). With `late_max_s` a late request is passed over only until
 it has waited that long: then it is overdue and takes its first-come place
 again, so a sustained overload cannot starve it (and its client's read
-timeout, which would send it again as new work, is not reached first). A request's wait counts from when it began in the mesh
+timeout, which would send it again as new work, is not reached first).
+A request's wait counts from when it began in the mesh
 (`EngineRequest.waited_s`: a request retried after a first-token timeout, or a
 hedge copy, brings the wait it had elsewhere). Only requests with no token out yet can be late: a resumed
 (migrated) stream or a preempted sequence keeps its place. A stream moved off another worker
@@ -163,7 +164,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             if not bm.allocate_slots(seq, num_cached + n, cached):
                 break
-            if self.late_max_s and self._overdue(seq, now):
+            if self._overdue(seq, now):
                 self.num_admitted_overdue += 1
             if k:
                 del self.waiting[k]
@@ -206,18 +207,18 @@ class Scheduler:
         head = waiting[0]
         if not self._late(head, now):
             return 0
-        late_max = self.late_max_s
         for k in range(min(len(waiting), self.MAX_SCAN)):
             seq = waiting[k]
             if seq.priority != head.priority:
                 break
-            if not self._late(seq, now) or (late_max and now - seq.queued_at > late_max):
+            if not self._late(seq, now) or self._overdue(seq, now):
                 return k
         return 0
 
     def _overdue(self, seq: Sequence, now: float) -> bool:
-        """Late and waited past `late_max_s` (when set)."""
-        return bool(self.late_max_s) and self._late(seq, now) and now - seq.queued_at > self.late_max_s
+        """Waited past `late_max_s` (when set) for a first token: late, and no longer passed over."""
+        late_max = self.late_max_s
+        return bool(late_max) and now - seq.queued_at > late_max and self._late(seq, now)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

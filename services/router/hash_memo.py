@@ -54,21 +54,20 @@ class HashMemo:
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: bytes) -> bytes | None:
-        v = self._map.get(key)
-        if v is not None:
-            self._map.move_to_end(key)
-            self.hits += 1
-        else:
-            self.misses += 1
-        return v
-
-    def put(self, key: bytes, digests: bytes) -> None:
+    def digests(self, key: bytes, block_size: int) -> bytes:
+        """The block digests of the chunk `key` names: kept ones (a hit), else computed
+        (`_chain`) and kept, the least recently used one going past `max_chunks`."""
         m = self._map
-        m[key] = digests
-        m.move_to_end(key)
+        d = m.get(key)
+        if d is not None:
+            m.move_to_end(key)
+            self.hits += 1
+            return d
+        self.misses += 1
+        d = m[key] = _chain(key, block_size)
         if len(m) > self.max_chunks:
             m.popitem(last=False)
+        return d
 
     def __len__(self) -> int:
         return len(self._map)
@@ -103,8 +102,8 @@ class MemoHashChain(BlockHashChain):
             return
         hashes, n, bs = self._hashes, self._n, self._bs
         full_end, span = (n // CHUNK) * CHUNK, bs * CHUNK
-        tokens, memo = self._tokens, self._memo
-        lru, unpack, pack = memo._map, _UNPACK[CHUNK], _packer(span)
+        tokens, digests_of = self._tokens, self._memo.digests
+        unpack, pack = _UNPACK[CHUNK], _packer(span)
         i = start  # hashes yielded
         while i < n:
             if i < len(hashes):  # computed already (before, or by a read in between)
@@ -120,14 +119,7 @@ class MemoHashChain(BlockHashChain):
                     key = self._parent + pack(*part)
                 except struct.error:  # out of range or not an int: raise as _u32_bytes does
                     key = self._parent + _u32_bytes(part)
-                digests = lru.get(key)
-                if digests is None:
-                    memo.misses += 1
-                    digests = _chain(key, bs)
-                    memo.put(key, digests)
-                else:
-                    memo.hits += 1
-                    lru.move_to_end(key)
+                digests = digests_of(key, bs)
                 block = unpack(digests)
                 hashes += block
                 self._parent = digests[-8:]
