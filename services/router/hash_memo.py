@@ -18,8 +18,8 @@ compare) and one unpack then give 16 block hashes.
 
 Trust: the key is the input itself, so a hit is exact: no prompt can be made
 to read another prompt's hashes, whatever it contains (until session 26 the
-key was a 16-byte BLAKE2b of the same bytes, collision resistant but a third
-of a warm decision). Python's dict hashes bytes with SipHash under a per-process
+key was a 16-byte BLAKE2b of the same bytes, collision resistant, and its
+call was 11% of the warm match's py-spy samples). Python's dict hashes bytes with SipHash under a per-process
 random key, so crafted keys cannot pile onto one slot. What the router does with
 the hashes is a routing hint (which worker to try), never the engines' cache
 identity, which each engine computes from the tokens itself.
