@@ -11,6 +11,11 @@ Scripts (the prompt text): "ok" -> "Hel" + "lo", final STOP with usage 2 + 2;
 UNAVAILABLE; "nofinal" -> one delta then end; "deadline" -> DEADLINE_EXCEEDED;
 "bad" -> INVALID_ARGUMENT; "slow" -> one delta, then wait until cancelled; "hold" -> wait
 until cancelled before any delta.
+
+`cancelled` is set when a call is cancelled wherever its handler is at the time: a
+client that hangs up while the handler still sends its first message (a CPU-starved
+machine did exactly that) cancels the call as surely as one that hangs up later, and
+an `except CancelledError` around the waits alone missed it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,14 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         await self.server.stop(0)
 
     async def Generate(self, request, context):
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed at a yield
+            self.cancelled.set()
+            raise
+
+    async def _generate(self, request, context):
         self.requests.append(request)
         script = request.text
         if script == "shed":
@@ -70,22 +83,14 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         # As the router does: the prompt's token count rides in the initial metadata.
         await context.send_initial_metadata((("x-prompt-tokens", str(len(script))),))
         if script == "hold":
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
+            await asyncio.Event().wait()
         yield _delta("a" if script != "ok" else "Hel")
         if script == "midfail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker lost, no migration left")
         if script == "nofinal":
             return
         if script == "slow":
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
+            await asyncio.Event().wait()
         yield _delta("lo")
         usage = common_pb2.Usage(prompt_tokens=len(script), completion_tokens=2, cached_prompt_tokens=1)
         final = router_pb2.GenerateFinal(
