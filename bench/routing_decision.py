@@ -20,10 +20,17 @@ walk goes 128 blocks deep and drops a worker every 4 blocks). Loads are random.
 Memory: the process's resident set before and after building the index, divided
 by the (worker, block) entries it holds and by its distinct blocks.
 
+`--memo partial --missed-chunks K`: the memo holds all but the last K of the chunks the
+walk reads, as for a conversation's next turn whose newest chunks the router never
+hashed (bench/routing_sim.py --memo-chunks counts K on the Mooncake trace: ~1 with
+optimistic prefixes, which hash whole prompts; 4-8 without). `--memo all` includes it
+when K > 0.
+
 Run: `python bench/routing_decision.py` (also `bench/routing.py --decision`).
 Last line: `routing_decision decision_ms_p50=.. decision_ms_p99=.. hash_ms_p50=..
 match_ms_p50=.. rank_ms_p50=.. bookkeeping_ms_p50=.. index_bytes_per_entry=..
-index_bytes_per_block=..` (target: decision p50 <= 0.1 ms).
+index_bytes_per_block=..` (target: decision p50 <= 0.1 ms), with `partialK_ms_p50=..`
+when the partial mode ran.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ if __package__ in (None, ""):  # `python bench/routing_decision.py`: make the re
 
 from bench.machine import cpu_model
 from services.model.hashing import BlockHashChain, block_hashes
-from services.router.hash_memo import HashMemo, MemoHashChain
+from services.router.hash_memo import CHUNK, HashMemo, MemoHashChain
 from services.router.load_view import LoadView
 from services.router.policy import PolicyConfig, WorkerLoad, make_policy
 from services.router.prefix_index import PrefixIndex
@@ -89,13 +96,19 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run(
-    workers: int = 32, prefixes: int = 10_000, prompt_tokens: int = 4096, reps: int = 3000, memo: str = "warm"
+    workers: int = 32,
+    prefixes: int = 10_000,
+    prompt_tokens: int = 4096,
+    reps: int = 3000,
+    memo: str = "warm",
+    missed_chunks: int = 0,
 ) -> dict[str, float]:
     """`memo`: "warm" (the router's hash memo holds the prompt's prefix: it routed it before, as
     for a conversation's next turn), "cold" (an empty memo every decision: a prefix first seen),
     "off" (no memo, BlockHashChain: the hot path before the memo), "hashed" (every hash
-    given: what the walk and the ranking cost alone), "all" (the four, interleaved
-    decision by decision; the returned figures are warm's)."""
+    given: what the walk and the ranking cost alone), "partial" (the memo holds all but the
+    last `missed_chunks` chunks the walk reads), "all" (the four, and "partial" when
+    missed_chunks > 0, interleaved decision by decision; the returned figures are warm's)."""
     rng = random.Random(0)
     t0 = time.perf_counter()
     registry, index, probe, mem, entries = build(workers, prefixes, prompt_tokens, rng)
@@ -114,13 +127,34 @@ def run(
     keys = ("decision", "decision_cpu", "hash", "match", "rank", "bookkeeping")
     # Modes interleaved decision by decision, so a loaded machine's noise falls on each alike.
     modes = ("off", "cold", "warm", "hashed") if memo == "all" else (memo,)
+    if memo == "all" and missed_chunks > 0:
+        modes += ("partial",)
     probe_hashes = block_hashes(probe, BLOCK)
+    counting = HashMemo()
+    index.match(MemoHashChain(prompt, BLOCK, counting))
+    walked = counting.misses  # chunks one decision's walk reads
+    kept_tokens = max(walked - missed_chunks, 0) * CHUNK * BLOCK
+    if "partial" in modes:
+        check = HashMemo()
+        for _ in MemoHashChain(prompt[:kept_tokens], BLOCK, check):
+            pass
+        before = check.misses
+        index.match(MemoHashChain(prompt, BLOCK, check))
+        print(
+            f"partial memo: the walk reads {walked} chunks, the memo holds the first "
+            f"{walked - missed_chunks} of them; the walk missed {check.misses - before}"
+        )
     timings = {m: {k: [] for k in keys} for m in modes}
     pc, cpu = time.perf_counter, time.thread_time
+    partial = HashMemo()
     gc.disable()  # a collection of the 100k-object index inside one decision is not the decision's cost
     try:
         for i in range(reps * len(modes)):
             mode = modes[i % len(modes)]
+            if mode == "partial":  # untimed: a fresh memo holding the prefix's first chunks
+                partial = HashMemo()
+                for _ in MemoHashChain(prompt[:kept_tokens], BLOCK, partial):
+                    pass
             c_start = cpu()
             t_start = pc()
             # as _launch: hashed as far as match reads
@@ -128,8 +162,9 @@ def run(
                 hashes = BlockHashChain(prompt, BLOCK)
             elif mode == "hashed":  # the hashes given: the walk and the rest alone
                 hashes = probe_hashes
-            else:
-                hashes = MemoHashChain(prompt, BLOCK, hash_memo if mode == "warm" else HashMemo())
+            else:  # warm: the router's memo; partial: this rep's; cold: an empty one
+                m = hash_memo if mode == "warm" else partial if mode == "partial" else HashMemo()
+                hashes = MemoHashChain(prompt, BLOCK, m)
             t_hash = pc()
             now = clock()
             index.expire(now)
@@ -162,6 +197,7 @@ def run(
         f"{max(overlaps.values())} blocks, load average {load:.1f} on {os.cpu_count()} CPUs ({cpu_model()}):"
     )
     out: dict[str, float] = {}
+    partial_p50 = None
     for mode in sorted(modes, key=lambda m: m == "warm"):  # warm last: the summary's
         ms = {k: 1000 * statistics.median(v) for k, v in timings[mode].items()}
         p99 = 1000 * percentile(timings[mode]["decision"], 0.99)
@@ -171,6 +207,8 @@ def run(
             f"(target p50 <= 0.1 ms); thread CPU time p50 {ms['decision_cpu']:.3f} ms; "
             f"bookkeeping after it {ms['bookkeeping']:.3f} ms"
         )
+        if mode == "partial":
+            partial_p50 = ms["decision"]
         out = {
             "decision_ms_p50": ms["decision"],
             "decision_ms_p99": p99,
@@ -185,6 +223,8 @@ def run(
         f"  index memory {mem / 2**20:.0f} MiB: {per_entry:.0f} B per (worker, block) entry, {per_block:.0f} B per block; "
         f"hash memo {len(hash_memo)} chunks"
     )
+    if partial_p50 is not None:  # the summary's figures are warm's, unless partial ran alone
+        out[f"partial{missed_chunks}_ms_p50"] = partial_p50
     return out | {"index_bytes_per_entry": per_entry, "index_bytes_per_block": per_block}
 
 
@@ -195,10 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3000)
     p.add_argument(
-        "--memo", choices=("warm", "cold", "off", "hashed", "all"), default="warm", help="see run()"
+        "--memo",
+        choices=("warm", "cold", "off", "hashed", "partial", "all"),
+        default="warm",
+        help="see run()",
+    )
+    p.add_argument(
+        "--missed-chunks", type=int, default=0, help="partial: chunks of the walk the memo lacks (see run())"
     )
     a = p.parse_args(argv)
-    r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps, a.memo)  # "all": the summary is warm's
+    if a.memo == "partial" and a.missed_chunks <= 0:
+        p.error("--memo partial needs --missed-chunks >= 1")
+    r = run(
+        a.workers, a.prefixes, a.prompt_tokens, a.reps, a.memo, a.missed_chunks
+    )  # "all": the summary is warm's
     fields = " ".join(
         f"{k}={v:.3f}" if k.endswith("ms_p50") or "ms_" in k else f"{k}={v:.0f}" for k, v in r.items()
     )

@@ -64,3 +64,29 @@ def test_variant_options_parse():
     assert parse_variant("rr").policy == "round_robin"
     with pytest.raises(ValueError):
         parse_variant("kv@lv:bogus=1")
+
+
+def test_the_hash_memo_model_counts_the_chunks_a_walk_hashes():
+    """memo_walk: a walk `depth` blocks deep hashes ceil((depth + 1) / 16) chunks (the block
+    that ends the match is read too), each keyed by its last block's chained hash; a chunk
+    seen before is a hit, the LRU bound evicts the oldest."""
+    a = args()
+    a.memo_chunks = [2, 0]
+    prof = load_profile("dynamo-mocker").scaled_to(a.num_blocks, a.block_size)
+    cluster = Cluster(a, parse_variant("kv@lv"), [], prof, 0)
+    first = list(range(1000, 1040))  # 40 blocks: chunks end at blocks 15, 31 and 39 (a partial one)
+    cluster.memo_walk(first, 0)  # nothing cached: block 0 alone is read, chunk 0 hashed (a miss)
+    cluster.memo_walk(first, 39)  # all 40 blocks: chunk 0 hits, chunks 1 and 2 are new
+    assert cluster.memo_counts[0] == [0, 2, 1, 3, 0]  # warm, cold decisions; hit, missed chunks
+    assert list(cluster.memos[0]) == [1015, 1031, 1039]
+    assert list(cluster.memos[2]) == [1031, 1039]  # the bound of 2 dropped the oldest, chunk 0
+    cluster.memo_walk(first, 20)  # chunks 0 and 1; under the bound of 2 chunk 0 was gone, and
+    # taking it back evicted chunk 1 before the walk reached it: two misses there
+    assert cluster.memo_counts[0] == [1, 2, 3, 3, 0]
+    assert cluster.memo_counts[2] == [0, 3, 1, 5, 0]
+    assert list(cluster.memos[2]) == [1015, 1031]
+    longer = [*first[:32], 2000, 2001]  # the same first 32 blocks, another end: its last chunk is new
+    cluster.memo_walk(longer, 33)
+    assert cluster.memo_counts[0][2:] == [5, 4, 0]
+    cluster.memo_walk([*first[:16], 3000], 17, decision=False)  # after a decision: counted apart
+    assert cluster.memo_counts[0] == [1, 3, 5, 4, 1] and 3000 in cluster.memos[0]
