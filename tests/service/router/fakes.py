@@ -231,7 +231,7 @@ class FakeDecode(FakeWorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                     disagg_reason="short_prompt",
                 )
             )
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled at a yield
             self.cancelled.append(request.request_id)
             self.cancelled_event.set()
             raise
