@@ -246,9 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.memo == "partial" and a.missed_chunks <= 0:
         p.error("--memo partial needs --missed-chunks >= 1")
-    r = run(
-        a.workers, a.prefixes, a.prompt_tokens, a.reps, a.memo, a.missed_chunks
-    )  # "all": the summary is warm's
+    # "all": the summary is warm's (with partialK_ms_p50 beside it)
+    r = run(a.workers, a.prefixes, a.prompt_tokens, a.reps, a.memo, a.missed_chunks)
     fields = " ".join(
         f"{k}={v:.3f}" if k.endswith("ms_p50") or "ms_" in k else f"{k}={v:.0f}" for k, v in r.items()
     )
