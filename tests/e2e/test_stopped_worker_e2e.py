@@ -42,7 +42,10 @@ ROUTER = flags(
     stall_timeout_s=2.0,  # a stream with no token for 2 s migrates
 )
 N = 4
-MAX_TOKENS = 200
+# Long enough that no stream can finish between its first token and the SIGSTOP: at 200 a
+# loaded machine once finished both of decode-0's streams (~2 ms a token here) before the
+# test looked, and the precondition (both workers busy) failed.
+MAX_TOKENS = 1000
 DEADLINE_S = 90.0  # generous for a loaded machine; what matters is that nothing hits it
 
 
@@ -83,12 +86,15 @@ def test_sigstopped_decode_worker_goes_not_serving_and_its_streams_finish_elsewh
             what="the router to see both workers serving",
         )
         free = [s(worker_pb2.StatsRequest(), timeout=10).load.free_blocks for s in stats]
-        want = []
-        for i in range(N + 1):  # undisturbed greedy runs
+
+        def undisturbed(i: int) -> list[int]:
             tokens: list[int] = []
             drain(stub.Generate(greedy(i), timeout=DEADLINE_S), tokens)
             assert len(tokens) == MAX_TOKENS
-            want.append(tokens)
+            return tokens
+
+        with ThreadPoolExecutor(N + 1) as pool:  # together, as the streams below run together
+            want = list(pool.map(undisturbed, range(N + 1)))
 
         t0 = time.monotonic()
         streams = [stub.Generate(greedy(i), timeout=DEADLINE_S) for i in range(N)]
