@@ -195,7 +195,47 @@ def _miss_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, bin_s: flo
     if not misses:
         return []
     text = ", ".join(f"{b * bin_s:g}-{(b + 1) * bin_s:g} s: {n}" for b, n in sorted(misses.items()))
-    return [f"    missed the SLOs, by arrival: {text}"]
+    lines = [f"    missed the SLOs, by arrival: {text}"]
+    if by_fault := _misses_by_fault(res, slo_ttft_s, slo_tpot_s):
+        lines.append(
+            f"    missed, arriving during each fault (+{FAULT_TAIL_S:g} s), by where they ended: {by_fault}"
+        )
+    return lines
+
+
+FAULT_TAIL_S = 5.0  # arrivals this long after a fault's last window still count as its
+FAULT_NAMES = {0: "slow", 1: "stop", 2: "kill", 3: "flap"}  # bench/faults.py's schedule, by worker
+
+
+def _misses_by_fault(res: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> str:
+    """Per fault, the requests arriving from its first window's start to FAULT_TAIL_S after its
+    last window's end that missed the SLOs, by where they ended: failed; on the faulted worker;
+    moved off a worker mid-stream (migrated); on another worker without a migration (sent there
+    first, re-routed before a first token, or retried). Which of those a fault costs says
+    whether moving work off it paid."""
+    faults = getattr(res.windows, "faults", {})
+    parts = []
+    for i, spans in sorted(faults.items()):
+        if not spans:
+            continue
+        start, end = min(a for a, _ in spans), max(b for _, b in spans) + FAULT_TAIL_S
+        where = Counter()
+        for r in res.records:
+            if start <= r.arrival_s <= end and not meets_slo(r, slo_ttft_s, slo_tpot_s):
+                if not r.ok:
+                    where["failed"] += 1
+                elif r.worker_id == f"decode-{i}":
+                    where["on it"] += 1
+                elif r.migrations:
+                    where["migrated"] += 1
+                else:
+                    where["elsewhere"] += 1
+        kinds = ("on it", "migrated", "elsewhere", "failed")
+        parts.append(
+            f"{FAULT_NAMES.get(i, f'decode-{i}')} {start:.0f}-{end:.0f} s: "
+            + " / ".join(f"{where[k]} {k}" for k in kinds)
+        )
+    return "; ".join(parts)
 
 
 def _queue_lines(res: RunResult, slo_ttft_s: float, slo_tpot_s: float, bin_s: float = 5.0) -> list[str]:

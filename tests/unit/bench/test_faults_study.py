@@ -155,3 +155,28 @@ def test_queue_lines_sum_each_workers_mean_waiting_and_split_the_misses():
     assert lines[0].endswith("by 5 s bin: 0: 4.0")  # worker 0's mean 3 + worker 1's 1; 0 at 5 s left out
     assert lines[1].endswith("TTFT/TPOT/failed-or-late: 0: 1/0/1")
     assert "by 4 s bin: 0: 3/0, 4: 0/2, 8: 0/0," in lines[2]
+
+
+def test_misses_of_each_fault_are_split_by_where_they_ended():
+    from bench.faults_report import _misses_by_fault
+
+    def late(i, arrival, worker, migrations=0, ok=True):
+        r = _rec(i, ok)
+        r.arrival_s, r.worker_id, r.migrations = arrival, worker, migrations
+        r.first_token_s = arrival + 2.0  # over a 1 s TTFT SLO
+        r.end_s = arrival + 3.0
+        return r
+
+    on_time = _rec(9, True)
+    on_time.arrival_s, on_time.first_token_s, on_time.end_s, on_time.worker_id = 21.0, 21.1, 21.5, "decode-2"
+    recs = [
+        late(0, 20.5, "decode-3"),  # on the flapping worker
+        late(1, 22.0, "decode-0", migrations=1),  # moved off mid-stream
+        late(2, 30.0, "decode-1"),  # elsewhere, inside the 5 s tail
+        late(3, 36.0, "decode-1"),  # after the tail: not the flap's
+        late(4, 21.0, "", ok=False),
+        on_time,
+    ]
+    res = _result(recs)
+    res.windows = SimpleNamespace(faults={3: [(20.0, 22.0), (26.0, 28.0)]})
+    assert _misses_by_fault(res, 1.0, 0.5) == "flap 20-33 s: 1 on it / 1 migrated / 1 elsewhere / 1 failed"
