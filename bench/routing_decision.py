@@ -90,6 +90,14 @@ def build(workers: int, prefixes: int, prompt_tokens: int, rng: random.Random):
     return registry, index, probe, mem, entries
 
 
+def memo_holding(tokens: tuple[int, ...]) -> HashMemo:
+    """A fresh hash memo holding the chunks of `tokens` (a whole number of chunks)."""
+    memo = HashMemo()
+    for _ in MemoHashChain(tokens, BLOCK, memo):
+        pass
+    return memo
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -130,14 +138,12 @@ def run(
     if memo == "all" and missed_chunks > 0:
         modes += ("partial",)
     probe_hashes = block_hashes(probe, BLOCK)
-    counting = HashMemo()
-    index.match(MemoHashChain(prompt, BLOCK, counting))
-    walked = counting.misses  # chunks one decision's walk reads
-    kept_tokens = max(walked - missed_chunks, 0) * CHUNK * BLOCK
     if "partial" in modes:
-        check = HashMemo()
-        for _ in MemoHashChain(prompt[:kept_tokens], BLOCK, check):
-            pass
+        counting = HashMemo()
+        index.match(MemoHashChain(prompt, BLOCK, counting))
+        walked = counting.misses  # chunks one decision's walk reads
+        kept = prompt[: max(walked - missed_chunks, 0) * CHUNK * BLOCK]
+        check = memo_holding(kept)
         before = check.misses
         index.match(MemoHashChain(prompt, BLOCK, check))
         print(
@@ -152,9 +158,7 @@ def run(
         for i in range(reps * len(modes)):
             mode = modes[i % len(modes)]
             if mode == "partial":  # untimed: a fresh memo holding the prefix's first chunks
-                partial = HashMemo()
-                for _ in MemoHashChain(prompt[:kept_tokens], BLOCK, partial):
-                    pass
+                partial = memo_holding(kept)
             c_start = cpu()
             t_start = pc()
             # as _launch: hashed as far as match reads
