@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/router.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12,\n\x08workflow\x18\x07 \x01(\x0b\x32\x1a.pdmesh.v1.WorkflowContext\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06prompt\"n\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.GenerateFinalH\x00\x42\x07\n\x05\x63hunk\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xb1\x01\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x12\n\nmigrations\x18\x05 \x01(\r\x12\x14\n\x0cprefill_path\x18\x06 \x01(\t\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\xbb\x01\n\x0cWorkerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12\'\n\x06health\x18\x03 \x01(\x0e\x32\x17.pdmesh.v1.WorkerHealth\x12\x16\n\x0eindexed_blocks\x18\x04 \x01(\r\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x10\n\x08inflight\x18\x06 \x01(\r\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.WorkerStatus\"e\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.WorkerInfo\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"^\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"l\n\x1dRouterServiceHeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"/\n\x1eRouterServiceHeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"A\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x1b\n\x19RouterServiceStatsRequest\"\xd9\x03\n\x1aRouterServiceStatsResponse\x12\x16\n\x0erequests_total\x18\x01 \x01(\x04\x12\x1a\n\x12requests_succeeded\x18\x02 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x03 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x04 \x01(\x04\x12\x15\n\rrequests_shed\x18\x05 \x01(\x04\x12\x0f\n\x07retries\x18\x06 \x01(\x04\x12\x16\n\x0eretries_denied\x18\x07 \x01(\x04\x12\x12\n\nmigrations\x18\x08 \x01(\x04\x12%\n\x1dtokens_per_successful_request\x18\t \x01(\x01\x12\x15\n\rwasted_tokens\x18\n \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x0b \x01(\x04\x12\x10\n\x08inflight\x18\x0c \x01(\r\x12\x0e\n\x06queued\x18\r \x01(\r\x12\x15\n\rprompt_tokens\x18\x0e \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x0f \x01(\x04\x12)\n\x04ttft\x18\x10 \x01(\x0b\x32\x1b.pdmesh.v1.LatencyHistogram\x12(\n\x03itl\x18\x11 \x01(\x0b\x32\x1b.pdmesh.v1.LatencyHistogram\"I\n\x10LatencyHistogram\x12\x16\n\x0eupper_bounds_s\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\r\n\x05sum_s\x18\x03 \x01(\x01*\x87\x01\n\x0cWorkerHealth\x12\x1d\n\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_HEALTH_SERVING\x10\x01\x12\x1d\n\x19WORKER_HEALTH_NOT_SERVING\x10\x02\x12\x1e\n\x1aWORKER_HEALTH_BREAKER_OPEN\x10\x03\x32\xcf\x04\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.pdmesh.v1.CancelRequest\x1a\x19.pdmesh.v1.CancelResponse\x12L\n\x0bListWorkers\x12\x1d.pdmesh.v1.ListWorkersRequest\x1a\x1e.pdmesh.v1.ListWorkersResponse\x12U\n\x0eRegisterWorker\x12 .pdmesh.v1.RegisterWorkerRequest\x1a!.pdmesh.v1.RegisterWorkerResponse\x12`\n\tHeartbeat\x12(.pdmesh.v1.RouterServiceHeartbeatRequest\x1a).pdmesh.v1.RouterServiceHeartbeatResponse\x12[\n\x10\x44\x65registerWorker\x12\".pdmesh.v1.DeregisterWorkerRequest\x1a#.pdmesh.v1.DeregisterWorkerResponse\x12T\n\x05Stats\x12$.pdmesh.v1.RouterServiceStatsRequest\x1a%.pdmesh.v1.RouterServiceStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/router.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12,\n\x08workflow\x18\x07 \x01(\x0b\x32\x1a.pdmesh.v1.WorkflowContext\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06prompt\"n\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.GenerateFinalH\x00\x42\x07\n\x05\x63hunk\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xb1\x01\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x12\n\nmigrations\x18\x05 \x01(\r\x12\x14\n\x0cprefill_path\x18\x06 \x01(\t\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\xc1\x02\n\x0cWorkerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12\'\n\x06health\x18\x03 \x01(\x0e\x32\x17.pdmesh.v1.WorkerHealth\x12\x16\n\x0eindexed_blocks\x18\x04 \x01(\r\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12$\n\x1cmeasured_prefill_s_per_token\x18\x07 \x01(\x01\x12#\n\x1bmeasured_decode_s_per_token\x18\x08 \x01(\x01\x12\x1c\n\x14prefill_speed_factor\x18\t \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_speed_factor\x18\n \x01(\x01\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.WorkerStatus\"e\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.WorkerInfo\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"^\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"l\n\x1dRouterServiceHeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"/\n\x1eRouterServiceHeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"A\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x1b\n\x19RouterServiceStatsRequest\"\xd9\x03\n\x1aRouterServiceStatsResponse\x12\x16\n\x0erequests_total\x18\x01 \x01(\x04\x12\x1a\n\x12requests_succeeded\x18\x02 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x03 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x04 \x01(\x04\x12\x15\n\rrequests_shed\x18\x05 \x01(\x04\x12\x0f\n\x07retries\x18\x06 \x01(\x04\x12\x16\n\x0eretries_denied\x18\x07 \x01(\x04\x12\x12\n\nmigrations\x18\x08 \x01(\x04\x12%\n\x1dtokens_per_successful_request\x18\t \x01(\x01\x12\x15\n\rwasted_tokens\x18\n \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x0b \x01(\x04\x12\x10\n\x08inflight\x18\x0c \x01(\r\x12\x0e\n\x06queued\x18\r \x01(\r\x12\x15\n\rprompt_tokens\x18\x0e \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x0f \x01(\x04\x12)\n\x04ttft\x18\x10 \x01(\x0b\x32\x1b.pdmesh.v1.LatencyHistogram\x12(\n\x03itl\x18\x11 \x01(\x0b\x32\x1b.pdmesh.v1.LatencyHistogram\"I\n\x10LatencyHistogram\x12\x16\n\x0eupper_bounds_s\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\r\n\x05sum_s\x18\x03 \x01(\x01*\x87\x01\n\x0cWorkerHealth\x12\x1d\n\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_HEALTH_SERVING\x10\x01\x12\x1d\n\x19WORKER_HEALTH_NOT_SERVING\x10\x02\x12\x1e\n\x1aWORKER_HEALTH_BREAKER_OPEN\x10\x03\x32\xcf\x04\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.pdmesh.v1.CancelRequest\x1a\x19.pdmesh.v1.CancelResponse\x12L\n\x0bListWorkers\x12\x1d.pdmesh.v1.ListWorkersRequest\x1a\x1e.pdmesh.v1.ListWorkersResponse\x12U\n\x0eRegisterWorker\x12 .pdmesh.v1.RegisterWorkerRequest\x1a!.pdmesh.v1.RegisterWorkerResponse\x12`\n\tHeartbeat\x12(.pdmesh.v1.RouterServiceHeartbeatRequest\x1a).pdmesh.v1.RouterServiceHeartbeatResponse\x12[\n\x10\x44\x65registerWorker\x12\".pdmesh.v1.DeregisterWorkerRequest\x1a#.pdmesh.v1.DeregisterWorkerResponse\x12T\n\x05Stats\x12$.pdmesh.v1.RouterServiceStatsRequest\x1a%.pdmesh.v1.RouterServiceStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERHEALTH']._serialized_start=2066
-  _globals['_WORKERHEALTH']._serialized_end=2201
+  _globals['_WORKERHEALTH']._serialized_start=2200
+  _globals['_WORKERHEALTH']._serialized_end=2335
   _globals['_GENERATEREQUEST']._serialized_start=62
   _globals['_GENERATEREQUEST']._serialized_end=307
   _globals['_GENERATERESPONSE']._serialized_start=309
@@ -49,27 +49,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTWORKERSREQUEST']._serialized_start=738
   _globals['_LISTWORKERSREQUEST']._serialized_end=758
   _globals['_WORKERSTATUS']._serialized_start=761
-  _globals['_WORKERSTATUS']._serialized_end=948
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=950
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1013
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1015
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1116
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1118
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1212
-  _globals['_ROUTERSERVICEHEARTBEATREQUEST']._serialized_start=1214
-  _globals['_ROUTERSERVICEHEARTBEATREQUEST']._serialized_end=1322
-  _globals['_ROUTERSERVICEHEARTBEATRESPONSE']._serialized_start=1324
-  _globals['_ROUTERSERVICEHEARTBEATRESPONSE']._serialized_end=1371
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1373
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1438
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1440
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1483
-  _globals['_ROUTERSERVICESTATSREQUEST']._serialized_start=1485
-  _globals['_ROUTERSERVICESTATSREQUEST']._serialized_end=1512
-  _globals['_ROUTERSERVICESTATSRESPONSE']._serialized_start=1515
-  _globals['_ROUTERSERVICESTATSRESPONSE']._serialized_end=1988
-  _globals['_LATENCYHISTOGRAM']._serialized_start=1990
-  _globals['_LATENCYHISTOGRAM']._serialized_end=2063
-  _globals['_ROUTERSERVICE']._serialized_start=2204
-  _globals['_ROUTERSERVICE']._serialized_end=2795
+  _globals['_WORKERSTATUS']._serialized_end=1082
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1084
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1147
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1149
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1250
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1252
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1346
+  _globals['_ROUTERSERVICEHEARTBEATREQUEST']._serialized_start=1348
+  _globals['_ROUTERSERVICEHEARTBEATREQUEST']._serialized_end=1456
+  _globals['_ROUTERSERVICEHEARTBEATRESPONSE']._serialized_start=1458
+  _globals['_ROUTERSERVICEHEARTBEATRESPONSE']._serialized_end=1505
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1507
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1572
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1574
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1617
+  _globals['_ROUTERSERVICESTATSREQUEST']._serialized_start=1619
+  _globals['_ROUTERSERVICESTATSREQUEST']._serialized_end=1646
+  _globals['_ROUTERSERVICESTATSRESPONSE']._serialized_start=1649
+  _globals['_ROUTERSERVICESTATSRESPONSE']._serialized_end=2122
+  _globals['_LATENCYHISTOGRAM']._serialized_start=2124
+  _globals['_LATENCYHISTOGRAM']._serialized_end=2197
+  _globals['_ROUTERSERVICE']._serialized_start=2338
+  _globals['_ROUTERSERVICE']._serialized_end=2929
 # @@protoc_insertion_point(module_scope)

@@ -90,20 +90,28 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("info", "load", "health", "indexed_blocks", "source", "inflight")
+    __slots__ = ("info", "load", "health", "indexed_blocks", "source", "inflight", "measured_prefill_s_per_token", "measured_decode_s_per_token", "prefill_speed_factor", "decode_speed_factor")
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_DECODE_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SPEED_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SPEED_FACTOR_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.WorkerInfo
     load: _common_pb2.WorkerLoad
     health: WorkerHealth
     indexed_blocks: int
     source: str
     inflight: int
-    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., health: _Optional[_Union[WorkerHealth, str]] = ..., indexed_blocks: _Optional[int] = ..., source: _Optional[str] = ..., inflight: _Optional[int] = ...) -> None: ...
+    measured_prefill_s_per_token: float
+    measured_decode_s_per_token: float
+    prefill_speed_factor: float
+    decode_speed_factor: float
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., health: _Optional[_Union[WorkerHealth, str]] = ..., indexed_blocks: _Optional[int] = ..., source: _Optional[str] = ..., inflight: _Optional[int] = ..., measured_prefill_s_per_token: _Optional[float] = ..., measured_decode_s_per_token: _Optional[float] = ..., prefill_speed_factor: _Optional[float] = ..., decode_speed_factor: _Optional[float] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

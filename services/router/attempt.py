@@ -181,6 +181,7 @@ class DecodeAttempt:
         self.tokens_received = 0
         self._first_tokens = 0
         self.prefill_blocks = 0  # blocks the worker must prefill (set by the flow: TTFT samples)
+        self.ahead_tokens = -1  # prompt tokens queued there when routed (set by the flow; -1: unknown)
         self._on_first = on_first
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None

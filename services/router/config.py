@@ -44,6 +44,7 @@ from services.router.prefix_pull import PrefixPullConfig
 from services.router.registry import RegistryConfig, parse_target
 from services.router.retries import RetryAttachConfig
 from services.router.retry_budget import RetryBudgetConfig
+from services.router.worker_profile import WorkerProfileConfig
 from services.router.workflow_affinity import WorkflowRoutingConfig
 
 
@@ -275,6 +276,7 @@ class RouterSettings:
     retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
     journey: JourneyConfig = field(default_factory=JourneyConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    speed: WorkerProfileConfig = field(default_factory=WorkerProfileConfig)  # heterogeneous workers
     hedge: HedgeConfig = field(default_factory=HedgeConfig)
     retry_attach: RetryAttachConfig = field(default_factory=RetryAttachConfig)  # retried arrivals
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
@@ -297,6 +299,7 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("retry_budget", RetryBudgetConfig, "retry_budget_"),
     ("journey", JourneyConfig, ""),
     ("outlier", OutlierConfig, "outlier_"),
+    ("speed", WorkerProfileConfig, "speed_"),
     ("hedge", HedgeConfig, "hedge_"),
     ("retry_attach", RetryAttachConfig, "retry_attach_"),
     ("index", PrefixIndexConfig, "index_"),

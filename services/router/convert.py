@@ -6,6 +6,8 @@ sequencer (`apply_kv_message`), since that is pure message translation.
 
 from __future__ import annotations
 
+import math
+
 from pdmesh.v1 import common_pb2, worker_pb2
 from services.router.policy import WorkerLoad
 from services.router.prefix_index import EventSequencer, PrefixIndex, SeqVerdict
@@ -37,6 +39,10 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         max_model_len=msg.max_model_len,
         kv_agent_name=msg.kv_agent_name,
         link_port=msg.link_port,
+        accelerator_generation=msg.accelerator_generation,
+        memory_headroom_bytes=msg.memory_headroom_bytes,
+        warm_models=tuple(msg.warm_models),
+        model_load_s=msg.model_load_s if math.isfinite(msg.model_load_s) and msg.model_load_s > 0 else 0.0,
     )
 
 
@@ -53,6 +59,10 @@ def info_to_proto(info: WorkerInfo) -> common_pb2.WorkerInfo:
         max_model_len=info.max_model_len,
         kv_agent_name=info.kv_agent_name,
         link_port=info.link_port,
+        accelerator_generation=info.accelerator_generation,
+        memory_headroom_bytes=info.memory_headroom_bytes,
+        warm_models=list(info.warm_models),
+        model_load_s=info.model_load_s,
     )
 
 

@@ -54,7 +54,7 @@ from services.router.cost import CostLedger, RequestCost
 from services.router.hash_memo import HashMemo, prompt_chain
 from services.router.hedge import HedgeConfig
 from services.router.hedge_race import HedgeRace, expected_first_token_s
-from services.router.load_view import LoadView
+from services.router.load_view import LoadView, blended
 from services.router.migration import Cause, JourneyConfig, Recovery, RequestJourney
 from services.router.outlier import OutlierDetector
 from services.router.policy import Candidate, Choice, Policy
@@ -62,6 +62,7 @@ from services.router.prefix_index import PrefixIndex
 from services.router.prefix_pull import PrefixPullPlanner, PullPlan, plan_for_ranking
 from services.router.registry import WorkerRegistry, WorkerRole
 from services.router.retry_budget import RetryBudget
+from services.router.worker_profile import WorkerProfiles
 from services.router.workflow_routing import WorkflowRouting
 from services.router.workflow_sched import NO_WORKFLOW
 
@@ -133,6 +134,9 @@ class RoutingContext:
     hash_memo: HashMemo | None = None  # prompt block hashes computed before; None: hash every time
     # The request's WorkflowContext in admission, recovery, routing and cost (issue 21); None: ignored.
     workflows: WorkflowRouting | None = None
+    # Each worker's own prefill and decode speed, learned from its attempts (issue 21 item 3):
+    # kv_aware ranks on predicted time. None: every worker weighs the same.
+    profiles: WorkerProfiles | None = None
 
 
 def _worker_of(ch: Choice) -> str:
@@ -141,6 +145,24 @@ def _worker_of(ch: Choice) -> str:
 
 def _cost_of(ch: Choice) -> float:
     return ch.cost
+
+
+def _tokens_ahead(cands: list[Candidate], own, worker_id: str) -> int:
+    """Prompt tokens queued at `worker_id` when a request was routed there, as the policy
+    saw them (its report blended with the router's own account); -1 if not a candidate."""
+    for c in cands:
+        if c.worker_id == worker_id:
+            t = own.get(worker_id) if own else None
+            if t is None:
+                return c.load.tokens_waiting
+            return blended(c.load.tokens_waiting, c.load.active_decode_blocks, t)[0]
+    return -1
+
+
+def _speed_of(speeds: dict[str, tuple[float, float]]) -> Callable[[str], float]:
+    """A worker's overall speed factor (the larger of its two) for the outlier detector's rerank."""
+    same = (1.0, 1.0)
+    return lambda worker_id: max(speeds.get(worker_id, same))
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -482,10 +504,11 @@ class RequestFlow:
             and ctx.index.tiers.has_tiers()
         ):
             credits = tier_credits(hashes, overlaps, {c.worker_id: c.load for c in cands}) or None
+        speeds = (ctx.profiles.speeds() or None) if ctx.profiles is not None else None
         ranked = (
-            ctx.decode_policy.rank(cands, len(hashes), overlaps, credits=credits, own=own)
+            ctx.decode_policy.rank(cands, len(hashes), overlaps, credits=credits, own=own, speeds=speeds)
             if credits
-            else ctx.decode_policy.rank(cands, len(hashes), overlaps, own=own)
+            else ctx.decode_policy.rank(cands, len(hashes), overlaps, own=own, speeds=speeds)
         )
         if ctx.workflows is not None and self._wf_info.workflow_id:  # keep the step home unless backed up
             ranked = ctx.workflows.steer(
@@ -539,11 +562,12 @@ class RequestFlow:
             )
         self._sent = (request, to_prefill, new_blocks)  # what a hedge of this attempt sends
         self._attempt = self._new_attempt(choice.worker_id, call, to_prefill)
+        self._attempt.ahead_tokens = _tokens_ahead(cands, own, choice.worker_id)
         return self._attempt
 
     def _new_attempt(self, worker_id: str, call: DecodeCall, to_prefill: int) -> DecodeAttempt:
         cfg = self.ctx.config
-        on_first = self._on_first if self.ctx.outliers is not None else None
+        on_first = self._on_first if self.ctx.outliers is not None or self.ctx.profiles is not None else None
         blocks = -(-max(to_prefill, 0) // cfg.block_size)
         attempt = DecodeAttempt(
             worker_id,
@@ -563,7 +587,8 @@ class RequestFlow:
         """The first ranked worker that the outlier detector and its breaker let through."""
         ctx, outliers = self.ctx, self.ctx.outliers
         if outliers is not None:
-            ranked = outliers.rerank(ranked, _worker_of, _cost_of)
+            speeds = ctx.profiles.speeds() if ctx.profiles is not None else None
+            ranked = outliers.rerank(ranked, _worker_of, _cost_of, _speed_of(speeds) if speeds else None)
         for ch in ranked:
             wid = ch.worker_id
             if outliers is not None and not outliers.is_available(wid):
@@ -590,12 +615,22 @@ class RequestFlow:
     # ---- latency samples (outlier detection), once per attempt ---------------
 
     def _on_first(self, attempt: DecodeAttempt) -> None:
-        assert self.ctx.outliers is not None and attempt.first_at is not None
-        self.ctx.outliers.record_ttft(
-            attempt.worker_id, attempt.first_at - attempt.started, attempt.prefill_blocks
-        )
+        assert attempt.first_at is not None
+        ttft = attempt.first_at - attempt.started
+        if self.ctx.outliers is not None:
+            self.ctx.outliers.record_ttft(attempt.worker_id, ttft, attempt.prefill_blocks)
+        if self.ctx.profiles is not None and attempt.ahead_tokens >= 0:
+            # Seconds per token of the prefill work before its first token (worker_profile.py).
+            bs = self.ctx.config.block_size
+            work = attempt.ahead_tokens + (attempt.prefill_blocks + 1) * bs
+            self.ctx.profiles.observe_prefill(attempt.worker_id, work, ttft)
 
     def _report_latency(self, attempt: DecodeAttempt) -> None:
+        profiles = self.ctx.profiles
+        if profiles is not None and attempt.first_at is not None and attempt.later_tokens:
+            profiles.observe_decode(
+                attempt.worker_id, attempt.later_tokens, attempt.last_at - attempt.first_at
+            )
         outliers = self.ctx.outliers
         if outliers is None:
             return

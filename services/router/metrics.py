@@ -78,6 +78,8 @@ class WorkerGauges:
     waiting: int  # requests waiting at the worker, as it last reported
     running: int  # requests in its running batch, as it last reported
     inflight: int  # router requests running there now
+    prefill_speed: float = 1.0  # its routing cost's prefill factor (worker_profile.py)
+    decode_speed: float = 1.0  # and decode factor
 
 
 class _WorkerCollector(Collector):
@@ -106,6 +108,16 @@ class _WorkerCollector(Collector):
                 lambda w: w.running,
             ),
             ("worker_inflight", "Router requests running on the worker now", lambda w: w.inflight),
+            (
+                "worker_prefill_speed_factor",
+                "Measured prefill time per token over the median worker's (1: not measured)",
+                lambda w: w.prefill_speed,
+            ),
+            (
+                "worker_decode_speed_factor",
+                "Measured time per streamed token over the median worker's (1: not measured)",
+                lambda w: w.decode_speed,
+            ),
         )
         for name, doc, value in families:
             g = GaugeMetricFamily(f"pdmesh_router_{name}", doc, labels=["worker", "role"])

@@ -295,15 +295,27 @@ class OutlierDetector:
             w.probes -= 1
 
     def rerank(
-        self, ranked: list[C], worker_of: Callable[[C], str], cost_of: Callable[[C], float]
+        self,
+        ranked: list[C],
+        worker_of: Callable[[C], str],
+        cost_of: Callable[[C], float],
+        explained: Callable[[str], float] | None = None,
     ) -> list[C]:
         """`ranked` (a policy's choices, best first) re-sorted by (cost + 1) * factor: a
         deprioritised worker's cost grows in proportion (+1 so that a zero cost grows too).
-        The order among undeprioritised workers is kept."""
+        The order among undeprioritised workers is kept. `explained`: the share of a
+        worker's slowness its cost already carries (its measured speed factor, routing on
+        predicted time): the factor here is what is left of it, max(1, factor / explained)."""
         if not self.inflated:
             return ranked
         factor = self.factor
-        return sorted(ranked, key=lambda ch: (cost_of(ch) + 1.0) * factor(worker_of(ch)))
+        if explained is None:
+            return sorted(ranked, key=lambda ch: (cost_of(ch) + 1.0) * factor(worker_of(ch)))
+
+        def left(worker_id: str) -> float:
+            return max(1.0, factor(worker_id) / max(explained(worker_id), 1.0))
+
+        return sorted(ranked, key=lambda ch: (cost_of(ch) + 1.0) * left(worker_of(ch)))
 
     def predicted_ttft(self, worker_id: str, prefill_blocks: int = 0) -> float | None:
         """The time to first message a request with `prefill_blocks` to prefill should take on

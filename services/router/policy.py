@@ -37,6 +37,15 @@ restoring is no faster), from measured times, not a constant
 against the worker's measured prefill rate). kv_aware takes
 per-worker credits in place of device overlaps when the caller passes them.
 
+Heterogeneous workers (`speeds`, services/router/worker_profile.py): a worker's
+measured speed as (prefill factor, decode factor) against the fleet's median
+worker. kv_aware and least_loaded multiply each term by its factor (the busy
+term by the prefill factor), so a cost in blocks becomes one in the median
+worker's blocks: predicted time. A worker with no entry has factors 1. With
+speeds, kv_aware's decode term also counts the request's own prompt blocks
+(the context it will decode over): the same on every worker of a homogeneous
+fleet, so Dynamo's formula leaves it out, but on a slower decoder it is slower.
+
 Unhealthy candidates are dropped even though the caller should not pass them.
 """
 
@@ -187,6 +196,7 @@ class Policy(Protocol):
         overlaps: Mapping[str, int] | None = None,
         *,
         own: Mapping[str, OwnLoad] | None = None,
+        speeds: Mapping[str, tuple[float, float]] | None = None,
     ) -> list[Choice]:
         """Healthy candidates, best first (empty when there are none).
 
@@ -196,7 +206,8 @@ class Policy(Protocol):
         (LoadView.totals), blended with the reported load per component as
         LoadView.blend does (load_view.blended: the report beyond what was ours in
         it, plus ours now), without building new candidates (that blend was most
-        of a decision's ranking time).
+        of a decision's ranking time);
+        `speeds`: worker id -> (prefill factor, decode factor) (WorkerProfiles.speeds).
         """
         ...
 
@@ -224,6 +235,8 @@ def _blended(c: Candidate, own: Mapping[str, OwnLoad] | None) -> tuple[int, int]
     return max(load.tokens_waiting, t.prefill_tokens), max(load.active_decode_blocks, t.decode_blocks)
 
 
+_SAME = (1.0, 1.0)  # the speed factors of a worker not measured
+
 # Choice(w, cost, overlap) without the named tuple's Python-level __new__ (kv_aware's hot path).
 _choice, _tuple = tuple.__new__, Choice
 
@@ -234,7 +247,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None, speeds=None):
         healthy = sorted(_healthy(candidates), key=lambda c: c.worker_id)
         if not healthy:
             return []
@@ -255,13 +268,14 @@ class LeastLoadedPolicy:
         self.config = config
         self._rng = rng
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, *, own=None, speeds=None):
         overlaps = overlaps or {}
         cfg = self.config
         keyed = []
         for c in _healthy(candidates):
             waiting, decode = _blended(c, own)
-            cost = cfg.prefill_weight * -(-waiting // cfg.block_size) + cfg.decode_weight * decode
+            pf, df = speeds.get(c.worker_id, _SAME) if speeds else _SAME
+            cost = pf * cfg.prefill_weight * -(-waiting // cfg.block_size) + df * cfg.decode_weight * decode
             keyed.append((cost, c.inflight, self._rng.random(), c))
         keyed.sort(key=lambda k: k[:3])
         return [Choice(c.worker_id, cost, overlaps.get(c.worker_id, 0)) for cost, _, _, c in keyed]
@@ -283,7 +297,7 @@ class KvAwarePolicy:
             + cfg.decode_weight * candidate.load.active_decode_blocks
         )
 
-    def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None, *, own=None):
+    def rank(self, candidates, prompt_blocks=0, overlaps=None, credits=None, *, own=None, speeds=None):
         """As `Policy.rank`; `credits`: worker id -> overlap credit over every tier
         (`overlap_credit`), used in the cost in place of that worker's device overlap."""
         overlaps = overlaps or {}
@@ -315,9 +329,16 @@ class KvAwarePolicy:
                         waiting = t.prefill_tokens
                     if t.decode_blocks > decode:
                         decode = t.decode_blocks
-            cost = weight * (max(prompt_blocks - credit, 0) - (-waiting // bs)) + dweight * decode
-            if busy and (waiting or decode or load.running):
-                cost += busy
+            if speeds:  # predicted time: blocks of the fleet's median worker
+                pf, df = speeds.get(wid, _SAME)
+                to_prefill = max(prompt_blocks - credit, 0) - (-waiting // bs)
+                cost = pf * weight * to_prefill + df * dweight * (decode + prompt_blocks)
+                if busy and (waiting or decode or load.running):
+                    cost += pf * busy
+            else:
+                cost = weight * (max(prompt_blocks - credit, 0) - (-waiting // bs)) + dweight * decode
+                if busy and (waiting or decode or load.running):
+                    cost += busy
             keyed.append((cost, 0.0 if sample else rnd(), wid, overlap))
         if sample and len(keyed) > 1:
             return self._sample([Choice(w, cost, o) for cost, _, w, o in keyed])

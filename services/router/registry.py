@@ -63,6 +63,11 @@ class WorkerInfo:
     max_model_len: int = 0
     kv_agent_name: str = ""
     link_port: int = 0  # the raw token link's port on the address's host (0 = Link over gRPC)
+    # Heterogeneous fleets (issue 21 item 3): descriptions, not rates (worker_profile.py learns those).
+    accelerator_generation: str = ""
+    memory_headroom_bytes: int = 0
+    warm_models: tuple[str, ...] = ()
+    model_load_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from services.router.retries import RetriedArrivals, SharedFlow
 from services.router.retry_budget import RetryBudget
 from services.router.tier_index import TieredPrefixIndex
 from services.router.worker_pool import WorkerPool
+from services.router.worker_profile import WorkerProfile, WorkerProfiles
 from services.router.workflow_routing import WorkflowRouting
 
 log = structlog.get_logger()
@@ -94,6 +95,8 @@ class WorkerView:
     record: WorkerRecord
     breaker: BreakerState
     indexed_blocks: int
+    profile: WorkerProfile | None = None  # what the router measured it do (None: speed routing off)
+    speed: tuple[float, float] = (1.0, 1.0)  # its routing cost's (prefill, decode) factors
 
 
 class _FailedCall:
@@ -140,6 +143,7 @@ class Router:
             settings.outlier, clock, self._on_outlier, self._out_otherwise, self._waiting_at
         )
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
+        self.profiles = WorkerProfiles(settings.speed) if settings.speed.enabled else None
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = TieredPrefixIndex(settings.index)  # pool blocks + host tiers
         self.sequencer = EventSequencer()
@@ -199,6 +203,7 @@ class Router:
             else None,
             hash_memo=HashMemo(),
             workflows=self.workflows,
+            profiles=self.profiles,
         )
         self.flows: dict[str, RequestFlow] = {}
         # Keyed requests, so that a client's retry joins the running one (retries.py).
@@ -244,7 +249,13 @@ class Router:
             counts[(role, _health_label(view))] += 1
             rows.append(
                 WorkerGauges(
-                    rec.worker_id, role, view.breaker.value, rec.load.waiting, rec.load.running, rec.inflight
+                    rec.worker_id,
+                    role,
+                    view.breaker.value,
+                    rec.load.waiting,
+                    rec.load.running,
+                    rec.inflight,
+                    *view.speed,
                 )
             )
         self.metrics.set_workers(counts, len(self.index), rows)
@@ -375,6 +386,14 @@ class Router:
         for gone in result.replaced:
             await self.pool.detach(gone)
         assert info.role is not None
+        if self.profiles is not None:
+            self.profiles.register(
+                info.worker_id,
+                accelerator="/".join(filter(None, (info.accelerator, info.accelerator_generation))),
+                memory_headroom_bytes=info.memory_headroom_bytes,
+                warm_models=info.warm_models,
+                model_load_s=info.model_load_s,
+            )
         await self.pool.attach(info.worker_id, info.address, info.role)
         log.info("worker_joined", worker=info.worker_id, address=info.address, source="registered")
         self.changed()
@@ -411,8 +430,15 @@ class Router:
         return gone
 
     def workers(self) -> list[WorkerView]:
+        speeds = self.profiles.speeds() if self.profiles is not None else {}
         return [
-            WorkerView(r, self.breakers.state(r.worker_id), self.index.blocks(r.worker_id))
+            WorkerView(
+                r,
+                self.breakers.state(r.worker_id),
+                self.index.blocks(r.worker_id),
+                self.profiles.get(r.worker_id) if self.profiles is not None else None,
+                speeds.get(r.worker_id, (1.0, 1.0)),
+            )
             for r in self.registry.workers()
         ]
 
@@ -449,6 +475,8 @@ class Router:
     def _forget_latency(self, worker_id: str) -> None:
         if self.outliers is not None:
             self.outliers.remove(worker_id)
+        if self.profiles is not None:
+            self.profiles.forget(worker_id)
 
     def reroute_unstarted(self, worker_id: str, cause: str) -> int:
         """`worker_id` went unhealthy (cause: not_serving, breaker_open, ejected, stalled): move every

@@ -230,6 +230,10 @@ def status_to_proto(view: WorkerView) -> router_pb2.WorkerStatus:
         indexed_blocks=view.indexed_blocks,
         source=rec.source.value,
         inflight=rec.inflight,
+        measured_prefill_s_per_token=(view.profile and view.profile.prefill_s_per_token) or 0.0,
+        measured_decode_s_per_token=(view.profile and view.profile.decode_s_per_token) or 0.0,
+        prefill_speed_factor=view.speed[0],
+        decode_speed_factor=view.speed[1],
     )
 
 

@@ -16,8 +16,23 @@ the model is not warm there. `cost_per_token` divides it by the tokens the
 request delivers: the router's "cost per successful token" in seconds of that
 worker. Plain, synchronous.
 
-Not wired yet: the routing policy (services/router/policy.py) ranks on blocks,
-not seconds; feeding `predict_s` into its cost is the next step (issue 21 item 3).
+Routing reads `speeds()`: per worker, (prefill factor, decode factor), each its
+measured rate over the median rate of the workers measured (`min_samples`
+samples each), clamped to [1 / max_factor, max_factor]. The kv_aware cost
+(services/router/policy.py) is in blocks; a factor turns a worker's blocks into
+the fleet median worker's blocks, so the cost ranks predicted time: a block to
+prefill on a worker twice as slow costs two. A worker not measured yet has no
+entry (factor 1). What the router feeds it (services/router/generate.py):
+
+- a prefill sample per attempt: its time to first message over the prompt
+  tokens the worker had to compute before it, the queue the router saw there
+  at dispatch plus the request's own (plus one block, so a cached prompt's
+  first pass counts): seconds per token of prefill work, queue included, so a
+  worker with a longer queue is not taken for a slower one;
+- a decode sample per attempt that streamed: its mean gap per token.
+
+Only a model's load time is not learned: a mesh serves one model (the registry
+refuses others), so every worker's is warm and `predict_s` charges nothing.
 """
 
 from __future__ import annotations
@@ -30,16 +45,23 @@ from services.common.config import require, setting
 
 @dataclass(frozen=True)
 class WorkerProfileConfig:
+    enabled: bool = setting(True, "route on each worker's measured prefill and decode speed (issue 21)")
     alpha: float = setting(0.2, "weight of the latest sample in a worker's rate mean")
     default_prefill_s_per_token: float = setting(1e-4, "prefill rate assumed before any worker is measured")
     default_decode_s_per_token: float = setting(2e-2, "decode rate assumed before any worker is measured")
     default_load_s: float = setting(30.0, "load time charged for a cold model when the worker gave none")
+    min_samples: int = setting(4, "samples of a rate before routing weighs a worker by it")
+    max_factor: float = setting(
+        8.0, "largest speed factor on a worker's routing cost (1 / this the smallest)"
+    )
 
     def __post_init__(self) -> None:
         require(0 < self.alpha <= 1, "alpha must be in (0, 1]")
         require(self.default_prefill_s_per_token > 0, "default_prefill_s_per_token must be > 0")
         require(self.default_decode_s_per_token > 0, "default_decode_s_per_token must be > 0")
         require(self.default_load_s >= 0, "default_load_s must be >= 0")
+        require(self.min_samples >= 1, "min_samples must be >= 1")
+        require(self.max_factor >= 1, "max_factor must be >= 1")
 
 
 @dataclass
@@ -51,12 +73,15 @@ class WorkerProfile:
     model_load_s: float = 0.0
     prefill_s_per_token: float | None = None  # measured (EWMA); None: no sample yet
     decode_s_per_token: float | None = None
+    prefill_samples: int = 0
+    decode_samples: int = 0
 
 
 class WorkerProfiles:
     def __init__(self, config: WorkerProfileConfig | None = None):
         self.config = config or WorkerProfileConfig()
         self._by_worker: dict[str, WorkerProfile] = {}
+        self._speeds: dict[str, tuple[float, float]] | None = {}  # None: recompute
 
     def register(
         self,
@@ -77,7 +102,8 @@ class WorkerProfiles:
         return p
 
     def forget(self, worker_id: str) -> None:
-        self._by_worker.pop(worker_id, None)
+        if self._by_worker.pop(worker_id, None) is not None:
+            self._speeds = None
 
     def get(self, worker_id: str) -> WorkerProfile | None:
         return self._by_worker.get(worker_id)
@@ -88,6 +114,8 @@ class WorkerProfiles:
             return
         p = self._profile(worker_id)
         p.prefill_s_per_token = self._mix(p.prefill_s_per_token, seconds / tokens)
+        p.prefill_samples += 1
+        self._speeds = None
 
     def observe_decode(self, worker_id: str, tokens: int, seconds: float) -> None:
         """`worker_id` generated `tokens` tokens in `seconds` (after the first)."""
@@ -95,6 +123,8 @@ class WorkerProfiles:
             return
         p = self._profile(worker_id)
         p.decode_s_per_token = self._mix(p.decode_s_per_token, seconds / tokens)
+        p.decode_samples += 1
+        self._speeds = None
 
     def predict_s(self, worker_id: str, prefill_tokens: int, decode_tokens: int, model_id: str = "") -> float:
         """Seconds a request would take on `worker_id`: its prefill and decode at
@@ -112,6 +142,29 @@ class WorkerProfiles:
     ) -> float:
         """Predicted worker-seconds per token delivered (decode_tokens >= 1)."""
         return self.predict_s(worker_id, prefill_tokens, decode_tokens, model_id) / max(decode_tokens, 1)
+
+    def speeds(self) -> dict[str, tuple[float, float]]:
+        """Worker id -> (prefill factor, decode factor) for the workers measured (module doc).
+        Recomputed after a sample or a departure; the same dict until then (do not change it)."""
+        if self._speeds is None:
+            self._speeds = self._compute_speeds()
+        return self._speeds
+
+    def _compute_speeds(self) -> dict[str, tuple[float, float]]:
+        need, cap = self.config.min_samples, self.config.max_factor
+        pre = {w: p.prefill_s_per_token for w, p in self._by_worker.items() if p.prefill_samples >= need}
+        dec = {w: p.decode_s_per_token for w, p in self._by_worker.items() if p.decode_samples >= need}
+        pre_mid = statistics.median(pre.values()) if pre else 0.0
+        dec_mid = statistics.median(dec.values()) if dec else 0.0
+
+        def factor(rate: float | None, mid: float) -> float:
+            if rate is None or mid <= 0:
+                return 1.0
+            return min(max(rate / mid, 1.0 / cap), cap)
+
+        return {
+            w: (factor(pre.get(w), pre_mid), factor(dec.get(w), dec_mid)) for w in pre.keys() | dec.keys()
+        }
 
     def _fleet_median(self, attr: str) -> float:
         seen = [v for p in self._by_worker.values() if (v := getattr(p, attr)) is not None]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from services.common.tracing import shutdown as shutdown_tracing
 from services.engine.api import Engine
 from services.engine.config import EngineConfig
 from services.engine.factory import create_engine
+from services.worker.hardware import accelerator_generation, memory_headroom_bytes
 from services.worker.health import HealthWatch
 from services.worker.metrics import EngineCollector
 from services.worker.serving import default_worker_id
@@ -120,12 +122,18 @@ class WorkerRuntime:
         self.worker_id = ""
         self.address = ""
         self.link_port = 0  # a decode worker's raw token link, once listening (WorkerInfo.link_port)
+        self.model_load_s = 0.0
+        self.generation = ""  # WorkerInfo.accelerator_generation, read once the engine is up
         # Run first at shutdown, after the drain (a decode worker's raw link listener closes).
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
     async def setup(self) -> None:
         """Load the engine, bind, bring up the KV transport (agent registered)."""
+        started = time.monotonic()
         await self.engine.start()
+        self.model_load_s = time.monotonic() - started  # WorkerInfo.model_load_s: measured, not declared
+        e = self.engine.info
+        self.generation = "sim" if e.backend == "sim" else accelerator_generation(e.device)
         port = self.server.bind()
         host = self.config.advertise_host or self.server.config.host
         if host in ("0.0.0.0", "::", ""):  # listening everywhere: peers reach us by our name
@@ -182,6 +190,11 @@ class WorkerRuntime:
             max_model_len=e.max_model_len,
             kv_agent_name=self.transport.agent_name if self.transport else "",
             link_port=self.link_port,
+            # Heterogeneous fleets (issue 21 item 3; services/worker/hardware.py).
+            accelerator_generation=self.generation,
+            memory_headroom_bytes=memory_headroom_bytes(e.device),
+            warm_models=[e.model_id],
+            model_load_s=self.model_load_s,
         )
 
     async def serve(self, load: Callable[[], common_pb2.WorkerLoad]) -> None:

@@ -26,6 +26,7 @@ from services.router.registry import WorkerRole
 from services.router.retries import RetryAttachConfig
 from services.router.retry_budget import RetryBudgetConfig
 from services.router.router import Router
+from services.router.worker_profile import WorkerProfileConfig
 from tests.service.router.fakes import FakeDecode, FakePrefill
 
 FAST = dict(
@@ -137,6 +138,7 @@ class Mesh:
         outlier: OutlierConfig | None = None,
         hedge: HedgeConfig | None = None,
         retry_attach: RetryAttachConfig | None = None,
+        speed: WorkerProfileConfig | None = None,
         wait: bool = True,
         resolver=None,
         static=None,
@@ -157,6 +159,7 @@ class Mesh:
             outlier=outlier or OutlierConfig(),
             hedge=hedge or HedgeConfig(),
             retry_attach=retry_attach or RetryAttachConfig(),
+            speed=speed or WorkerProfileConfig(),
         )
         kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
         if resolver is not None:

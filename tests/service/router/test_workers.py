@@ -241,3 +241,22 @@ async def test_unanswered_probes_in_a_row_mark_a_worker_not_serving(mesh):
     assert d1.calls == []
     await r.wait_until(lambda: r.registry.get("d1").healthy)  # an answer brings it back
     assert stub.fail == 0
+
+
+async def test_a_registration_describes_the_hardware_and_the_router_keeps_it(mesh):
+    """Heterogeneous fleets (issue 21 item 3): generation, headroom, warm models, load time."""
+    d1 = await mesh.decode("d1")
+    h = await mesh.router([], wait=False)
+    req = _register(d1)
+    req.worker.accelerator = common_pb2.ACCELERATOR_KIND_CUDA
+    req.worker.accelerator_generation = "h200"
+    req.worker.memory_headroom_bytes = 7 << 30
+    req.worker.warm_models[:] = [d1.info().model_id]
+    req.worker.model_load_s = 42.5
+    await h.internal.RegisterWorker(req)
+    w = (await _listed(h))["d1"]
+    assert (w.info.accelerator_generation, w.info.memory_headroom_bytes) == ("h200", 7 << 30)
+    assert list(w.info.warm_models) == [d1.info().model_id] and w.info.model_load_s == 42.5
+    assert w.prefill_speed_factor == w.decode_speed_factor == 1.0  # nothing measured yet
+    p = h.router.profiles.get("d1")
+    assert p.accelerator == "cuda/h200" and p.model_load_s == 42.5 and p.memory_headroom_bytes == 7 << 30

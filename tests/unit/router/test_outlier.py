@@ -554,3 +554,22 @@ def test_a_moment_of_live_slowness_deprioritises_but_does_not_eject():
     advance(det, clock, ("w0", "w1", "w2", "w3"), 1.0)  # and back to its peers' pace
     det.evaluate()
     assert det.state("w0") is OutlierState.HEALTHY
+
+
+def test_rerank_charges_only_the_slowness_the_cost_does_not_already_carry():
+    """Routing on measured speed (worker_profile.py) already multiplied w0's cost by its speed
+    factor; the detector's factor on top would count the same slowness twice."""
+    det, _, _ = mesh()
+    feed(det, "w0", 0.1)  # factor 2
+    choices = [("w0", 1.0), ("w1", 1.5)]
+    explained = {"w0": 2.0}.get
+    assert [
+        c[0] for c in det.rerank(choices, lambda c: c[0], lambda c: c[1], lambda w: explained(w, 1.0))
+    ] == [
+        "w0",
+        "w1",
+    ]
+    # Half of it explained: (1 + 1) * 2 / 1.25 = 3.2 > 2.5
+    assert [c[0] for c in det.rerank(choices, lambda c: c[0], lambda c: c[1], lambda w: 1.25)] == ["w1", "w0"]
+    # A factor below 1 (a faster worker) explains nothing: the detector's whole factor applies.
+    assert [c[0] for c in det.rerank(choices, lambda c: c[0], lambda c: c[1], lambda w: 0.5)] == ["w1", "w0"]

@@ -130,3 +130,39 @@ def test_kv_aware_busy_blocks_prices_the_pass_in_progress():
     busy = make_policy("kv_aware", PolicyConfig(decode_weight=0.1, busy_blocks=30), random.Random(0))
     ranked = busy.rank(cands, 100, {"a": 20})
     assert [c.worker_id for c in ranked] == ["b", "a"] and ranked[1].cost == 120
+
+
+def test_kv_aware_ranks_on_predicted_time_with_measured_speeds():
+    """speeds: (prefill factor, decode factor) against the fleet's median worker."""
+    p = kv(decode_weight=0.1)
+    idle = [cand("slow"), cand("fast")]
+    # Idle and uncached: the block costs tie; the slower prefill costs more.
+    ranked = p.rank(idle, 10, speeds={"slow": (2.0, 1.0), "fast": (0.5, 1.0)})
+    assert ids(ranked) == ["fast", "slow"]
+    # prefill 0.5 * 10 + decode 1 * 0.1 * (0 + 10) = 6; slow: 2 * 10 + 0.1 * 10 = 21
+    assert [c.cost for c in ranked] == pytest.approx([6.0, 21.0])
+    # A slower decoder: its own context's decode costs more (a worker without an entry is 1).
+    ranked = p.rank(idle, 10, speeds={"slow": (1.0, 4.0)})
+    assert ids(ranked) == ["fast", "slow"]
+    assert [c.cost for c in ranked] == pytest.approx([11.0, 14.0])
+    # A cache hit on the slow worker still wins when it saves more than the speed costs.
+    ranked = p.rank(idle, 10, {"slow": 8}, speeds={"slow": (2.0, 1.0)})
+    assert ids(ranked) == ["slow", "fast"]  # 2 * 2 + 1 = 5 < 10 + 1
+    # A queue on the fast worker counts at its own speed: 32 tokens waiting = 2 blocks.
+    loaded = [cand("slow"), cand("fast", tokens_waiting=32 * 16)]
+    assert ids(p.rank(loaded, 10, speeds={"slow": (2.0, 1.0), "fast": (0.5, 1.0)})) == ["slow", "fast"]
+    assert ids(p.rank(loaded, 10, speeds={"slow": (2.0, 1.0), "fast": (0.2, 1.0)})) == ["fast", "slow"]
+
+
+def test_without_speeds_kv_aware_costs_are_dynamos():
+    p = kv(decode_weight=0.1)
+    ranked = p.rank([cand("a", decode_blocks=20), cand("b")], 10)
+    assert [(c.worker_id, c.cost) for c in ranked] == [("b", pytest.approx(10.0)), ("a", pytest.approx(12.0))]
+    assert p.rank([cand("a")], 10, speeds={})[0].cost == pytest.approx(10.0)  # empty: unmeasured
+
+
+def test_least_loaded_weighs_each_load_by_the_workers_speed():
+    p = make_policy("least_loaded", PolicyConfig(block_size=16, decode_weight=1.0), random.Random(0))
+    cands = [cand("a", decode_blocks=10), cand("b", decode_blocks=15)]
+    assert ids(p.rank(cands)) == ["a", "b"]
+    assert ids(p.rank(cands, speeds={"a": (1.0, 2.0)})) == ["b", "a"]  # 20 > 15

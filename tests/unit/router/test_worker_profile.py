@@ -50,3 +50,37 @@ def test_bad_samples_are_ignored_and_rates_survive_re_registration():
     assert prof.get("a") is None
     with pytest.raises(ValueError):
         WorkerProfileConfig(alpha=0)
+
+
+def test_speed_factors_are_measured_rates_over_the_median_worker():
+    prof = WorkerProfiles(WorkerProfileConfig(alpha=1.0, min_samples=2, max_factor=4.0))
+    for w, pre, dec in (("a", 1e-4, 0.01), ("b", 2e-4, 0.02), ("c", 4e-4, 0.2)):
+        prof.observe_prefill(w, 100, pre * 100)
+        prof.observe_decode(w, 10, dec * 10)
+    assert prof.speeds() == {}  # one sample each: not yet
+    for w, pre, dec in (("a", 1e-4, 0.01), ("b", 2e-4, 0.02), ("c", 4e-4, 0.2)):
+        prof.observe_prefill(w, 100, pre * 100)
+        prof.observe_decode(w, 10, dec * 10)
+    s = prof.speeds()
+    assert s["a"] == pytest.approx((0.5, 0.5))
+    assert s["b"] == pytest.approx((1.0, 1.0))
+    assert s["c"] == pytest.approx((2.0, 4.0))  # decode 10x the median: capped at max_factor
+    assert prof.speeds() is s  # no new sample: the same dict
+    prof.observe_decode("d", 10, 1.0)  # a new worker, one sample: not weighed, others unchanged
+    assert "d" not in prof.speeds() and prof.speeds()["c"] == pytest.approx((2.0, 4.0))
+    prof.forget("b")  # the median moves: between a and c now
+    # prefill 1e-4 / 2.5e-4; decode 0.01 / 0.105 is below the floor 1 / max_factor
+    assert prof.speeds()["a"] == pytest.approx((0.4, 0.25))
+
+
+def test_a_worker_measured_in_one_phase_only_is_1_in_the_other():
+    prof = WorkerProfiles(WorkerProfileConfig(alpha=1.0, min_samples=1))
+    prof.observe_decode("a", 1, 0.01)
+    prof.observe_decode("b", 1, 0.03)
+    prof.observe_prefill("a", 10, 0.01)
+    s = prof.speeds()
+    assert s["a"] == pytest.approx((1.0, 0.5)) and s["b"] == pytest.approx((1.0, 1.5))
+    with pytest.raises(ValueError):
+        WorkerProfileConfig(min_samples=0)
+    with pytest.raises(ValueError):
+        WorkerProfileConfig(max_factor=0.5)
