@@ -81,6 +81,9 @@ class Study:
     slo_tpot_ms: float = 100.0  # model time
     timeout_s: float = 300.0  # wall, per request
     host_tier_blocks: int = 0  # per worker, blocks of the profile's model (0 = no host KV tier)
+    # A heterogeneous fleet (issue 21 item 3): worker i runs at speedup / slowdowns[i % len], an
+    # older generation slower at everything; model time stays the fastest worker's clock.
+    worker_slowdowns: tuple[float, ...] = ()
 
     @property
     def wall_factor(self) -> float:
@@ -222,12 +225,16 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
 
         block_bytes = load_profile(study.profile).kv_bytes_per_token * study.block_size
         engine += flags(engine_host_tier_bytes=study.host_tier_blocks * block_bytes)
+    slow = study.worker_slowdowns or (1.0,)
     workers = [
         launcher.start(
             ServiceSpec(
                 f"decode-{i}",
                 "services.decode.main",
-                flags(worker_id=f"decode-{i:02d}") + engine,
+                # a later flag wins: this worker's own speed
+                flags(worker_id=f"decode-{i:02d}")
+                + engine
+                + flags(engine_sim_speedup=study.speedup / slow[i % len(slow)]),
                 ready_service="pdmesh.v1.DecodeService",
             )
         )
@@ -259,6 +266,8 @@ VARIANTS = {
         "prefix_pull_min_gain": 0.99,
     },
     "notier": {"tier_credit": "false"},  # host-tier blocks not credited (bench/kv_tiers.py)
+    "nospeed": {"speed_enabled": "false"},  # every worker weighs the same (issue 21 item 3)
+    "plain": {"speed_enabled": "false", "outlier_enabled": "false"},  # nor slowness seen as a fault
 }
 
 
@@ -434,6 +443,12 @@ def describe(study: Study) -> str:
         f"{study.requests} requests, length_factor={study.length_factor:g} (outputs / "
         f"{study.length_factor * study.output_factor:g}), model time_factor="
         f"{study.time_factor:g}, speedup={study.speedup:g} (wall time_factor={study.wall_factor:g})"
+        + (
+            f"; heterogeneous: worker i runs at speedup / {','.join(f'{x:g}' for x in study.worker_slowdowns)}"
+            "[i mod len]"
+            if study.worker_slowdowns
+            else ""
+        )
     )
 
 
@@ -529,13 +544,36 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("time_factor", "speedup", "length_factor", "output_factor"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, help=f"override {name}")
     p.add_argument("--policies", help="comma-separated, e.g. kv_aware,kv_aware:4,round_robin")
+    p.add_argument(
+        "--worker-slowdowns", help="heterogeneous fleet: worker i at speedup / entry i mod len, e.g. 1,2.5"
+    )
     args = vars(p.parse_args(argv))
+    if args["worker_slowdowns"]:
+        args["worker_slowdowns"] = tuple(float(x) for x in args["worker_slowdowns"].split(","))
     study = QUICK if args.pop("study") == "quick" else FULL
     if args["policies"]:
         args["policies"] = tuple(args["policies"].split(","))
     study = replace(study, **{k: v for k, v in args.items() if v is not None})
+    from bench.machine import cpu_model
+
+    print(f"CPU: {cpu_model()} x{os.cpu_count()}")
     results, ideal = run_study(study)
     print_study(study, results, ideal)
+    first = results[0]
+    for r in results[1:]:  # the same arrivals, lengths and workers: ratios within this run
+        print(
+            f"  {r.policy} vs {first.policy}: mean TTFT x{r.ttft_ms['mean'] / first.ttft_ms['mean']:.2f}, "
+            f"p99 x{r.ttft_ms['p99'] / first.ttft_ms['p99']:.2f}, goodput x{r.goodput_rps / max(first.goodput_rps, 1e-9):.2f}, "
+            f"tpot p50 x{r.tpot_p50_ms / max(first.tpot_p50_ms, 1e-9):.2f}"
+        )
+    print(
+        "routing_quality "
+        + " ".join(
+            f"{r.policy.replace('@', '_').replace(':', '_')}_ttft_mean={r.ttft_ms['mean']:.0f} "
+            f"{r.policy.replace('@', '_').replace(':', '_')}_goodput={r.goodput_rps:.3f}"
+            for r in results
+        )
+    )
     return 0
 
 

@@ -34,6 +34,16 @@ was a hit (session 26 measured 0.15 ms warm against 0.25-0.29 ms cold). With
 optimistic prefixes (`ttl=`) the router hashes the whole prompt after each decision,
 which fills the memo; those chunks are counted apart.
 
+`--speeds 1,1,2.5/1.6` makes the fleet heterogeneous (issue 21 item 3): worker i's
+prefill and decode times are multiplied by entry i mod len (one number: both;
+"p/d": prefill by p, decode by d; e.g. an older generation with a third of the
+compute and 60% of the memory bandwidth is "3/1.6"). Variant options `prof=1`
+(the router's WorkerProfiles learn each worker's speed from what it sees: each
+request's TTFT over the queue routed ahead of it plus its prompt, and its time per
+token after the first, services/router/worker_profile.py) and `label=1` (the
+fleet's true factors, as static labels would give them) pass speeds to the policy.
+Each row then prints the mean end-to-end latency and the p99 time per output token.
+
 Run: `python bench/routing_sim.py --workers 4 8 16 32 --requests 800 --variants
 rr,kv@hb,kv@lv,kv@lv:dw=0.1+lag=1+ttl=10` (options after ":" joined by "+": pw, dw,
 t (temperature), qw, lag, ttl, oracle=1). Not a substitute for the real study: no
@@ -67,6 +77,7 @@ from services.router.config import RouterConfig
 from services.router.hash_memo import CHUNK
 from services.router.load_view import LoadView
 from services.router.policy import Candidate, PolicyConfig, WorkerLoad, make_policy
+from services.router.worker_profile import WorkerProfileConfig, WorkerProfiles
 
 
 @dataclass(eq=False)
@@ -83,6 +94,8 @@ class Req:
     first_token: float = math.nan
     done: float = math.nan
     key: int = -1  # load view key
+    ahead: int = 0  # prompt tokens queued at its worker when routed (the router's view)
+    to_prefill: int = 0  # prompt tokens the router expected it to compute
     blocks: list[int] = field(default_factory=list)  # hashes held (full prompt blocks)
     extra_blocks: int = 0  # non-cacheable blocks held (partial + decode)
 
@@ -100,6 +113,7 @@ class Worker:
         self.running: list[Req] = []
         self.busy = False
         self.cached_tokens = 0
+        self.prefill_x = self.decode_x = 1.0  # heterogeneous fleets: pass time multipliers
 
     def occupancy(self) -> int:
         """Blocks taken: the cache (free or in use), blocks being computed, decode/partial blocks."""
@@ -185,6 +199,8 @@ class Variant:
     oracle: bool = False  # exploration: the workers' true remaining prefill tokens as load
     busy_blocks: float = RouterConfig().busy_blocks  # the router's default ("busy=0": none)
     sync: bool = True  # the load view learns of each report (LoadView.reported); "sync=0": max(own, reported)
+    prof: bool = False  # speeds learned online (WorkerProfiles), "prof=1"
+    label: bool = False  # the fleet's true speed factors, "label=1"
 
 
 class Cluster:
@@ -202,6 +218,15 @@ class Cluster:
             **({"decode_weight": variant.decode_weight} if _has_decode_weight() else {}),
         )
         self.policy = make_policy(variant.policy, cfg, random.Random(seed))
+        speeds = getattr(args, "speeds", None) or [(1.0, 1.0)]
+        for w in self.workers:
+            w.prefill_x, w.decode_x = speeds[w.wid % len(speeds)]
+        self.profiles = WorkerProfiles(WorkerProfileConfig()) if variant.prof else None
+        self.labels: dict[str, tuple[float, float]] | None = None
+        if variant.label:
+            mid_p = statistics.median(w.prefill_x for w in self.workers)
+            mid_d = statistics.median(w.decode_x for w in self.workers)
+            self.labels = {str(w.wid): (w.prefill_x / mid_p, w.decode_x / mid_d) for w in self.workers}
         self.view = LoadView()
         self.reports = [WorkerLoad() for _ in self.workers]
         self.pending = [0] * len(self.workers)
@@ -275,9 +300,17 @@ class Cluster:
                 )
                 for c in cands
             ]
-        choice = self.policy.rank(cands, len(r.hashes), overlaps)[0]
+        speeds = self.labels if self.labels is not None else None
+        if self.profiles is not None:
+            speeds = self.profiles.speeds() or None
+        if speeds:
+            choice = self.policy.rank(cands, len(r.hashes), overlaps, speeds=speeds)[0]
+        else:
+            choice = self.policy.rank(cands, len(r.hashes), overlaps)[0]
         wi = int(choice.worker_id)
         r.worker = wi
+        r.ahead = next(c.load.tokens_waiting for c in cands if c.worker_id == choice.worker_id)
+        r.to_prefill = max(r.prompt - choice.overlap_blocks * bs, 0)
         total_blocks = -(-(r.prompt + r.out) // bs)
         new_blocks = total_blocks - choice.overlap_blocks
         if self.v.own_view:
@@ -362,7 +395,7 @@ class Cluster:
             w.busy = False
             return
         w.busy = True
-        ms = self.prof.prefill_ms(new, 0) + self.prof.decode_ms(batch, dctx)
+        ms = self.prof.prefill_ms(new, 0) * w.prefill_x + self.prof.decode_ms(batch, dctx) * w.decode_x
         self.push(now + ms / 1000.0, 1, (w, sched))
 
     def end_pass(self, w: Worker, sched: list[tuple[Req, int]], now: float) -> None:
@@ -384,8 +417,13 @@ class Cluster:
                     r.first_token = now
                     if r.key >= 0:
                         self.view.first_token(r.key)
+                    if self.profiles is not None:  # as generate.py's _on_first
+                        work = r.ahead + (-(-r.to_prefill // bs) + 1) * bs
+                        self.profiles.observe_prefill(str(w.wid), work, now - r.arrival)
                 if r.produced >= r.out:
                     r.done = now
+                    if self.profiles is not None and r.out > 1:  # as generate.py's _report_latency
+                        self.profiles.observe_decode(str(w.wid), r.out - 1, now - r.first_token)
                     w.running.remove(r)
                     for h in r.blocks:
                         c = w.refs[h] - 1
@@ -448,8 +486,20 @@ def parse_variant(spec: str) -> Variant:
         }.get(k, k)
         if name not in Variant.__dataclass_fields__ or name in ("name", "policy", "own_view"):
             raise ValueError(f"unknown variant option {k!r} in {spec!r}")
-        setattr(v, name, bool(int(val)) if name in ("oracle", "sync") else float(val))
+        setattr(v, name, bool(int(val)) if name in ("oracle", "sync", "prof", "label") else float(val))
     return v
+
+
+def parse_speeds(spec: str) -> list[tuple[float, float]]:
+    """'1,1,3/1.6' -> [(1, 1), (1, 1), (3, 1.6)]: (prefill, decode) pass-time multipliers."""
+    out = []
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        pre, _, dec = part.partition("/")
+        pair = (float(pre), float(dec or pre))
+        if not all(math.isfinite(x) and x > 0 for x in pair):
+            raise ValueError(f"speeds must be positive numbers, got {part!r}")
+        out.append(pair)
+    return out
 
 
 def make_reqs(args, time_factor: float) -> list[Req]:
@@ -512,12 +562,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default="rr,kv@hb,kv@lv")
     p.add_argument(
+        "--speeds",
+        default="",
+        help="heterogeneous fleet: pass-time multipliers per worker, cycled (x or prefill/decode)",
+    )
+    p.add_argument(
         "--memo-chunks",
         default="",
         help="model the router's hash memo at these bounds, comma-separated chunks (0: unbounded)",
     )
     args = p.parse_args(argv)
     args.memo_chunks = [int(b) for b in args.memo_chunks.split(",") if b.strip()]
+    args.speeds = parse_speeds(args.speeds)
     prof = load_profile("dynamo-mocker").scaled_to(args.num_blocks, args.block_size)
     print(f"routing model (model time; the CPU sets only how long it takes): {cpu_model()} x{os.cpu_count()}")
     summary: list[str] = []
@@ -541,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.mean(alone_ideal):.0f} ms with the ideal cache (p99 {pct(alone_ideal, 0.99):.0f})"
         )
         rows = {}
+        e2es: dict[str, float] = {}
         for spec in args.variants.split(","):
             v = parse_variant(spec)
             reqs = [Req(r.rid, r.arrival, r.hashes, r.prompt, r.out) for r in base]
@@ -562,6 +619,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {spec:28s} ttft mean {m:7.0f} p50 {p50:6.0f} p99 {p99:7.0f} ms  hit {h:.3f}  "
                 f"req/s {rps:5.2f} spread {max(counts) / statistics.mean(counts):.2f}{rel}"
             )
+            if args.speeds:  # heterogeneous: the whole request, and decode speed
+                e2e = statistics.mean((r.done - r.arrival) * 1000 for r in reqs)
+                tpot = [(r.done - r.first_token) * 1000 / (r.out - 1) for r in reqs if r.out > 1]
+                share = [counts[i] / len(reqs) for i in range(n)]
+                print(
+                    f"    e2e mean {e2e:7.0f} ms  tpot p50 {pct(tpot, 0.5):5.1f} p99 {pct(tpot, 0.99):6.1f} ms  "
+                    f"share per worker {' '.join(f'{x:.2f}' for x in share)}"
+                )
+                tag = re.sub(r"\W+", "_", spec) + f"_w{n}"
+                summary += [
+                    f"ttft_mean_{tag}={m:.0f}",
+                    f"ttft_p99_{tag}={p99:.0f}",
+                    f"e2e_mean_{tag}={e2e:.0f}",
+                ]
+                first = next(iter(e2es), None)
+                e2es[spec] = e2e
+                if first is not None:  # against the first variant of this run (same trace, same fleet)
+                    m0, _, p99_0, _, _ = rows[first]
+                    print(
+                        f"    vs {first}: ttft mean x{m / m0:.2f} p99 x{p99 / p99_0:.2f} e2e mean x{e2e / e2es[first]:.2f}"
+                    )
+                    summary.append(f"ttft_vs_first_{tag}={m / m0:.3f}")
+                    summary.append(f"e2e_vs_first_{tag}={e2e / e2es[first]:.3f}")
+                if cluster.profiles is not None:
+                    learned = cluster.profiles.speeds()
+                    print(
+                        "    learned (prefill, decode) factors: "
+                        + " ".join(
+                            f"{w}:{p:.2f}/{d:.2f}"
+                            for w, (p, d) in sorted(learned.items(), key=lambda x: int(x[0]))
+                        )
+                    )
             for bound, (warm, cold, hit, missed, after) in cluster.memo_counts.items():
                 tag = re.sub(r"\W+", "_", spec) + f"_w{n}_{bound or 'unbounded'}"
                 summary.append(f"memo_hits_{tag}={hit / max(hit + missed, 1):.3f}")

@@ -2,8 +2,11 @@
 
 Owns one `WorkerProfile` per worker: what it registered (accelerator kind and
 generation, memory headroom, warm models, model load time: WorkerInfo fields
-30-33) and exponentially weighted means of its *measured* seconds per prefill
-token and per decode token. Labels are not rates: two workers of one
+30-33) and the medians of its last `window` *measured* seconds per prefill
+token and per decode token (medians: one request queued behind a long prompt's
+chunk, or one stream beside a burst, must not move a worker's rate; an
+exponentially weighted mean did, and on the routing model a few such samples
+priced a worker at the cap). Labels are not rates: two workers of one
 generation differ (clocks, neighbours, a noisy host), so the rates come only
 from what the router saw each worker do (`observe_prefill`: a first token
 after `tokens` prompt tokens to compute; `observe_decode`: `tokens` generated
@@ -38,6 +41,7 @@ refuses others), so every worker's is warm and `predict_s` charges nothing.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.config import require, setting
@@ -46,7 +50,7 @@ from services.common.config import require, setting
 @dataclass(frozen=True)
 class WorkerProfileConfig:
     enabled: bool = setting(True, "route on each worker's measured prefill and decode speed (issue 21)")
-    alpha: float = setting(0.2, "weight of the latest sample in a worker's rate mean")
+    window: int = setting(32, "samples per worker and rate whose median is the rate (the newest)")
     default_prefill_s_per_token: float = setting(1e-4, "prefill rate assumed before any worker is measured")
     default_decode_s_per_token: float = setting(2e-2, "decode rate assumed before any worker is measured")
     default_load_s: float = setting(30.0, "load time charged for a cold model when the worker gave none")
@@ -56,7 +60,7 @@ class WorkerProfileConfig:
     )
 
     def __post_init__(self) -> None:
-        require(0 < self.alpha <= 1, "alpha must be in (0, 1]")
+        require(self.window >= 1, "window must be >= 1")
         require(self.default_prefill_s_per_token > 0, "default_prefill_s_per_token must be > 0")
         require(self.default_decode_s_per_token > 0, "default_decode_s_per_token must be > 0")
         require(self.default_load_s >= 0, "default_load_s must be >= 0")
@@ -71,10 +75,12 @@ class WorkerProfile:
     memory_headroom_bytes: int = 0
     warm_models: frozenset[str] = field(default_factory=frozenset)
     model_load_s: float = 0.0
-    prefill_s_per_token: float | None = None  # measured (EWMA); None: no sample yet
+    prefill_s_per_token: float | None = None  # measured (the window's median); None: no sample yet
     decode_s_per_token: float | None = None
     prefill_samples: int = 0
     decode_samples: int = 0
+    prefill_window: deque[float] = field(default_factory=deque)
+    decode_window: deque[float] = field(default_factory=deque)
 
 
 class WorkerProfiles:
@@ -113,7 +119,7 @@ class WorkerProfiles:
         if tokens <= 0 or not seconds > 0:
             return
         p = self._profile(worker_id)
-        p.prefill_s_per_token = self._mix(p.prefill_s_per_token, seconds / tokens)
+        p.prefill_s_per_token = self._add(p.prefill_window, seconds / tokens)
         p.prefill_samples += 1
         self._speeds = None
 
@@ -122,7 +128,7 @@ class WorkerProfiles:
         if tokens <= 0 or not seconds > 0:
             return
         p = self._profile(worker_id)
-        p.decode_s_per_token = self._mix(p.decode_s_per_token, seconds / tokens)
+        p.decode_s_per_token = self._add(p.decode_window, seconds / tokens)
         p.decode_samples += 1
         self._speeds = None
 
@@ -174,8 +180,12 @@ class WorkerProfiles:
             return self.config.default_prefill_s_per_token
         return self.config.default_decode_s_per_token
 
-    def _mix(self, old: float | None, sample: float) -> float:
-        return sample if old is None else old + self.config.alpha * (sample - old)
+    def _add(self, window: deque[float], sample: float) -> float:
+        """Keep `sample` in `window` (the newest `window` samples); their median."""
+        window.append(sample)
+        if len(window) > self.config.window:
+            window.popleft()
+        return statistics.median(window)
 
     def _profile(self, worker_id: str) -> WorkerProfile:
         p = self._by_worker.get(worker_id)

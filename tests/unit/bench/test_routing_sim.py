@@ -90,3 +90,26 @@ def test_the_hash_memo_model_counts_the_chunks_a_walk_hashes():
     assert cluster.memo_counts[0][2:] == [5, 4, 0]
     cluster.memo_walk([*first[:16], 3000], 17, decision=False)  # after a decision: counted apart
     assert cluster.memo_counts[0] == [1, 3, 5, 4, 1] and 3000 in cluster.memos[0]
+
+
+def test_a_heterogeneous_fleet_slows_its_slow_workers_and_the_profiles_find_them():
+    """--speeds: worker i's pass times x entry i mod len; prof=1 learns the factors online."""
+    from bench.routing_sim import parse_speeds
+
+    assert parse_speeds("1, 3/1.6") == [(1.0, 1.0), (3.0, 1.6)]
+    with pytest.raises(ValueError):
+        parse_speeds("1,0")
+    a = args(requests=300)
+    a.speeds = parse_speeds("1,3")
+    prof = load_profile("dynamo-mocker").scaled_to(a.num_blocks, a.block_size)
+    base = make_reqs(a, 0.6)
+    reqs = [Req(r.rid, r.arrival, r.hashes, r.prompt, r.out) for r in base]
+    cluster = Cluster(a, parse_variant("kv@lv:prof=1"), reqs, prof, 0)
+    assert [w.prefill_x for w in cluster.workers] == [1.0, 3.0, 1.0, 3.0]
+    cluster.run()
+    assert all(r.produced == r.out for r in reqs)
+    speeds = cluster.profiles.speeds()
+    fast = max(speeds[w][0] for w in ("0", "2"))
+    assert min(speeds[w][0] for w in ("1", "3")) > fast  # the slow ones cost more per prefill block
+    labelled = Cluster(a, parse_variant("kv@lv:label=1"), [], prof, 0)
+    assert labelled.labels == {"0": (0.5, 0.5), "1": (1.5, 1.5), "2": (0.5, 0.5), "3": (1.5, 1.5)}

@@ -8,7 +8,7 @@ from services.router.worker_profile import WorkerProfileConfig, WorkerProfiles
 
 
 def test_rates_come_from_measurements_not_labels():
-    prof = WorkerProfiles(WorkerProfileConfig(alpha=0.5))
+    prof = WorkerProfiles()
     # Same label, different measured speed: the prediction follows the measurements.
     prof.register("a", accelerator="cuda/h200", warm_models=("m",))
     prof.register("b", accelerator="cuda/h200", warm_models=("m",))
@@ -18,7 +18,7 @@ def test_rates_come_from_measurements_not_labels():
     prof.observe_decode("b", 10, 0.3)
     assert prof.predict_s("a", 1000, 10, "m") == pytest.approx(0.2)
     assert prof.predict_s("b", 1000, 10, "m") == pytest.approx(0.7)
-    prof.observe_prefill("a", 1000, 0.3)  # slower now: the mean moves halfway
+    prof.observe_prefill("a", 1000, 0.3)  # slower now: the median of two samples is between
     assert prof.get("a").prefill_s_per_token == pytest.approx(2e-4)
     assert prof.cost_per_token("a", 1000, 10, "m") == pytest.approx((0.2 + 0.1) / 10)
 
@@ -49,11 +49,11 @@ def test_bad_samples_are_ignored_and_rates_survive_re_registration():
     prof.forget("a")
     assert prof.get("a") is None
     with pytest.raises(ValueError):
-        WorkerProfileConfig(alpha=0)
+        WorkerProfileConfig(window=0)
 
 
 def test_speed_factors_are_measured_rates_over_the_median_worker():
-    prof = WorkerProfiles(WorkerProfileConfig(alpha=1.0, min_samples=2, max_factor=4.0))
+    prof = WorkerProfiles(WorkerProfileConfig(min_samples=2, max_factor=4.0))
     for w, pre, dec in (("a", 1e-4, 0.01), ("b", 2e-4, 0.02), ("c", 4e-4, 0.2)):
         prof.observe_prefill(w, 100, pre * 100)
         prof.observe_decode(w, 10, dec * 10)
@@ -74,7 +74,7 @@ def test_speed_factors_are_measured_rates_over_the_median_worker():
 
 
 def test_a_worker_measured_in_one_phase_only_is_1_in_the_other():
-    prof = WorkerProfiles(WorkerProfileConfig(alpha=1.0, min_samples=1))
+    prof = WorkerProfiles(WorkerProfileConfig(min_samples=1))
     prof.observe_decode("a", 1, 0.01)
     prof.observe_decode("b", 1, 0.03)
     prof.observe_prefill("a", 10, 0.01)
@@ -84,3 +84,16 @@ def test_a_worker_measured_in_one_phase_only_is_1_in_the_other():
         WorkerProfileConfig(min_samples=0)
     with pytest.raises(ValueError):
         WorkerProfileConfig(max_factor=0.5)
+
+
+def test_a_rate_is_the_median_of_the_newest_samples():
+    """One request queued behind a long prompt's chunk must not price a worker at the cap."""
+    prof = WorkerProfiles(WorkerProfileConfig(window=5))
+    for s in (1.0, 1.1, 0.9, 1.0):
+        prof.observe_decode("a", 1, s)
+    prof.observe_decode("a", 1, 50.0)  # one stream beside a burst
+    assert prof.get("a").decode_s_per_token == pytest.approx(1.0)
+    for _ in range(5):  # slower for good: the window turns over
+        prof.observe_decode("a", 1, 3.0)
+    assert prof.get("a").decode_s_per_token == pytest.approx(3.0)
+    assert len(prof.get("a").decode_window) == 5
