@@ -266,8 +266,9 @@ VARIANTS = {
         "prefix_pull_min_gain": 0.99,
     },
     "notier": {"tier_credit": "false"},  # host-tier blocks not credited (bench/kv_tiers.py)
-    "nospeed": {"speed_enabled": "false"},  # every worker weighs the same (issue 21 item 3)
-    "plain": {"speed_enabled": "false", "outlier_enabled": "false"},  # nor slowness seen as a fault
+    "speed": {"speed_route": "true"},  # ranked on each worker's measured speed (issue 21 item 3)
+    "nospeed": {"speed_route": "false"},  # every worker weighs the same (the default)
+    "plain": {"speed_route": "false", "outlier_enabled": "false"},  # nor slowness seen as a fault
 }
 
 

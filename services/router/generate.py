@@ -134,8 +134,8 @@ class RoutingContext:
     hash_memo: HashMemo | None = None  # prompt block hashes computed before; None: hash every time
     # The request's WorkflowContext in admission, recovery, routing and cost (issue 21); None: ignored.
     workflows: WorkflowRouting | None = None
-    # Each worker's own prefill and decode speed, learned from its attempts (issue 21 item 3):
-    # kv_aware ranks on predicted time. None: every worker weighs the same.
+    # Each worker's own prefill and decode speed, learned from its attempts (issue 21 item 3);
+    # with its config's `route`, kv_aware ranks on predicted time. None: not measured.
     profiles: WorkerProfiles | None = None
 
 
@@ -160,9 +160,12 @@ def _tokens_ahead(cands: list[Candidate], own, worker_id: str) -> int:
 
 
 def _speed_of(speeds: dict[str, tuple[float, float]]) -> Callable[[str], float]:
-    """A worker's overall speed factor (the larger of its two) for the outlier detector's rerank."""
+    """How much of a worker's slowness its cost already carries, for the outlier detector's
+    rerank: the smaller of its two factors (each multiplies only its own term, so the cost grew
+    at least that much; with the larger, a degraded worker whose decode factor ran ahead of its
+    prefill factor kept more traffic in the faults study: slow share 0.034-0.036 against 0.024)."""
     same = (1.0, 1.0)
-    return lambda worker_id: max(speeds.get(worker_id, same))
+    return lambda worker_id: min(speeds.get(worker_id, same))
 
 
 def saturated(c: Candidate, config: RouterConfig) -> bool:
@@ -504,7 +507,11 @@ class RequestFlow:
             and ctx.index.tiers.has_tiers()
         ):
             credits = tier_credits(hashes, overlaps, {c.worker_id: c.load for c in cands}) or None
-        speeds = (ctx.profiles.speeds() or None) if ctx.profiles is not None else None
+        speeds = (
+            (ctx.profiles.speeds() or None)
+            if ctx.profiles is not None and ctx.profiles.config.route
+            else None
+        )
         ranked = (
             ctx.decode_policy.rank(cands, len(hashes), overlaps, credits=credits, own=own, speeds=speeds)
             if credits
@@ -587,7 +594,7 @@ class RequestFlow:
         """The first ranked worker that the outlier detector and its breaker let through."""
         ctx, outliers = self.ctx, self.ctx.outliers
         if outliers is not None:
-            speeds = ctx.profiles.speeds() if ctx.profiles is not None else None
+            speeds = ctx.profiles.speeds() if ctx.profiles is not None and ctx.profiles.config.route else None
             ranked = outliers.rerank(ranked, _worker_of, _cost_of, _speed_of(speeds) if speeds else None)
         for ch in ranked:
             wid = ch.worker_id

@@ -95,8 +95,8 @@ class WorkerView:
     record: WorkerRecord
     breaker: BreakerState
     indexed_blocks: int
-    profile: WorkerProfile | None = None  # what the router measured it do (None: speed routing off)
-    speed: tuple[float, float] = (1.0, 1.0)  # its routing cost's (prefill, decode) factors
+    profile: WorkerProfile | None = None  # what the router measured it do (None: nothing yet)
+    speed: tuple[float, float] = (1.0, 1.0)  # its (prefill, decode) factors (the cost's with --speed-route)
 
 
 class _FailedCall:
@@ -143,7 +143,7 @@ class Router:
             settings.outlier, clock, self._on_outlier, self._out_otherwise, self._waiting_at
         )
         self.registry = WorkerRegistry(cfg.registry_config(), clock, available=self._available)
-        self.profiles = WorkerProfiles(settings.speed) if settings.speed.enabled else None
+        self.profiles = WorkerProfiles(settings.speed)  # measured always; ranked on with --speed-route
         self.membership = MembershipGuard()  # who may speak for a registered worker
         self.index = TieredPrefixIndex(settings.index)  # pool blocks + host tiers
         self.sequencer = EventSequencer()

@@ -49,7 +49,11 @@ from services.common.config import require, setting
 
 @dataclass(frozen=True)
 class WorkerProfileConfig:
-    enabled: bool = setting(True, "route on each worker's measured prefill and decode speed (issue 21)")
+    route: bool = setting(
+        False,
+        "rank workers on their measured prefill and decode speed (issue 21; for heterogeneous fleets: "
+        "on a homogeneous one the factors are noise, faults study 611-624 vs 628-639 within SLO)",
+    )
     window: int = setting(32, "samples per worker and rate whose median is the rate (the newest)")
     default_prefill_s_per_token: float = setting(1e-4, "prefill rate assumed before any worker is measured")
     default_decode_s_per_token: float = setting(2e-2, "decode rate assumed before any worker is measured")
