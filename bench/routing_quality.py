@@ -267,7 +267,7 @@ VARIANTS = {
     },
     "notier": {"tier_credit": "false"},  # host-tier blocks not credited (bench/kv_tiers.py)
     "speed": {"speed_route": "true"},  # ranked on each worker's measured speed (issue 21 item 3)
-    "nospeed": {"speed_route": "false"},  # every worker weighs the same (the default)
+    "nospeed": {"speed_route": "false"},  # every worker weighs the same (auto with one kind of worker)
     "plain": {"speed_route": "false", "outlier_enabled": "false"},  # nor slowness seen as a fault
 }
 

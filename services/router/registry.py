@@ -130,6 +130,8 @@ class WorkerRegistry:
         # Called with the worker id after each load report is taken (LoadView.reported:
         # the router's own view then knows what of its traffic the report holds).
         self.on_load: Callable[[str], None] | None = None
+        self._version = 0  # bumped when a worker joins or leaves (`mixed` caches on it)
+        self._mixed: dict[WorkerRole, tuple[int, bool]] = {}
         # eligible()'s caches: the ids sorted (for the ids in this order), and per worker
         # the Candidate built from its current record.
         self._order_key: tuple[str, ...] = ()
@@ -197,6 +199,7 @@ class WorkerRegistry:
             last_seen_at=now,
         )
         self._workers[info.worker_id] = record
+        self._version += 1
         if load is not None and self.on_load is not None:  # a join can carry a report too
             self.on_load(info.worker_id)
         return JoinResult(record, interval, replaced)
@@ -227,6 +230,7 @@ class WorkerRegistry:
         return True
 
     def deregister(self, worker_id: str) -> bool:
+        self._version += 1
         return self._workers.pop(worker_id, None) is not None
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -239,6 +243,7 @@ class WorkerRegistry:
         ]
         for w in gone:
             del self._workers[w]
+        self._version += bool(gone)
         return gone
 
     def retain_static(self, addresses: Iterable[str]) -> list[str]:
@@ -252,7 +257,22 @@ class WorkerRegistry:
         ]
         for w in gone:
             del self._workers[w]
+        self._version += bool(gone)
         return gone
+
+    def mixed(self, role: WorkerRole) -> bool:
+        """Do the workers of `role` describe different hardware (accelerator kind or generation,
+        as they registered it)? Cached until a worker joins or leaves."""
+        cached = self._mixed.get(role)
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        kinds = {
+            (r.info.accelerator, r.info.accelerator_generation)
+            for r in self._workers.values()
+            if r.info.role is role
+        }
+        self._mixed[role] = (self._version, len(kinds) > 1)
+        return len(kinds) > 1
 
     # ---- health and load ----------------------------------------------------
 

@@ -19,9 +19,9 @@ the model is not warm there. `cost_per_token` divides it by the tokens the
 request delivers: the router's "cost per successful token" in seconds of that
 worker. Plain, synchronous.
 
-With `route` (`--speed-route true`; off by default: on a homogeneous fleet
-the factors are noise around 1, BENCHMARKS.md) routing reads `speeds()`: per
-worker, (prefill factor, decode factor), each its measured rate over the
+With `route` (`--speed-route`: true; or auto, the default, when the decode
+workers registered different hardware: on a homogeneous fleet the factors are
+noise around 1, BENCHMARKS.md) routing reads `speeds()`: per worker, (prefill factor, decode factor), each its measured rate over the
 median rate of the workers measured (`min_samples` samples each), clamped to
 [1 / max_factor, max_factor]. The kv_aware cost
 (services/router/policy.py) is in blocks; a factor turns a worker's blocks into
@@ -48,13 +48,16 @@ from dataclasses import dataclass, field
 
 from services.common.config import require, setting
 
+ROUTE_MODES = ("auto", "true", "false")
+
 
 @dataclass(frozen=True)
 class WorkerProfileConfig:
-    route: bool = setting(
-        False,
-        "rank workers on their measured prefill and decode speed (issue 21; for heterogeneous fleets: "
-        "on a homogeneous one the factors are noise, faults study 611-624 vs 628-639 within SLO)",
+    route: str = setting(
+        "auto",
+        "rank workers on their measured prefill and decode speed (issue 21): true, false, or auto: "
+        "when the decode workers registered different accelerators or generations (on a homogeneous "
+        "fleet the factors are noise: faults study 611-624 vs 628-639 within SLO)",
     )
     window: int = setting(32, "samples per worker and rate whose median is the rate (the newest)")
     default_prefill_s_per_token: float = setting(1e-4, "prefill rate assumed before any worker is measured")
@@ -71,6 +74,7 @@ class WorkerProfileConfig:
         require(self.default_decode_s_per_token > 0, "default_decode_s_per_token must be > 0")
         require(self.default_load_s >= 0, "default_load_s must be >= 0")
         require(self.min_samples >= 1, "min_samples must be >= 1")
+        require(self.route in ROUTE_MODES, f"route must be one of {', '.join(ROUTE_MODES)}")
         require(self.max_factor >= 1, "max_factor must be >= 1")
 
 

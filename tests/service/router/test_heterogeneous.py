@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pdmesh.v1 import router_pb2
 from services.router.outlier import OutlierConfig
 from services.router.worker_profile import WorkerProfileConfig
@@ -21,9 +23,9 @@ from tests.support.poll import eventually
 OUTLIER_OFF = OutlierConfig(enabled=False)
 
 
-async def _fleet(mesh, *, speed: WorkerProfileConfig):
+async def _fleet(mesh, *, speed: WorkerProfileConfig, slow_generation: str = ""):
     fast = await SimDecode("fast", speedup=50.0).start()
-    slow = await SimDecode("slow", speedup=0.5).start()
+    slow = await SimDecode("slow", speedup=0.5, generation=slow_generation).start()
     h = await mesh.router(decode=[fast, slow], policy="kv_aware", outlier=OUTLIER_OFF, speed=speed)
     return fast, slow, h
 
@@ -41,12 +43,20 @@ async def _warm_both(h) -> None:
     await eventually(idle, what="both workers report idle", timeout=30)
 
 
-async def test_the_slower_worker_is_measured_and_idle_ties_go_to_the_faster(mesh):
-    fast, slow, h = await _fleet(mesh, speed=WorkerProfileConfig(min_samples=2, route=True))
+@pytest.mark.parametrize(
+    "route, slow_generation",
+    [("true", ""), ("auto", "sim-older")],  # auto: the slow one registered other hardware
+)
+async def test_the_slower_worker_is_measured_and_idle_ties_go_to_the_faster(mesh, route, slow_generation):
+    fast, slow, h = await _fleet(
+        mesh, speed=WorkerProfileConfig(min_samples=2, route=route), slow_generation=slow_generation
+    )
     try:
         # What each worker would register (services/worker/hardware.py): measured, not declared.
         info = slow.rt.info()
-        assert info.accelerator_generation == "sim" and list(info.warm_models) == [info.model_id]
+        assert info.accelerator_generation == (slow_generation or "sim") and list(info.warm_models) == [
+            info.model_id
+        ]
         assert info.model_load_s > 0 and info.memory_headroom_bytes > 0
         free_fast, free_slow = fast.free(), slow.free()
         await _warm_both(h)
@@ -80,10 +90,12 @@ async def test_the_slower_worker_is_measured_and_idle_ties_go_to_the_faster(mesh
         await slow.close()
 
 
-async def test_with_speed_routing_off_the_speeds_are_measured_and_idle_ties_split(mesh):
-    """The control, and the default (--speed-route false): the same fleet and requests; the
-    router measures and shows the speeds but ranks without them, so some go to slow."""
-    fast, slow, h = await _fleet(mesh, speed=WorkerProfileConfig(min_samples=2))
+@pytest.mark.parametrize("route", ["false", "auto"])
+async def test_without_speed_ranking_the_speeds_are_measured_and_idle_ties_split(mesh, route):
+    """The control: the same fleet and requests, ranked without speeds (false; or auto, the
+    default, while both workers registered the same hardware). The router still measures and
+    shows the speeds, and some requests go to slow."""
+    fast, slow, h = await _fleet(mesh, speed=WorkerProfileConfig(min_samples=2, route=route))
     try:
         free_fast, free_slow = fast.free(), slow.free()
         await _warm_both(h)

@@ -50,8 +50,11 @@ LIMITS = RequestLimits(max_tokens_limit=100_000, max_prompt_tokens=1024)
 class SimDecode:
     """A real decode worker (sim engine) on loopback; `kill()` drops its connections."""
 
-    def __init__(self, worker_id: str, speedup: float = 20.0, raw: bool = False, **engine_kw):
+    def __init__(
+        self, worker_id: str, speedup: float = 20.0, raw: bool = False, generation: str = "", **engine_kw
+    ):
         self.worker_id = worker_id
+        self.generation = generation  # WorkerInfo.accelerator_generation ("" = the runtime's: "sim")
         self.raw = raw  # also serve the raw link port (WorkerInfo.link_port), as `pdmesh up` does
         self.link_server: LinkServer | None = None
         engine = EngineConfig(
@@ -69,6 +72,8 @@ class SimDecode:
 
     async def start(self) -> SimDecode:
         await self.rt.setup()
+        if self.generation:
+            self.rt.generation = self.generation
         self.servicer = DecodeServicer(
             engine=self.rt.engine,
             policy=DisaggregationPolicy(DisaggConfig()),

@@ -197,3 +197,34 @@ def test_each_load_report_tells_on_load_which_worker_reported():
     reg.join(info("d3"), load=WorkerLoad(running=3))  # a join that carries a load report
     reg.join(info("d4"))  # one that does not
     assert seen == ["d1", "d2", "d3"]
+
+
+def test_mixed_says_whether_a_roles_workers_registered_different_hardware():
+    import dataclasses as dc
+
+    reg = WorkerRegistry(RegistryConfig(model_id="m"), lambda: 0.0)
+    base = WorkerInfo("a", "h:1", WorkerRole.DECODE, "m", 16, accelerator="cuda")
+    reg.join(dc.replace(base, accelerator_generation="h100"), WorkerSource.REGISTERED, 10.0)
+    reg.join(
+        dc.replace(base, worker_id="b", address="h:2", accelerator_generation="h100"),
+        WorkerSource.REGISTERED,
+        10.0,
+    )
+    assert not reg.mixed(WorkerRole.DECODE)
+    # A prefill worker of another generation does not make the decode pool mixed.
+    reg.join(
+        dc.replace(
+            base, worker_id="p", address="h:3", role=WorkerRole.PREFILL, accelerator_generation="a100"
+        ),
+        WorkerSource.REGISTERED,
+        10.0,
+    )
+    assert not reg.mixed(WorkerRole.DECODE)
+    reg.join(
+        dc.replace(base, worker_id="c", address="h:4", accelerator_generation="a100"),
+        WorkerSource.REGISTERED,
+        10.0,
+    )
+    assert reg.mixed(WorkerRole.DECODE)
+    reg.deregister("c")  # the cache follows the membership
+    assert not reg.mixed(WorkerRole.DECODE)

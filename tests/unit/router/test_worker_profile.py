@@ -97,3 +97,9 @@ def test_a_rate_is_the_median_of_the_newest_samples():
         prof.observe_decode("a", 1, 3.0)
     assert prof.get("a").decode_s_per_token == pytest.approx(3.0)
     assert len(prof.get("a").decode_window) == 5
+
+
+def test_the_route_mode_is_one_of_three():
+    assert WorkerProfileConfig().route == "auto"
+    with pytest.raises(ValueError):
+        WorkerProfileConfig(route="maybe")
