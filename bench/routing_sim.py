@@ -623,9 +623,16 @@ def main(argv: list[str] | None = None) -> int:
                 e2e = statistics.mean((r.done - r.arrival) * 1000 for r in reqs)
                 tpot = [(r.done - r.first_token) * 1000 / (r.out - 1) for r in reqs if r.out > 1]
                 share = [counts[i] / len(reqs) for i in range(n)]
+                # bench/routing_quality.py's SLOs, model time: TTFT <= 2 s, time per output token <= 100 ms
+                within = sum(
+                    1
+                    for r in reqs
+                    if r.first_token - r.arrival <= 2.0
+                    and (r.out <= 1 or (r.done - r.first_token) / (r.out - 1) <= 0.1)
+                ) / len(reqs)
                 print(
                     f"    e2e mean {e2e:7.0f} ms  tpot p50 {pct(tpot, 0.5):5.1f} p99 {pct(tpot, 0.99):6.1f} ms  "
-                    f"share per worker {' '.join(f'{x:.2f}' for x in share)}"
+                    f"within SLO {within:.3f}  share per worker {' '.join(f'{x:.2f}' for x in share)}"
                 )
                 tag = re.sub(r"\W+", "_", spec) + f"_w{n}"
                 summary += [
@@ -635,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 first = next(iter(e2es), None)
                 e2es[spec] = e2e
+                summary.append(f"slo_{tag}={within:.3f}")
                 if first is not None:  # against the first variant of this run (same trace, same fleet)
                     m0, _, p99_0, _, _ = rows[first]
                     print(
