@@ -19,14 +19,15 @@ the model is not warm there. `cost_per_token` divides it by the tokens the
 request delivers: the router's "cost per successful token" in seconds of that
 worker. Plain, synchronous.
 
-With `route` (`--speed-route`: true; or auto, the default, when the decode
+With `route` (`--speed-route`: true; or auto, the default, while the decode
 workers registered different hardware: on a homogeneous fleet the factors are
-noise around 1, BENCHMARKS.md) routing reads `speeds()`: per worker, (prefill factor, decode factor), each its measured rate over the
-median rate of the workers measured (`min_samples` samples each), clamped to
-[1 / max_factor, max_factor]. The kv_aware cost
-(services/router/policy.py) is in blocks; a factor turns a worker's blocks into
-the fleet median worker's blocks, so the cost ranks predicted time: a block to
-prefill on a worker twice as slow costs two. A worker not measured yet has no
+noise around 1, BENCHMARKS.md) routing reads `speeds()`: per worker, (prefill
+factor, decode factor), each its measured rate over the median rate of the
+workers measured (`min_samples` samples each), clamped to [1 / max_factor,
+max_factor]. The kv_aware cost (services/router/policy.py) is in blocks; a
+factor turns a worker's blocks into the fleet median worker's blocks, so the
+cost ranks predicted time: a block to prefill on a worker twice as slow costs
+two. A worker not measured yet has no
 entry (factor 1). What the router feeds it (services/router/generate.py):
 
 - a prefill sample per attempt: its time to first message over the prompt
