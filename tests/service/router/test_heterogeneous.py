@@ -1,7 +1,7 @@
 """Heterogeneous decode workers: the router learns each one's speed and routes on predicted time
 (issue 21 item 3; services/router/worker_profile.py), with real sim decode workers on loopback.
 
-"fast" runs the sim engine 100x faster than "slow" (sim speedups 50 and 0.5: an older
+"fast" runs the sim engine 20x faster than "slow" (sim speedups 10 and 0.5: an older
 accelerator generation, not a faulty one). Both are idle when a request arrives, so
 kv_aware's cost in blocks ties and the router's seeded RNG picks; with speed routing
 the slow worker's blocks cost its measured factor more. The outlier detector is off:
@@ -24,7 +24,7 @@ OUTLIER_OFF = OutlierConfig(enabled=False)
 
 
 async def _fleet(mesh, *, speed: WorkerProfileConfig, slow_generation: str = ""):
-    fast = await SimDecode("fast", speedup=50.0).start()
+    fast = await SimDecode("fast", speedup=10.0).start()
     slow = await SimDecode("slow", speedup=0.5, generation=slow_generation).start()
     h = await mesh.router(decode=[fast, slow], policy="kv_aware", outlier=OUTLIER_OFF, speed=speed)
     return fast, slow, h
@@ -34,7 +34,9 @@ async def _warm_both(h) -> None:
     """Concurrent requests: the router's own load view sends every other one to the other
     worker, so each gets samples whatever its speed. Then both workers' reports say idle
     (a report from mid-warm-up would make slow look loaded and decide the ties)."""
-    await asyncio.gather(*(run_flow(h.router, f"warm{i}", prompt(100 + i), 6) for i in range(8)))
+    # 32 tokens each: a decode sample needs tokens after the first message, and a fast worker's
+    # first frame can carry all of a short output (a CPU hog beside the suite made 6 arrive as one).
+    await asyncio.gather(*(run_flow(h.router, f"warm{i}", prompt(100 + i), 32) for i in range(8)))
 
     def idle() -> bool:
         loads = [r.load for r in h.router.registry.workers()]
