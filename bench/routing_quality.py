@@ -234,7 +234,13 @@ def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
                 # a later flag wins: this worker's own speed
                 flags(worker_id=f"decode-{i:02d}")
                 + engine
-                + flags(engine_sim_speedup=study.speedup / slow[i % len(slow)]),
+                + flags(engine_sim_speedup=study.speedup / slow[i % len(slow)])
+                # a slower generation says so at registration: the router's --speed-route auto
+                + (
+                    flags(accelerator_generation=f"sim-x{slow[i % len(slow)]:g}")
+                    if slow[i % len(slow)] != 1
+                    else ()
+                ),
                 ready_service="pdmesh.v1.DecodeService",
             )
         )

@@ -62,7 +62,7 @@ from services.router.prefix_index import PrefixIndex
 from services.router.prefix_pull import PrefixPullPlanner, PullPlan, plan_for_ranking
 from services.router.registry import WorkerRegistry, WorkerRole
 from services.router.retry_budget import RetryBudget
-from services.router.worker_profile import WorkerProfiles
+from services.router.worker_profile import WorkerProfiles, ranking_speeds
 from services.router.workflow_routing import WorkflowRouting
 from services.router.workflow_sched import NO_WORKFLOW
 
@@ -135,7 +135,7 @@ class RoutingContext:
     # The request's WorkflowContext in admission, recovery, routing and cost (issue 21); None: ignored.
     workflows: WorkflowRouting | None = None
     # Each worker's own prefill and decode speed, learned from its attempts (issue 21 item 3);
-    # with its config's `route` (_ranking_speeds), kv_aware ranks on predicted time. None: not measured.
+    # with its config's `route` (ranking_speeds), kv_aware ranks on predicted time. None: not measured.
     profiles: WorkerProfiles | None = None
 
 
@@ -157,17 +157,6 @@ def _tokens_ahead(cands: list[Candidate], own, worker_id: str) -> int:
                 return c.load.tokens_waiting
             return blended(c.load.tokens_waiting, c.load.active_decode_blocks, t)[0]
     return -1
-
-
-def _ranking_speeds(ctx: RoutingContext) -> dict[str, tuple[float, float]] | None:
-    """The speed factors the decode ranking uses (worker_profile.py), or None: with --speed-route
-    auto, only while the decode workers registered different hardware."""
-    p = ctx.profiles
-    if p is None or p.config.route == "false":
-        return None
-    if p.config.route == "auto" and not ctx.registry.mixed(WorkerRole.DECODE):
-        return None
-    return p.speeds() or None
 
 
 def _speed_of(speeds: dict[str, tuple[float, float]]) -> Callable[[str], float]:
@@ -518,7 +507,7 @@ class RequestFlow:
             and ctx.index.tiers.has_tiers()
         ):
             credits = tier_credits(hashes, overlaps, {c.worker_id: c.load for c in cands}) or None
-        speeds = _ranking_speeds(ctx)
+        speeds = ranking_speeds(ctx.profiles, ctx.registry)
         ranked = (
             ctx.decode_policy.rank(cands, len(hashes), overlaps, credits=credits, own=own, speeds=speeds)
             if credits
@@ -601,7 +590,7 @@ class RequestFlow:
         """The first ranked worker that the outlier detector and its breaker let through."""
         ctx, outliers = self.ctx, self.ctx.outliers
         if outliers is not None:
-            speeds = _ranking_speeds(ctx)
+            speeds = ranking_speeds(ctx.profiles, ctx.registry)
             ranked = outliers.rerank(ranked, _worker_of, _cost_of, _speed_of(speeds) if speeds else None)
         for ch in ranked:
             wid = ch.worker_id

@@ -31,6 +31,7 @@ from services.router.hedge import Leg, Winner, hedge_delay, race_winner, worth_h
 from services.router.migration import RequestJourney
 from services.router.policy import Choice
 from services.router.registry import WorkerRole
+from services.router.worker_profile import ranking_speeds
 
 log = structlog.get_logger()
 
@@ -161,7 +162,15 @@ class HedgeRace:
         inputs = tuple(request.prompt_token_ids) + tuple(request.resume_token_ids)
         hashes = prompt_chain(inputs, cfg.block_size, ctx.hash_memo)  # the primary's chunks: memo hits
         overlaps = ctx.index.match(hashes) if hashes and cands else {}
-        choice = self._pick(ctx.decode_policy.rank(cands, len(hashes), overlaps)) if cands else None
+        choice = None
+        if cands:
+            speeds = ranking_speeds(ctx.profiles, ctx.registry)  # as the flow's own ranking
+            ranked = (
+                ctx.decode_policy.rank(cands, len(hashes), overlaps, speeds=speeds)
+                if speeds
+                else ctx.decode_policy.rank(cands, len(hashes), overlaps)
+            )
+            choice = self._pick(ranked)
         if choice is None:
             self._count("no_worker")
             return

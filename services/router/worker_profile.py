@@ -48,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.config import require, setting
+from services.router.registry import WorkerRegistry, WorkerRole
 
 ROUTE_MODES = ("auto", "true", "false")
 
@@ -203,3 +204,15 @@ class WorkerProfiles:
         if p is None:
             p = self._by_worker[worker_id] = WorkerProfile(worker_id)
         return p
+
+
+def ranking_speeds(
+    profiles: WorkerProfiles | None, registry: WorkerRegistry
+) -> dict[str, tuple[float, float]] | None:
+    """The speed factors the decode ranking uses, or None: with --speed-route auto, only while
+    the decode workers registered different hardware (`WorkerRegistry.mixed`)."""
+    if profiles is None or profiles.config.route == "false":
+        return None
+    if profiles.config.route == "auto" and not registry.mixed(WorkerRole.DECODE):
+        return None
+    return profiles.speeds() or None

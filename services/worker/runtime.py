@@ -61,6 +61,12 @@ class WorkerConfig:
         "", "host:port of the router's internal port (--internal-port) to join at run time ('' = static only)"
     )
     router_lease_ms: int = setting(10_000, "lease of the runtime registration at the router")
+    accelerator_generation: str = setting(
+        "",
+        "the generation this worker registers ('' = detected: the CUDA device's name, the CPU's "
+        "vector extension, or 'sim'); the router ranks on measured speeds while the decode workers' "
+        "generations differ (--speed-route auto)",
+    )
     # 15 s, not less: one engine step on a shared CPU (a long prompt chunk, a cold first pass
     # under load) can take several seconds, and the router's own stream stall timeout is 10 s.
     stall_not_serving_s: float = setting(
@@ -133,7 +139,9 @@ class WorkerRuntime:
         await self.engine.start()
         self.model_load_s = time.monotonic() - started  # WorkerInfo.model_load_s: measured, not declared
         e = self.engine.info
-        self.generation = "sim" if e.backend == "sim" else accelerator_generation(e.device)
+        self.generation = self.config.accelerator_generation or (
+            "sim" if e.backend == "sim" else accelerator_generation(e.device)
+        )
         port = self.server.bind()
         host = self.config.advertise_host or self.server.config.host
         if host in ("0.0.0.0", "::", ""):  # listening everywhere: peers reach us by our name

@@ -54,7 +54,6 @@ class SimDecode:
         self, worker_id: str, speedup: float = 20.0, raw: bool = False, generation: str = "", **engine_kw
     ):
         self.worker_id = worker_id
-        self.generation = generation  # WorkerInfo.accelerator_generation ("" = the runtime's: "sim")
         self.raw = raw  # also serve the raw link port (WorkerInfo.link_port), as `pdmesh up` does
         self.link_server: LinkServer | None = None
         engine = EngineConfig(
@@ -64,7 +63,8 @@ class SimDecode:
             "decode",
             "pdmesh.v1.DecodeService",
             ServerConfig(port=0, drain_grace_s=0),
-            WorkerConfig(worker_id=worker_id),
+            # accelerator_generation: what it registers ("" = the runtime's own: "sim")
+            WorkerConfig(worker_id=worker_id, accelerator_generation=generation),
             engine,
         )
         self.address = ""
@@ -72,8 +72,6 @@ class SimDecode:
 
     async def start(self) -> SimDecode:
         await self.rt.setup()
-        if self.generation:
-            self.rt.generation = self.generation
         self.servicer = DecodeServicer(
             engine=self.rt.engine,
             policy=DisaggregationPolicy(DisaggConfig()),

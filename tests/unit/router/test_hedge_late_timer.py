@@ -27,6 +27,7 @@ def context(outcomes: list[str]) -> SimpleNamespace:
     return SimpleNamespace(
         hedge=HedgeConfig(enabled=True, multiple=1.0, min_delay_s=DELAY_S, max_hedges=1),
         outliers=SimpleNamespace(predicted_ttft=lambda worker, blocks: 0.01),
+        profiles=None,  # no speeds measured
         registry=SimpleNamespace(get=lambda worker: None, eligible=lambda role: []),
         budget=SimpleNamespace(can_retry=lambda: True),
         config=SimpleNamespace(block_size=16),

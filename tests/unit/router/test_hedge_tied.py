@@ -62,6 +62,7 @@ def scenario(tied: bool = True, multiple: float = 1e-6, predicted_s: float = 0.0
     ctx = SimpleNamespace(
         hedge=HedgeConfig(enabled=True, multiple=multiple, min_delay_s=0.0, require_faster=False, tied=tied),
         outliers=SimpleNamespace(predicted_ttft=lambda worker, blocks: predicted_s, record_ttft=noop),
+        profiles=None,  # no speeds measured
         registry=SimpleNamespace(
             get=lambda worker: None, eligible=lambda role: [candidate], begin_request=noop, end_request=noop
         ),
