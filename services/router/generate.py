@@ -559,13 +559,15 @@ class RequestFlow:
         call = ctx.call_decode(choice.worker_id, request, timeout)
         pulled = pull.pull_blocks if pull is not None and pull.target == choice.worker_id else 0
         to_prefill = len(input_ids) - max(choice.overlap_blocks, pulled) * cfg.block_size
+        # The queue there before this request joins it (`own` is the load view's live totals).
+        ahead = _tokens_ahead(cands, own, choice.worker_id)
         if ctx.load_view is not None:  # ended in _attempts' finally, like end_request
             self._routed = ctx.load_view.begin(
                 choice.worker_id, to_prefill, new_blocks, len(input_ids), cfg.block_size
             )
         self._sent = (request, to_prefill, new_blocks)  # what a hedge of this attempt sends
         self._attempt = self._new_attempt(choice.worker_id, call, to_prefill)
-        self._attempt.ahead_tokens = _tokens_ahead(cands, own, choice.worker_id)
+        self._attempt.ahead_tokens = ahead
         return self._attempt
 
     def _new_attempt(self, worker_id: str, call: DecodeCall, to_prefill: int) -> DecodeAttempt:

@@ -72,8 +72,14 @@ async def test_the_slower_worker_is_measured_and_idle_ties_go_to_the_faster(mesh
         # inflates them), slow's mostly the engine's compute.
         assert pf_slow > 1.5 * pf_fast and df_slow > 2 * df_fast
         # Distinct prompts, one at a time: both idle, no cached prefix to prefer.
+        works: list[int] = []
+        observe = prof.observe_prefill
+        prof.observe_prefill = lambda w, tokens, s: (works.append(tokens), observe(w, tokens, s))  # type: ignore[method-assign]
         finals = [(await run_flow(h.router, f"r{i}", prompt(i), 4))[1] for i in range(8)]
         assert [f.worker_id for f in finals] == ["fast"] * 8  # a tie would split them
+        # Each prefill sample's work: nothing queued ahead (idle), the prompt's blocks plus one.
+        bs = h.router.config.block_size
+        assert works == [(-(-len(prompt(i)) // bs) + 1) * bs for i in range(8)]
         # Operators see the same measurements (ListWorkers, the per-worker gauges).
         listed = await h.internal.ListWorkers(router_pb2.ListWorkersRequest())
         by_id = {w.info.worker_id: w for w in listed.workers}
