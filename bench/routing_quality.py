@@ -381,6 +381,20 @@ def wait_index_synced(
             time.sleep(0.2)
 
 
+def print_speeds(router: RunningService, policy: str, records: list[RequestRecord]) -> None:
+    """What the router measured of each worker (ListWorkers: issue 21 item 3), and the requests
+    each got: whether the learned speeds separate a heterogeneous fleet."""
+    counts = Counter(r.worker_id for r in records)
+    with grpc.insecure_channel(router.internal_address) as ch:
+        resp = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=30)
+    for w in sorted(resp.workers, key=lambda w: w.info.worker_id):
+        print(
+            f"  {policy}: {w.info.worker_id} ({w.info.accelerator_generation}) {counts[w.info.worker_id]} requests, "
+            f"prefill {w.measured_prefill_s_per_token * 1e6:.1f} us/token x{w.prefill_speed_factor:.2f}, "
+            f"decode {w.measured_decode_s_per_token * 1e3:.2f} ms/token x{w.decode_speed_factor:.2f}"
+        )
+
+
 def run_policy(
     launcher: Launcher, study: Study, policy: str, workers: list[RunningService], items: list[WorkItem]
 ) -> PolicyResult:
@@ -405,6 +419,8 @@ def run_policy(
         wall = time.perf_counter() - t0
         cpu = sum(proc_cpu_s(pid) for pid in pids) + time.process_time() - cpu0
         after = worker_counters(workers)
+        if study.worker_slowdowns:
+            print_speeds(router, policy, records)
     finally:
         launcher.stop(router)
     delta = {w: {k: after[w][k] - before[w][k] for k in after[w]} for w in after}
