@@ -302,7 +302,7 @@ class Cluster:
             ]
         speeds = self.labels if self.labels is not None else None
         if self.profiles is not None:
-            speeds = self.profiles.speeds() or None
+            speeds = self.profiles.ranking_factors() or None
         if speeds:
             choice = self.policy.rank(cands, len(r.hashes), overlaps, speeds=speeds)[0]
         else:

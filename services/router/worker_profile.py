@@ -66,6 +66,12 @@ class WorkerProfileConfig:
     default_decode_s_per_token: float = setting(2e-2, "decode rate assumed before any worker is measured")
     default_load_s: float = setting(30.0, "load time charged for a cold model when the worker gave none")
     min_samples: int = setting(4, "samples of a rate before routing weighs a worker by it")
+    decode_factor: bool = setting(
+        False,
+        "weigh the cost's decode term by the measured decode factor (false: by the prefill factor): "
+        "a request's time per token follows its worker's load as much as its speed, and a slow "
+        "worker given less work measured faster (BENCHMARKS.md, issue 21)",
+    )
     max_factor: float = setting(
         8.0, "largest speed factor on a worker's routing cost (1 / this the smallest)"
     )
@@ -100,6 +106,7 @@ class WorkerProfiles:
         self.config = config or WorkerProfileConfig()
         self._by_worker: dict[str, WorkerProfile] = {}
         self._speeds: dict[str, tuple[float, float]] | None = {}  # None: recompute
+        self._ranking: dict[str, tuple[float, float]] | None = {}
 
     def register(
         self,
@@ -161,11 +168,22 @@ class WorkerProfiles:
         """Predicted worker-seconds per token delivered (decode_tokens >= 1)."""
         return self.predict_s(worker_id, prefill_tokens, decode_tokens, model_id) / max(decode_tokens, 1)
 
+    def ranking_factors(self) -> dict[str, tuple[float, float]]:
+        """`speeds()` as the cost uses them: the decode term weighed by the prefill factor too,
+        unless `decode_factor` (the measured decode factors stay in `speeds()`, shown)."""
+        speeds = self.speeds()
+        if self.config.decode_factor:
+            return speeds
+        if self._ranking is None:
+            self._ranking = {w: (p, p) for w, (p, _) in speeds.items()}
+        return self._ranking
+
     def speeds(self) -> dict[str, tuple[float, float]]:
         """Worker id -> (prefill factor, decode factor) for the workers measured (module doc).
         Recomputed after a sample or a departure; the same dict until then (do not change it)."""
         if self._speeds is None:
             self._speeds = self._compute_speeds()
+            self._ranking = None
         return self._speeds
 
     def _compute_speeds(self) -> dict[str, tuple[float, float]]:
@@ -215,4 +233,4 @@ def ranking_speeds(
         return None
     if profiles.config.route == "auto" and not registry.mixed(WorkerRole.DECODE):
         return None
-    return profiles.speeds() or None
+    return profiles.ranking_factors() or None

@@ -103,3 +103,15 @@ def test_the_route_mode_is_one_of_three():
     assert WorkerProfileConfig().route == "auto"
     with pytest.raises(ValueError):
         WorkerProfileConfig(route="maybe")
+
+
+def test_ranking_weighs_the_decode_term_by_the_prefill_factor_unless_told():
+    """A slow worker given less work streams faster: its decode factor follows its load."""
+    for decode_factor, want in ((False, (1.6, 1.6)), (True, (1.6, 0.4))):
+        prof = WorkerProfiles(WorkerProfileConfig(min_samples=1, decode_factor=decode_factor))
+        for w, pre, dec in (("slow", 4e-4, 0.01), ("fast", 1e-4, 0.04)):
+            prof.observe_prefill(w, 100, pre * 100)
+            prof.observe_decode(w, 1, dec)
+        # medians of two: prefill 2.5e-4 (slow 1.6x), decode 0.025 (slow 0.4x)
+        assert prof.ranking_factors()["slow"] == pytest.approx(want)
+        assert prof.speeds()["slow"] == pytest.approx((1.6, 0.4))  # shown as measured either way
