@@ -386,14 +386,13 @@ class Router:
         for gone in result.replaced:
             await self.pool.detach(gone)
         assert info.role is not None
-        if self.profiles is not None:
-            self.profiles.register(
-                info.worker_id,
-                accelerator="/".join(filter(None, (info.accelerator, info.accelerator_generation))),
-                memory_headroom_bytes=info.memory_headroom_bytes,
-                warm_models=info.warm_models,
-                model_load_s=info.model_load_s,
-            )
+        self.profiles.register(
+            info.worker_id,
+            accelerator="/".join(filter(None, (info.accelerator, info.accelerator_generation))),
+            memory_headroom_bytes=info.memory_headroom_bytes,
+            warm_models=info.warm_models,
+            model_load_s=info.model_load_s,
+        )
         await self.pool.attach(info.worker_id, info.address, info.role)
         log.info("worker_joined", worker=info.worker_id, address=info.address, source="registered")
         self.changed()
@@ -430,13 +429,13 @@ class Router:
         return gone
 
     def workers(self) -> list[WorkerView]:
-        speeds = self.profiles.speeds() if self.profiles is not None else {}
+        speeds = self.profiles.speeds()
         return [
             WorkerView(
                 r,
                 self.breakers.state(r.worker_id),
                 self.index.blocks(r.worker_id),
-                self.profiles.get(r.worker_id) if self.profiles is not None else None,
+                self.profiles.get(r.worker_id),
                 speeds.get(r.worker_id, (1.0, 1.0)),
             )
             for r in self.registry.workers()
@@ -475,8 +474,7 @@ class Router:
     def _forget_latency(self, worker_id: str) -> None:
         if self.outliers is not None:
             self.outliers.remove(worker_id)
-        if self.profiles is not None:
-            self.profiles.forget(worker_id)
+        self.profiles.forget(worker_id)
 
     def reroute_unstarted(self, worker_id: str, cause: str) -> int:
         """`worker_id` went unhealthy (cause: not_serving, breaker_open, ejected, stalled): move every
