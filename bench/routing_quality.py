@@ -385,11 +385,21 @@ def print_speeds(router: RunningService, policy: str, records: list[RequestRecor
     """What the router measured of each worker (ListWorkers: issue 21 item 3), and the requests
     each got: whether the learned speeds separate a heterogeneous fleet."""
     counts = Counter(r.worker_id for r in records)
+    # Requests are not work: a router that sends the long prompts to the fast workers and the
+    # short ones to the slow can keep the request counts even. Prompt tokens computed (not
+    # served from a cache) and tokens decoded, as shares of the run's, say where the work went.
+    computed, decoded = Counter(), Counter()
+    for r in records:
+        if r.ok:
+            computed[r.worker_id] += r.prompt_tokens - r.cached_tokens
+            decoded[r.worker_id] += r.output_tokens
+    total_c, total_d = sum(computed.values()) or 1, sum(decoded.values()) or 1
     with grpc.insecure_channel(router.internal_address) as ch:
         resp = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=30)
     for w in sorted(resp.workers, key=lambda w: w.info.worker_id):
         print(
             f"  {policy}: {w.info.worker_id} ({w.info.accelerator_generation}) {counts[w.info.worker_id]} requests, "
+            f"computed prompt {computed[w.info.worker_id] / total_c:.2f} decoded {decoded[w.info.worker_id] / total_d:.2f}, "
             f"prefill {w.measured_prefill_s_per_token * 1e6:.1f} us/token x{w.prefill_speed_factor:.2f}, "
             f"decode {w.measured_decode_s_per_token * 1e3:.2f} ms/token x{w.decode_speed_factor:.2f}"
         )

@@ -623,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
                 e2e = statistics.mean((r.done - r.arrival) * 1000 for r in reqs)
                 tpot = [(r.done - r.first_token) * 1000 / (r.out - 1) for r in reqs if r.out > 1]
                 share = [counts[i] / len(reqs) for i in range(n)]
+                # requests are not work: the prompt tokens each worker computed (not cached)
+                computed = [sum(r.prompt - r.cached for r in reqs if r.worker == i) for i in range(n)]
+                work = [c / (sum(computed) or 1) for c in computed]
                 # bench/routing_quality.py's SLOs, model time: TTFT <= 2 s, time per output token <= 100 ms
                 within = sum(
                     1
@@ -634,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"    e2e mean {e2e:7.0f} ms  tpot p50 {pct(tpot, 0.5):5.1f} p99 {pct(tpot, 0.99):6.1f} ms  "
                     f"within SLO {within:.3f}  share per worker {' '.join(f'{x:.2f}' for x in share)}"
                 )
+                print(f"    computed prompt tokens per worker {' '.join(f'{x:.2f}' for x in work)}")
                 tag = re.sub(r"\W+", "_", spec) + f"_w{n}"
                 summary += [
                     f"ttft_mean_{tag}={m:.0f}",
