@@ -455,7 +455,9 @@ def run_study(study: Study, log=print) -> tuple[list[PolicyResult], float]:
                 ideal = ideal_hit(items, study.block_size)
             results.append(run_policy(launcher, study, policy, workers, items))
             r = results[-1]
-            write_records(Path(workdir) / f"{policy}.jsonl", r.records, meta={"study": study.name})
+            again = study.policies[:seed].count(policy)  # a repeated policy keeps each run's records
+            name = f"{policy}.{again}.jsonl" if again else f"{policy}.jsonl"
+            write_records(Path(workdir) / name, r.records, meta={"study": study.name})
             log(
                 f"  {policy}: {r.summary.ok}/{r.summary.requests} ok in {r.wall_s:.0f} s wall "
                 f"(trace span {items[-1].arrival_s:.0f} s), {r.cpu_s / r.wall_s:.2f} CPUs busy "
@@ -568,6 +570,12 @@ def scale_study(workers: int, base: Study = FULL) -> Study:
     )
 
 
+def repeat_order(policies: tuple[str, ...], repeat: int) -> tuple[str, ...]:
+    """`policies` `repeat` times, reversed every other time (A B, B A, A B, ...), so each policy
+    runs as often early in the study as late."""
+    return tuple(n for rep in range(repeat) for n in (policies if rep % 2 == 0 else policies[::-1]))
+
+
 def main(argv: list[str] | None = None) -> int:
     """One study with overrides, for exploring (bench/routing.py runs the recorded ones)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -580,32 +588,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--worker-slowdowns", help="heterogeneous fleet: worker i at speedup / entry i mod len, e.g. 1,2.5"
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the policies N times, the order reversed every other time (A B, B A, ...): a "
+        "policy's place in the run moves its figures (BENCHMARKS.md, issue 21), so compare paired",
+    )
     args = vars(p.parse_args(argv))
+    repeat = args.pop("repeat")
+    if repeat < 1:
+        p.error("--repeat must be >= 1")
     if args["worker_slowdowns"]:
         args["worker_slowdowns"] = tuple(float(x) for x in args["worker_slowdowns"].split(","))
     study = QUICK if args.pop("study") == "quick" else FULL
     if args["policies"]:
         args["policies"] = tuple(args["policies"].split(","))
     study = replace(study, **{k: v for k, v in args.items() if v is not None})
+    names = study.policies
+    study = replace(study, policies=repeat_order(names, repeat))
     from bench.machine import cpu_model
 
     print(f"CPU: {cpu_model()} x{os.cpu_count()}")
     results, ideal = run_study(study)
     print_study(study, results, ideal)
-    first = results[0]
-    for r in results[1:]:  # the same arrivals, lengths and workers: ratios within this run
-        print(
-            f"  {r.policy} vs {first.policy}: mean TTFT x{r.ttft_ms['mean'] / first.ttft_ms['mean']:.2f}, "
-            f"p99 x{r.ttft_ms['p99'] / first.ttft_ms['p99']:.2f}, goodput x{r.goodput_rps / max(first.goodput_rps, 1e-9):.2f}, "
-            f"tpot p50 x{r.tpot_p50_ms / max(first.tpot_p50_ms, 1e-9):.2f}"
-        )
+    k = len(names)
+    reps = [{r.policy: r for r in results[i : i + k]} for i in range(0, len(results), k)]
+    first = names[0]
+    for name in names[1:]:  # the same arrivals, lengths and workers: ratios within a repetition
+        for rep, got in enumerate(reps):
+            r, f = got[name], got[first]
+            print(
+                f"  {name} vs {first}{f' (repetition {rep + 1})' if repeat > 1 else ''}: "
+                f"mean TTFT x{r.ttft_ms['mean'] / f.ttft_ms['mean']:.2f}, "
+                f"p99 x{r.ttft_ms['p99'] / f.ttft_ms['p99']:.2f}, goodput x{r.goodput_rps / max(f.goodput_rps, 1e-9):.2f}, "
+                f"tpot p50 x{r.tpot_p50_ms / max(f.tpot_p50_ms, 1e-9):.2f}"
+            )
+        if repeat > 1:
+            ratios = sorted(got[name].ttft_ms["mean"] / got[first].ttft_ms["mean"] for got in reps)
+            print(
+                f"  {name} vs {first}, mean TTFT over {repeat} repetitions: median x{statistics.median(ratios):.2f}, "
+                f"range x{ratios[0]:.2f}-x{ratios[-1]:.2f}, lower in {sum(x < 1 for x in ratios)} of {repeat}"
+            )
+    # with repetitions, each key is the median over them
     print(
         "routing_quality "
         + " ".join(
-            f"{r.policy.replace('@', '_').replace(':', '_')}_ttft_mean={r.ttft_ms['mean']:.0f} "
-            f"{r.policy.replace('@', '_').replace(':', '_')}_goodput={r.goodput_rps:.3f}"
-            for r in results
+            f"{n.replace('@', '_').replace(':', '_')}_ttft_mean={statistics.median(got[n].ttft_ms['mean'] for got in reps):.0f} "
+            f"{n.replace('@', '_').replace(':', '_')}_goodput={statistics.median(got[n].goodput_rps for got in reps):.3f}"
+            for n in names
         )
+        + (f" repeat={repeat}" if repeat > 1 else "")
     )
     return 0
 

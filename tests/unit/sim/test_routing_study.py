@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from bench.loadgen import WorkItem
-from bench.routing_quality import FULL, QUICK, ideal_hit, scale_study, workload
+from bench.routing_quality import FULL, QUICK, ideal_hit, repeat_order, scale_study, workload
 
 
 def test_ideal_hit_counts_full_blocks_of_prefixes_seen_before():
@@ -37,3 +37,10 @@ def test_scale_studies_keep_the_load_per_worker_and_the_wall_rate():
         assert s.wall_factor == pytest.approx(FULL.wall_factor)
         # Offered model-time rate per worker: 1 / (time_factor * workers) stays the same.
         assert s.time_factor * n == pytest.approx(FULL.time_factor * FULL.workers)
+
+
+def test_repeated_policies_alternate_their_order():
+    assert repeat_order(("a", "b"), 1) == ("a", "b")
+    assert repeat_order(("a", "b"), 4) == ("a", "b", "b", "a", "a", "b", "b", "a")
+    firsts = repeat_order(("a", "b", "c"), 2)[::3]
+    assert firsts == ("a", "c")  # each policy's place in the run moves
