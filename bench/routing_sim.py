@@ -44,9 +44,19 @@ token after the first, services/router/worker_profile.py) and `label=1` (the
 fleet's true factors, as static labels would give them) pass speeds to the policy.
 Each row then prints the mean end-to-end latency and the p99 time per output token.
 
+`pull=1` (issue 17 item 3): the router's own `PrefixPullPlanner` (services/router/prefix_pull.py,
+through `plan_for_ranking`, as generate.py calls it) may move a request off a loaded holder, or
+give the chosen worker the holder's longer prefix; the pull takes the planner's own
+`pull_s` (3 ms + the blocks' bytes over the profile's KV link, 64 GB/s for the dynamo-mocker
+profile), after which the blocks are cached on the target (a stored event) and the request
+queues for the rest (`pwait=S`: S seconds more per pull that the router does not price, e.g. the
+puller's reservation waiting for its engine step). Pulled blocks count as cached at admission, so they are in `hit`; the
+pull line says how much of it they are. Every prefill rate is the profile's (the model's
+reports carry no predicted wait). Not modeled: the holder's lease and the copy's CPU.
+
 Run: `python bench/routing_sim.py --workers 4 8 16 32 --requests 800 --variants
 rr,kv@hb,kv@lv,kv@lv:dw=0.1+lag=1+ttl=10` (options after ":" joined by "+": pw, dw,
-t (temperature), qw, lag, ttl, oracle=1). Not a substitute for the real study: no
+t (temperature), qw, lag, ttl, oracle=1, pull=1). Not a substitute for the real study: no
 gRPC, no CPU contention. The "floor" line is every prompt alone on an idle worker
 with one unbounded cache's hits: no policy's mean TTFT can go below it.
 """
@@ -77,6 +87,7 @@ from services.router.config import RouterConfig
 from services.router.hash_memo import CHUNK
 from services.router.load_view import LoadView
 from services.router.policy import Candidate, PolicyConfig, WorkerLoad, make_policy
+from services.router.prefix_pull import PrefixPullConfig, PrefixPullPlanner, plan_for_ranking
 from services.router.worker_profile import WorkerProfileConfig, WorkerProfiles
 
 
@@ -98,6 +109,7 @@ class Req:
     to_prefill: int = 0  # prompt tokens the router expected it to compute
     blocks: list[int] = field(default_factory=list)  # hashes held (full prompt blocks)
     extra_blocks: int = 0  # non-cacheable blocks held (partial + decode)
+    pulled: int = 0  # prompt blocks pulled from another worker before admission (issue 17 item 3)
 
 
 class Worker:
@@ -201,6 +213,8 @@ class Variant:
     sync: bool = True  # the load view learns of each report (LoadView.reported); "sync=0": max(own, reported)
     prof: bool = False  # speeds learned online (WorkerProfiles), "prof=1"
     label: bool = False  # the fleet's true speed factors, "label=1"
+    pull: bool = False  # prefixes pulled instead of recomputed (the router's PrefixPullPlanner), "pull=1"
+    pull_wait: float = 0.0  # seconds a pull takes beyond what the router prices, "pwait=S"
 
 
 class Cluster:
@@ -239,6 +253,22 @@ class Cluster:
         self.memos = {b: OrderedDict() for b in getattr(args, "memo_chunks", [])}
         # Per bound: warm, cold decisions; chunks hit, missed in decisions; missed after them.
         self.memo_counts = {b: [0, 0, 0, 0, 0] for b in self.memos}
+        # Pulls: the router's own planner (services/router/prefix_pull.py) on the profile's KV
+        # bytes and link, its prefill rate as every worker's (the model's reports carry no
+        # predicted wait), and 3 ms of RPCs per pull, as bench/routing_quality.py configures it.
+        self.puller = None
+        if variant.pull:
+            self.puller = PrefixPullPlanner(
+                PrefixPullConfig(
+                    enabled=True,
+                    link_bytes_per_s=prof.kv_bandwidth_gbps * 1e9,
+                    kv_bytes_per_token=float(prof.kv_bytes_per_token),
+                    latency_s=0.003,
+                    prior_tokens_per_s=4096 / (prof.prefill_ms(4096) / 1000),
+                ),
+                args.block_size,
+            )
+        self.pulls_failed = 0
 
     def push(self, t: float, kind: int, obj: object) -> None:
         self._seq += 1
@@ -304,19 +334,22 @@ class Cluster:
         if self.profiles is not None:
             speeds = self.profiles.ranking_factors() or None
         if speeds:
-            choice = self.policy.rank(cands, len(r.hashes), overlaps, speeds=speeds)[0]
+            ranked = self.policy.rank(cands, len(r.hashes), overlaps, speeds=speeds)
         else:
-            choice = self.policy.rank(cands, len(r.hashes), overlaps)[0]
+            ranked = self.policy.rank(cands, len(r.hashes), overlaps)
+        plan = None
+        if self.puller is not None:  # as generate.py: the plan's target first, maybe a pull
+            ranked, plan = plan_for_ranking(self.puller, ranked, cands, overlaps, len(r.hashes))
+        choice = ranked[0]
         wi = int(choice.worker_id)
         r.worker = wi
+        have = plan.pull_blocks if plan is not None else choice.overlap_blocks  # blocks it will not compute
         r.ahead = next(c.load.tokens_waiting for c in cands if c.worker_id == choice.worker_id)
-        r.to_prefill = max(r.prompt - choice.overlap_blocks * bs, 0)
+        r.to_prefill = max(r.prompt - have * bs, 0)
         total_blocks = -(-(r.prompt + r.out) // bs)
-        new_blocks = total_blocks - choice.overlap_blocks
+        new_blocks = total_blocks - have
         if self.v.own_view:
-            r.key = self.view.begin(
-                choice.worker_id, r.prompt - choice.overlap_blocks * bs, new_blocks, r.prompt, bs
-            )
+            r.key = self.view.begin(choice.worker_id, r.prompt - have * bs, new_blocks, r.prompt, bs)
         else:
             self.pending[wi] += new_blocks
         if self.v.ttl > 0:
@@ -326,10 +359,33 @@ class Cluster:
             for h in r.hashes:
                 if h not in seen:
                     prov[h] = now + self.v.ttl
-        w = self.workers[wi]
+        if plan is not None:  # the target pulls the holder's blocks, then queues the rest
+            delta = plan.pull_blocks - overlaps.get(choice.worker_id, 0)
+            self.push(now + self.puller.pull_s(delta) + self.v.pull_wait, 4, (r, plan.pull_blocks))
+            return
+        self.queue(self.workers[wi], r, now)
+
+    def queue(self, w: Worker, r: Req, now: float) -> None:
         w.waiting.append(r)
         if not w.busy:
             self.start_pass(w, now)
+
+    def pulled(self, r: Req, blocks: int, now: float) -> None:
+        """A pull of `r`'s first `blocks` prompt blocks landed on its worker: they are cached
+        there (a stored event, as the engine emits for imported blocks) and the request queues.
+        No room for them: the pull fails and the request recomputes (the product's fallback)."""
+        w = self.workers[r.worker]
+        new = [h for h in r.hashes[:blocks] if h not in w.cache]
+        if w._room(len(new)):
+            for h in r.hashes[:blocks]:
+                if h not in w.cache:
+                    w.log.append((True, h))
+                w.cache[h] = None
+                w.cache.move_to_end(h)
+            r.pulled = len(new)
+        else:
+            self.pulls_failed += 1
+        self.queue(w, r, now)
 
     def memo_walk(self, hashes: list[int], depth: int, decision: bool = True) -> None:
         """The chunks one decision hashes (MemoHashChain under PrefixIndex.match: the walk
@@ -444,6 +500,10 @@ class Cluster:
         while t < self.reqs[-1].arrival + 1:
             self.push(t, 0, None)
             t += self.args.report_interval_s
+        self.drain()
+
+    def drain(self) -> None:
+        """Process events until none are left."""
         while self.events:
             now, kind, _, obj = heapq.heappop(self.events)
             if kind == 0:
@@ -454,6 +514,9 @@ class Cluster:
             elif kind == 3:
                 wi, log = obj  # type: ignore[misc]
                 self.apply_events(wi, log)
+            elif kind == 4:
+                r, blocks = obj  # type: ignore[misc]
+                self.pulled(r, blocks, now)
             else:
                 self.route(obj, now)  # type: ignore[arg-type]
 
@@ -483,10 +546,13 @@ def parse_variant(spec: str) -> Variant:
             "t": "temperature",
             "qw": "queue_weight",
             "busy": "busy_blocks",
+            "pwait": "pull_wait",
         }.get(k, k)
         if name not in Variant.__dataclass_fields__ or name in ("name", "policy", "own_view"):
             raise ValueError(f"unknown variant option {k!r} in {spec!r}")
-        setattr(v, name, bool(int(val)) if name in ("oracle", "sync", "prof", "label") else float(val))
+        setattr(
+            v, name, bool(int(val)) if name in ("oracle", "sync", "prof", "label", "pull") else float(val)
+        )
     return v
 
 
@@ -584,18 +650,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} workers, {len(base)} requests, model time_factor {tf:g}")
         seen: set[int] = set()
         alone, alone_ideal = [], []
+        ideal_cached = 0
         for r in base:
             usable = (r.prompt - 1) // args.block_size
             k = 0
             while k < usable and r.hashes[k] in seen:
                 k += 1
             seen.update(r.hashes)
+            ideal_cached += k * args.block_size
             alone.append(unloaded_ttft_ms(prof, r.prompt, args.mbt))
             alone_ideal.append(unloaded_ttft_ms(prof, r.prompt - k * args.block_size, args.mbt))
         print(
             f"  floor: each prompt alone on an idle worker, mean TTFT {statistics.mean(alone):.0f} ms uncached, "
-            f"{statistics.mean(alone_ideal):.0f} ms with the ideal cache (p99 {pct(alone_ideal, 0.99):.0f})"
+            f"{statistics.mean(alone_ideal):.0f} ms with the ideal cache (p99 {pct(alone_ideal, 0.99):.0f}); "
+            f"ideal hit {ideal_cached / sum(r.prompt for r in base):.3f} (one unbounded cache)"
         )
+        ideal = ideal_cached / sum(r.prompt for r in base)
         rows = {}
         e2es: dict[str, float] = {}
         for spec in args.variants.split(","):
@@ -619,6 +689,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {spec:28s} ttft mean {m:7.0f} p50 {p50:6.0f} p99 {p99:7.0f} ms  hit {h:.3f}  "
                 f"req/s {rps:5.2f} spread {max(counts) / statistics.mean(counts):.2f}{rel}"
             )
+            tag = re.sub(r"\W+", "_", spec) + f"_w{n}"
+            summary.append(f"hit_vs_ideal_{tag}={h / ideal:.2f}" if ideal else f"hit_vs_ideal_{tag}=nan")
+            if v.pull:  # pulled blocks are cached at admission: in `hit`, and counted apart here
+                pulled = sum(r.pulled for r in reqs) * args.block_size / sum(r.prompt for r in reqs)
+                share = sum(1 for r in reqs if r.pulled) / len(reqs)
+                print(
+                    f"    pulls: {share:.3f} of requests, {pulled:.3f} of prompt tokens pulled (hit without "
+                    f"them {h - pulled:.3f}), {cluster.pulls_failed} failed for room; hit / ideal {h / ideal:.2f}"
+                )
+                summary.append(f"pull_share_{tag}={share:.3f}")
             if args.speeds:  # heterogeneous: the whole request, and decode speed
                 e2e = statistics.mean((r.done - r.arrival) * 1000 for r in reqs)
                 tpot = [(r.done - r.first_token) * 1000 / (r.out - 1) for r in reqs if r.out > 1]

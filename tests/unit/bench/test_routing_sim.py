@@ -113,3 +113,40 @@ def test_a_heterogeneous_fleet_slows_its_slow_workers_and_the_profiles_find_them
     assert min(speeds[w][0] for w in ("1", "3")) > fast  # the slow ones cost more per prefill block
     labelled = Cluster(a, parse_variant("kv@lv:label=1"), [], prof, 0)
     assert labelled.labels == {"0": (0.5, 0.5), "1": (1.5, 1.5), "2": (0.5, 0.5), "3": (1.5, 1.5)}
+
+
+def _loaded_holder(variant: str):
+    """Two workers: worker 0 holds a 250-block prefix and reports a long prefill queue; a request
+    sharing that prefix is routed."""
+    a = args(workers=2)
+    prof = load_profile("dynamo-mocker").scaled_to(a.num_blocks, a.block_size)
+    cluster = Cluster(a, parse_variant(variant), [], prof, 0)
+    prefix = list(range(5000, 5250))
+    holder = cluster.workers[0]
+    for h in prefix:
+        holder.cache[h] = None
+    from services.router.policy import WorkerLoad
+
+    cluster.reports[0] = WorkerLoad(tokens_waiting=200_000)  # busy: the policy prefers worker 1
+    r = Req(0, 0.0, [*prefix, 9000, 9001], 252 * 16 + 5, 4)
+    cluster.route(r, 0.0)
+    cluster.drain()
+    return cluster, r, prefix
+
+
+def test_a_pull_lands_the_holders_prefix_on_the_chosen_worker_before_it_queues():
+    """pull=1: the router's PrefixPullPlanner decides; the target gets the holder's blocks (as
+    cached, announced in its KV log) after the pull's time, then computes only the rest."""
+    cluster, r, prefix = _loaded_holder("kv@lv:pull=1")
+    assert r.worker == 1 and r.pulled == len(prefix)
+    assert r.cached == len(prefix) * 16  # admitted with the pulled blocks as its cached prefix
+    assert all(h in cluster.workers[1].cache for h in prefix)
+    assert r.produced == r.out
+    assert r.first_token >= cluster.puller.pull_s(len(prefix))  # the pull came first
+    w = cluster.workers[1]
+    assert not w.running and not w.waiting and not w.refs and w.used_extra == 0 and w.uncomputed == 0
+    assert len(cluster.view) == 0
+    # Without pulls the same request recomputes the prefix on worker 1.
+    _, r0, _ = _loaded_holder("kv@lv")
+    assert r0.worker == 1 and r0.pulled == 0 and r0.cached == 0
+    assert r0.first_token > r.first_token  # recomputing 4,000 tokens is slower than pulling them
