@@ -5,7 +5,11 @@ asyncio side hands it work as closures through a FIFO command queue and gets
 results back with `loop.call_soon_threadsafe` (one callback per loop turn,
 carrying every output of the step). When nothing can run, the thread blocks on
 the command queue: no busy spinning. Because commands run in FIFO order, undoing
-a cancelled call is just another command queued behind it.
+a cancelled call is just another command queued behind it. Two calls run on a
+worker thread under the core's mutex instead, which the step thread releases
+during the forward pass: `hold_prefix` and `reserve_external` only take cached or
+free blocks, so neither waits for a loaded worker's step to end; each undoes
+itself after a cancellation once its thread is done.
 
 Loop-side bookkeeping (`_streams`, `_prefills`, `_held`, `_reserved`) answers
 the synchronous calls (`abort`, `release`) and rejects duplicate ids at once.
@@ -46,6 +50,10 @@ from services.engine.llm_engine import LLMEngine, RunnerFactory, call_each
 from services.engine.validation import validate_request
 
 _STOP = object()
+
+
+def _noop(core: LLMEngine) -> None:
+    """A command that only wakes the step loop (it then delivers pending KV events)."""
 
 
 class TorchEngine:
@@ -140,12 +148,25 @@ class TorchEngine:
         self._check_new(request)
         rid = request.request_id
         self._reserved.add(rid)
+        # Off the step thread (LLMEngine.reserve_external takes the core's mutex), as
+        # hold_prefix: a remote prefill's or a prefix pull's blocks are reserved while a
+        # loaded worker's long step runs, not after it (a step of 8,192 prompt tokens on the
+        # sim is ~170 ms of model time that the router's pull price never counted).
+        job = asyncio.ensure_future(asyncio.to_thread(self._started().reserve_external, request))
         try:
-            return await self._call(lambda core: core.reserve_external(request))
+            reservation = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            self._reserved.discard(rid)
+            # The thread may still reserve: cancel whatever it made once it is done.
+            job.add_done_callback(lambda _: self._try_submit(lambda core: core.cancel_external(rid)))
+            raise
         except BaseException:
             self._reserved.discard(rid)
             self._try_submit(lambda core: core.cancel_external(rid))  # no-op unless it got reserved
             raise
+        # Wake the step loop: the KV events of blocks this evicted go out with its next delivery.
+        self._try_submit(_noop)
+        return reservation
 
     def generate_external(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:
         self._check_open()

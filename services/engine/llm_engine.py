@@ -287,7 +287,14 @@ class LLMEngine:
     # ---- external KV ------------------------------------------------------
 
     def reserve_external(self, request: EngineRequest) -> ExternalKvReservation:
-        """Blocks for the request's context (prompt + resume), own cached prefix reused."""
+        """Blocks for the request's context (prompt + resume), own cached prefix reused.
+        Thread-safe (takes `mutex`), as `hold_prefix`: a worker busy with a long step reserves
+        without waiting for it (the pass only writes blocks its own sequences hold; this takes
+        free ones, evicting free cached blocks)."""
+        with self.mutex:
+            return self._reserve_external(request)
+
+    def _reserve_external(self, request: EngineRequest) -> ExternalKvReservation:
         self.validate(request)
         seq = self._new_sequence(request, prefill_only=False)
         if not self.scheduler.reserve_remote(seq):

@@ -65,6 +65,13 @@ class GatedRunner(ModelRunner):
     entered = threading.Event()
     gate = threading.Event()
 
+    @classmethod
+    def reset(cls) -> None:
+        """Open, not entered, gate shut: each test starts from here (the events are shared)."""
+        cls.closed.clear()
+        cls.entered.clear()
+        cls.gate.clear()
+
     def run(self, scheduled):
         if GatedRunner.closed.is_set():
             GatedRunner.entered.set()
@@ -73,6 +80,7 @@ class GatedRunner(ModelRunner):
 
 
 async def test_a_busy_holder_leases_without_waiting_for_its_step_to_end():
+    GatedRunner.reset()
     engine = TorchEngine(tiny_config(), runner_factory=GatedRunner)
     await engine.start()
     try:
@@ -94,6 +102,62 @@ async def test_a_busy_holder_leases_without_waiting_for_its_step_to_end():
             pass
         await engine.sync()
         assert engine.stats().held_blocks == 0 and engine.stats().free_blocks == engine.info.num_blocks
+    finally:
+        GatedRunner.gate.set()
+        await engine.close()
+
+
+async def test_a_busy_puller_reserves_without_waiting_for_its_step_to_end():
+    """The puller's reservation (and a remote prefill's) was a step-thread command: on a loaded
+    worker it waited for the pass in progress, time the router's pull price never counted."""
+    GatedRunner.reset()
+    engine = TorchEngine(tiny_config(), runner_factory=GatedRunner)
+    await engine.start()
+    try:
+        GatedRunner.closed.set()
+        stream = engine.generate(request("busy", prompt_of(40, seed=8), max_tokens=4))
+        step = asyncio.ensure_future(anext(stream))
+        await asyncio.to_thread(GatedRunner.entered.wait, 30)  # the step thread is mid-pass
+        res = await asyncio.wait_for(engine.reserve_external(prefix_req("pull", prompt_of(64, seed=9))), 30)
+        assert len(res.block_ids) == 4 and res.num_cached_tokens == 0
+        engine.cancel_external("pull")
+        GatedRunner.closed.clear()
+        GatedRunner.gate.set()
+        await step
+        async for _ in stream:
+            pass
+        await engine.sync()
+        assert engine.stats().free_blocks == engine.info.num_blocks
+    finally:
+        GatedRunner.gate.set()
+        await engine.close()
+
+
+async def test_a_reservation_cancelled_while_its_thread_runs_is_undone():
+    GatedRunner.reset()
+    engine = TorchEngine(tiny_config(), runner_factory=GatedRunner)
+    await engine.start()
+    try:
+        GatedRunner.closed.set()
+        stream = engine.generate(request("busy", prompt_of(40, seed=8), max_tokens=4))
+        step = asyncio.ensure_future(anext(stream))
+        await asyncio.to_thread(GatedRunner.entered.wait, 30)
+        core = engine._started()
+        with core.mutex:  # the reservation's thread waits for the mutex: cancel it meanwhile
+            job = asyncio.ensure_future(engine.reserve_external(prefix_req("pull", prompt_of(64, seed=9))))
+            await asyncio.sleep(0)
+            job.cancel()
+            try:
+                await job
+            except asyncio.CancelledError:
+                pass
+        GatedRunner.closed.clear()
+        GatedRunner.gate.set()
+        await step
+        async for _ in stream:
+            pass
+        await engine.sync()
+        assert engine.stats().free_blocks == engine.info.num_blocks  # the late reservation was freed
     finally:
         GatedRunner.gate.set()
         await engine.close()
