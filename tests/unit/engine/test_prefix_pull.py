@@ -4,6 +4,7 @@ in-process: hold_prefix on the holder, reserve_external + import + commit_prefix
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 from services.engine.api import EngineRequest, SamplingParams
@@ -79,22 +80,22 @@ class GatedRunner(ModelRunner):
         return super().run(scheduled)
 
 
-async def test_a_busy_holder_leases_without_waiting_for_its_step_to_end():
+@contextlib.asynccontextmanager
+async def mid_pass(warm_prefix=None):
+    """A started engine whose step thread is stuck in a forward pass (a long step) for the body;
+    afterwards the pass ends, the busy request finishes and every block must be free."""
     GatedRunner.reset()
     engine = TorchEngine(tiny_config(), runner_factory=GatedRunner)
     await engine.start()
     try:
-        shared = prompt_of(64, seed=7)
-        async for _ in engine.generate(request("warm", [*shared, 1], max_tokens=1)):
-            pass
+        if warm_prefix is not None:
+            async for _ in engine.generate(request("warm", [*warm_prefix, 1], max_tokens=1)):
+                pass
         GatedRunner.closed.set()
         stream = engine.generate(request("busy", prompt_of(40, seed=8), max_tokens=4))
         step = asyncio.ensure_future(anext(stream))
         await asyncio.to_thread(GatedRunner.entered.wait, 30)  # the step thread is mid-pass
-        # Before the fix the hold was a step-thread command: it waited for the pass (the gate).
-        held = await asyncio.wait_for(engine.hold_prefix(prefix_req("lease", shared)), 30)
-        assert held is not None and held.num_tokens == 64
-        assert engine.release("lease")
+        yield engine
         GatedRunner.closed.clear()
         GatedRunner.gate.set()
         await step
@@ -107,57 +108,30 @@ async def test_a_busy_holder_leases_without_waiting_for_its_step_to_end():
         await engine.close()
 
 
+async def test_a_busy_holder_leases_without_waiting_for_its_step_to_end():
+    shared = prompt_of(64, seed=7)
+    async with mid_pass(warm_prefix=shared) as engine:
+        # Before the fix the hold was a step-thread command: it waited for the pass (the gate).
+        held = await asyncio.wait_for(engine.hold_prefix(prefix_req("lease", shared)), 30)
+        assert held is not None and held.num_tokens == 64
+        assert engine.release("lease")
+
+
 async def test_a_busy_puller_reserves_without_waiting_for_its_step_to_end():
     """The puller's reservation (and a remote prefill's) was a step-thread command: on a loaded
     worker it waited for the pass in progress, time the router's pull price never counted."""
-    GatedRunner.reset()
-    engine = TorchEngine(tiny_config(), runner_factory=GatedRunner)
-    await engine.start()
-    try:
-        GatedRunner.closed.set()
-        stream = engine.generate(request("busy", prompt_of(40, seed=8), max_tokens=4))
-        step = asyncio.ensure_future(anext(stream))
-        await asyncio.to_thread(GatedRunner.entered.wait, 30)  # the step thread is mid-pass
+    async with mid_pass() as engine:
         res = await asyncio.wait_for(engine.reserve_external(prefix_req("pull", prompt_of(64, seed=9))), 30)
         assert len(res.block_ids) == 4 and res.num_cached_tokens == 0
         engine.cancel_external("pull")
-        GatedRunner.closed.clear()
-        GatedRunner.gate.set()
-        await step
-        async for _ in stream:
-            pass
-        await engine.sync()
-        assert engine.stats().free_blocks == engine.info.num_blocks
-    finally:
-        GatedRunner.gate.set()
-        await engine.close()
 
 
 async def test_a_reservation_cancelled_while_its_thread_runs_is_undone():
-    GatedRunner.reset()
-    engine = TorchEngine(tiny_config(), runner_factory=GatedRunner)
-    await engine.start()
-    try:
-        GatedRunner.closed.set()
-        stream = engine.generate(request("busy", prompt_of(40, seed=8), max_tokens=4))
-        step = asyncio.ensure_future(anext(stream))
-        await asyncio.to_thread(GatedRunner.entered.wait, 30)
-        core = engine._started()
-        with core.mutex:  # the reservation's thread waits for the mutex: cancel it meanwhile
+    async with mid_pass() as engine:
+        with engine._started().mutex:  # the reservation's thread waits for it: cancel meanwhile
             job = asyncio.ensure_future(engine.reserve_external(prefix_req("pull", prompt_of(64, seed=9))))
             await asyncio.sleep(0)
             job.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await job
-            except asyncio.CancelledError:
-                pass
-        GatedRunner.closed.clear()
-        GatedRunner.gate.set()
-        await step
-        async for _ in stream:
-            pass
-        await engine.sync()
-        assert engine.stats().free_blocks == engine.info.num_blocks  # the late reservation was freed
-    finally:
-        GatedRunner.gate.set()
-        await engine.close()
+    # mid_pass checked every block free: the late reservation was cancelled once made
