@@ -272,6 +272,13 @@ class PathRates:
     def remote_tokens_per_s(self) -> float:
         return self.remote.value if self.remote.samples else self.local_tokens_per_s
 
+    def link_ms_per_block(self, block_size: int) -> float:
+        """Measured ms to move one block's KV over the KV transport; 0 before any transfer."""
+        link, per_token = self.link.value, self.kv_bytes_per_token.value
+        if not self.link.samples or link <= 0 or per_token <= 0:
+            return 0.0
+        return per_token * block_size / link * 1000.0
+
     def snapshot(self) -> Rates:
         return Rates(
             local_tokens_per_s=self.local_tokens_per_s,

@@ -168,7 +168,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def load(self) -> common_pb2.WorkerLoad:
         s = self.engine.stats()
-        return load_from_stats(s, self.worker.local_wait_s(s) * 1000.0, self.health)
+        link = self.worker.rates.link_ms_per_block(self.engine.info.block_size)
+        return load_from_stats(s, self.worker.local_wait_s(s) * 1000.0, self.health, link)
 
     def stats_response(self) -> worker_pb2.StatsResponse:
         s = self.engine.stats()

@@ -79,6 +79,9 @@ def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
         no_progress_ms=msg.no_progress_ms,
         host_restore_ms_per_block=msg.host_restore_ms_per_block,
         prefill_ms_per_block=msg.prefill_ms_per_block,
+        link_ms_per_block=msg.link_ms_per_block
+        if math.isfinite(msg.link_ms_per_block) and msg.link_ms_per_block > 0
+        else 0.0,
     )
 
 
@@ -95,6 +98,7 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
         no_progress_ms=load.no_progress_ms,
         host_restore_ms_per_block=load.host_restore_ms_per_block,
         prefill_ms_per_block=load.prefill_ms_per_block,
+        link_ms_per_block=load.link_ms_per_block,
     )
 
 

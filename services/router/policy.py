@@ -79,6 +79,8 @@ class WorkerLoad:
     # from it and to prefill one block; tier_index.host_weight turns them into credit.
     host_restore_ms_per_block: float = 0.0
     prefill_ms_per_block: float = 0.0
+    # Measured ms to move one block's KV to it (0 = not measured): a pull's price (prefix_pull.py).
+    link_ms_per_block: float = 0.0
 
 
 @dataclass(frozen=True)

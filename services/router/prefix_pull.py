@@ -11,7 +11,13 @@ In predicted time to first token (TTFT), for a target worker w:
 
     local(w) = wait(w) + (P - o(w)) * bs / rate(w)
     pull(w)  = pull_s(w) + wait(w) + (P - o(h)) * bs / rate(w)
-    pull_s(w) = latency + (o(h) - o(w)) * block_bytes / bandwidth
+    pull_s(w) = latency + (o(h) - o(w)) * link(w)
+
+with link(w) the seconds per block w measured on its own KV transfers (its load
+report's `link_ms_per_block`: pulls and remote-prefill handoffs, bytes over
+seconds), or block_bytes / the configured bandwidth while it has measured none
+(the issue's "bytes at the measured bandwidth"; a measured rate already holds
+the transfers' fixed costs, so adding `latency` errs towards recomputing)
 
 with P the prompt's full blocks, o the overlap, h the holder (the worker with
 the longest cached prefix) and bs the block size. A pull is offered to w only
@@ -67,6 +73,7 @@ class WorkerView:
     overlap_blocks: int  # leading prompt blocks cached there
     wait_s: float  # predicted wait before a new prefill starts
     tokens_per_s: float  # its prefill rate (measured; the prior when unknown)
+    link_s_per_block: float = 0.0  # measured time to move one block's KV to it (0: the configured link)
 
 
 @dataclass(frozen=True)
@@ -95,8 +102,10 @@ class PrefixPullPlanner:
         self.block_size = block_size
         self.block_bytes = config.kv_bytes_per_token * block_size
 
-    def pull_s(self, blocks: int) -> float:
-        return self.config.latency_s + blocks * self.block_bytes / self.config.link_bytes_per_s
+    def pull_s(self, blocks: int, link_s_per_block: float = 0.0) -> float:
+        """Predicted seconds to pull `blocks` blocks: at a measured link when given, else the configured one."""
+        per_block = link_s_per_block or self.block_bytes / self.config.link_bytes_per_s
+        return self.config.latency_s + blocks * per_block
 
     def _local(self, w: WorkerView, prompt_blocks: int) -> float:
         return w.wait_s + max(prompt_blocks - w.overlap_blocks, 0) * self.block_size / w.tokens_per_s
@@ -106,7 +115,7 @@ class PrefixPullPlanner:
         delta = min(holder.overlap_blocks, prompt_blocks) - w.overlap_blocks
         if delta < self.config.min_pull_blocks:
             return None
-        pull = self.pull_s(delta)
+        pull = self.pull_s(delta, w.link_s_per_block)
         if pull >= delta * self.block_size / w.tokens_per_s:  # the issue's rule: pull < recompute
             return None
         rest = max(prompt_blocks - holder.overlap_blocks, 0) * self.block_size / w.tokens_per_s
@@ -159,7 +168,8 @@ def plan_for_ranking(
 
     Per candidate, the wait is its prompt backlog (blended with the router's own
     load view when that is on) at its prefill rate (backlog / predicted wait of its
-    last report, else the configured prior)."""
+    last report, else the configured prior), and its link the one it measured (`link_ms_per_block`
+    of its report, else the configured one)."""
     if not ranked or prompt_blocks < planner.config.min_pull_blocks:
         return list(ranked), None
     prior = planner.config.prior_tokens_per_s
@@ -167,7 +177,13 @@ def plan_for_ranking(
     for c in candidates:
         rate = rate_of(c.load.tokens_waiting, c.load.estimated_wait_ms, prior)
         views.append(
-            WorkerView(c.worker_id, overlaps.get(c.worker_id, 0), c.load.tokens_waiting / rate, rate)
+            WorkerView(
+                c.worker_id,
+                overlaps.get(c.worker_id, 0),
+                c.load.tokens_waiting / rate,
+                rate,
+                c.load.link_ms_per_block / 1000.0,
+            )
         )
     if ranked[0].worker_id not in {v.worker_id for v in views}:
         return list(ranked), None

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtransfer.pool import PoolView
-from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
+from pdmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc, worker_pb2
 from services.common.server import MeshServer, ServerConfig
 from services.common.validation import RequestLimits
 from services.decode.config import DecodeSettings
@@ -190,8 +190,13 @@ async def test_pulled_prefix_is_token_exact_and_only_the_rest_is_prefilled(mesh)
     want = reference_tokens(PROMPT)
     await warm(mesh)
     before = mesh.puller.engine.stats().prompt_tokens_computed
+    stats = await mesh.puller.stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+    assert stats.load.link_ms_per_block == 0.0  # no transfer measured yet
     tokens, final = await mesh.puller.generate("r1", PROMPT, mesh.hint())
     assert tokens == want
+    # The pull measured the link; the load report gives the router its price per block.
+    stats = await mesh.puller.stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+    assert 0.0 < stats.load.link_ms_per_block < 10_000.0
     assert final.pulled_prefix_tokens == len(SHARED)
     assert final.usage.cached_prompt_tokens == len(SHARED)
     # Only the 21 tokens past the pulled 6 blocks were prefilled here.

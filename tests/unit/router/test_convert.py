@@ -30,3 +30,14 @@ def test_the_hardware_description_survives_a_round_trip():
 def test_a_load_time_that_is_no_number_is_unknown():
     for bad in (math.nan, math.inf, -1.0):
         assert info_from_proto(common_pb2.WorkerInfo(worker_id="w", model_load_s=bad)).model_load_s == 0.0
+
+
+def test_a_measured_link_survives_a_round_trip_and_no_number_is_unmeasured():
+    from services.router.convert import load_from_proto, load_to_proto
+
+    msg = common_pb2.WorkerLoad(tokens_waiting=7, link_ms_per_block=0.25)
+    load = load_from_proto(msg)
+    assert load.link_ms_per_block == 0.25
+    assert load_to_proto(load) == msg
+    for bad in (math.nan, math.inf, -1.0):
+        assert load_from_proto(common_pb2.WorkerLoad(link_ms_per_block=bad)).link_ms_per_block == 0.0

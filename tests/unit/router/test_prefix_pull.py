@@ -37,6 +37,35 @@ def test_no_pull_when_the_link_is_slower_than_recompute():
     assert (p.target, p.source) == ("b", "")
 
 
+def test_a_measured_link_prices_the_pull_not_the_configured_one():
+    # Configured: 1 ms a block (a pull pays). b measured 20 ms a block on its own transfers, more
+    # than the 10 ms a recompute costs: no pull to b. c measured 0.5 ms: pulls, at its price.
+    slow = WorkerView("b", 0, 0.0, 1600.0, link_s_per_block=0.020)
+    assert planner().plan([w("a", 50, wait_s=2.0), slow], 60, "b").source == ""
+    fast = WorkerView("c", 0, 0.0, 1600.0, link_s_per_block=0.0005)
+    p = planner().plan([w("a", 50, wait_s=2.0), fast], 60, "c")
+    assert (p.source, p.pull_blocks) == ("a", 50)
+    assert p.predicted_s == pytest.approx(50 * 0.0005 + 0.1)
+    # And the other way: a configured link too slow to pull, a measured one fast enough.
+    cfg = PrefixPullConfig(enabled=True, link_bytes_per_s=5e7, kv_bytes_per_token=1e6 / BS, latency_s=0.0)
+    assert PrefixPullPlanner(cfg, BS).plan([w("a", 50, wait_s=2.0), fast], 60, "c").source == "a"
+
+
+def test_the_ranking_hook_reads_each_workers_measured_link_from_its_load():
+    from services.router.policy import Candidate, Choice, WorkerLoad
+    from services.router.prefix_pull import plan_for_ranking
+
+    cands = [
+        Candidate("a", WorkerLoad(tokens_waiting=16_000, estimated_wait_ms=2000.0)),
+        Candidate("b", WorkerLoad(link_ms_per_block=20.0)),  # measured: slower than recomputing
+    ]
+    ranked = [Choice("b", 60.0, 0), Choice("a", 90.0, 50)]
+    p = planner(prior_tokens_per_s=1600.0)
+    assert plan_for_ranking(p, ranked, cands, {"a": 50}, 60)[1] is None
+    cands[1] = Candidate("b", WorkerLoad())  # nothing measured: the configured 1 ms a block
+    assert plan_for_ranking(p, ranked, cands, {"a": 50}, 60)[1].source == "a"
+
+
 def test_no_pull_when_the_preferred_worker_has_the_prefix_too():
     p = planner().plan([w("a", 50, wait_s=2.0), w("b", 50)], 60, "b")
     assert (p.target, p.source) == ("b", "")
