@@ -376,6 +376,9 @@ class Cluster:
         No room for them: the pull fails and the request recomputes (the product's fallback)."""
         w = self.workers[r.worker]
         new = [h for h in r.hashes[:blocks] if h not in w.cache]
+        for h in r.hashes[:blocks]:  # the target's own part of the prefix: touched, not evicted below
+            if h in w.cache:
+                w.cache.move_to_end(h)
         if w._room(len(new)):
             for h in r.hashes[:blocks]:
                 if h not in w.cache:
