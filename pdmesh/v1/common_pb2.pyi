@@ -208,7 +208,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., accelerator: _Optional[_Union[AcceleratorKind, str]] = ..., kv_capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., engine_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_agent_name: _Optional[str] = ..., link_port: _Optional[int] = ..., accelerator_generation: _Optional[str] = ..., memory_headroom_bytes: _Optional[int] = ..., warm_models: _Optional[_Iterable[str]] = ..., model_load_s: _Optional[float] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks", "not_serving_reason", "no_progress_ms", "host_restore_ms_per_block", "prefill_ms_per_block", "link_ms_per_block")
+    __slots__ = ("running", "waiting", "tokens_waiting", "used_blocks", "free_blocks", "estimated_wait_ms", "active_decode_blocks", "not_serving_reason", "no_progress_ms", "host_restore_ms_per_block", "prefill_ms_per_block", "link_ms_per_block", "link_latency_ms")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     TOKENS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class WorkerLoad(_message.Message):
     HOST_RESTORE_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LINK_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LINK_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     tokens_waiting: int
@@ -233,7 +234,8 @@ class WorkerLoad(_message.Message):
     host_restore_ms_per_block: float
     prefill_ms_per_block: float
     link_ms_per_block: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ..., active_decode_blocks: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., no_progress_ms: _Optional[int] = ..., host_restore_ms_per_block: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ..., link_ms_per_block: _Optional[float] = ...) -> None: ...
+    link_latency_ms: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., estimated_wait_ms: _Optional[float] = ..., active_decode_blocks: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., no_progress_ms: _Optional[int] = ..., host_restore_ms_per_block: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ..., link_ms_per_block: _Optional[float] = ..., link_latency_ms: _Optional[float] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("seq", "stored", "removed", "cleared")

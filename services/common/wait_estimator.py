@@ -27,7 +27,9 @@ class Rates:
     local_tokens_per_s: float = 1000.0  # local prefill, while prefilling
     remote_tokens_per_s: float = 1000.0  # a prefill worker's compute, queue excluded
     kv_bytes_per_token: float = 0.0  # what one prompt token's KV pull moves
-    link_bytes_per_s: float = math.inf  # KV pull bandwidth
+    link_bytes_per_s: float = math.inf  # KV pull bandwidth (LinkFit: the part per byte)
+    link_latency_s: float = 0.0  # the fixed part of a KV pull (LinkFit)
+    link_samples: int = 0  # transfers measured
     tpot_s: float = 0.0  # recent mean inter-token latency here, stalls included
     decode_step_s: float = 0.0  # recent median inter-token latency: the step when no prefill stalls it
     unloaded_tpot_s: float = 0.0  # decode step here unloaded (a low quantile of it)
@@ -85,6 +87,60 @@ class Ewma:
         # The first sample replaces the prior: a prior is a guess, a sample is not.
         self.value = x if not self.samples else self.value + self.alpha * (x - self.value)
         self.samples += 1
+
+
+class LinkFit:
+    """A KV link as seconds = latency + bytes / bandwidth, fitted to the last `window` transfers.
+
+    A transfer's time is a fixed part (RPCs, a first connection's setup) and a part per byte;
+    bytes over seconds of one transfer mixes the two, so small transfers read as a slow link
+    and one slow first connection read as a slow link for good (on NIXL here: the first 49 KB
+    pull took 55-70 ms with the connection's setup, later ones ~5 ms). The fit is robust to
+    such outliers: Theil-Sen (the median of the slopes between transfers whose sizes differ by
+    at least `spread`, the median intercept), and while the sizes seen are too alike to tell
+    the two parts apart, no fixed part and the median seconds per byte (what a transfer of the
+    sizes seen costs; a larger one is then over-priced, never under-priced).
+    """
+
+    def __init__(self, window: int = 32, spread: float = 1.5):
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._spread = spread
+        self._fit: tuple[float, float] | None = None  # (latency s, seconds per byte); None: refit
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+    def update(self, nbytes: float, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self._samples.append((float(nbytes), float(seconds)))
+            self._fit = None
+
+    def fit(self) -> tuple[float, float]:
+        """(latency in seconds, seconds per byte); (0, 0) before any transfer."""
+        if self._fit is None:
+            self._fit = self._compute()
+        return self._fit
+
+    def _compute(self) -> tuple[float, float]:
+        xs = list(self._samples)
+        if not xs:
+            return 0.0, 0.0
+        slopes = [
+            (yj - yi) / (xj - xi)
+            for i, (xi, yi) in enumerate(xs)
+            for xj, yj in xs[i + 1 :]
+            if max(xi, xj) >= self._spread * min(xi, xj)
+        ]
+        slope = statistics.median(slopes) if slopes else 0.0
+        if slope <= 0:  # sizes too alike (or noise): all of it per byte, at the median
+            return 0.0, statistics.median(y / x for x, y in xs)
+        latency = max(statistics.median(y - slope * x for x, y in xs), 0.0)
+        return latency, slope
+
+    def predict_s(self, nbytes: float) -> float:
+        latency, per_byte = self.fit()
+        return latency + nbytes * per_byte
 
 
 class TimeAverage:
@@ -207,7 +263,7 @@ class PathRates:
         self.local = WaitEstimator(prior_tokens_per_s, alpha, clock)  # the token rule's
         self.local_rate = Ewma(prior_tokens_per_s, alpha)
         self.remote = Ewma(prior_tokens_per_s, alpha)
-        self.link = Ewma(0.0, alpha)  # bytes per second; 0 = not measured
+        self.link = LinkFit()  # KV transfers to here: latency + bytes / bandwidth
         self.kv_bytes_per_token = Ewma(0.0, alpha)
         self.tpot = TimeAverage(10.0, clock)
         self.unloaded_tpot = LowQuantile(clock=clock)
@@ -251,8 +307,7 @@ class PathRates:
             self.remote.update(computed_tokens / max(compute, 0.1 * queue_compute_s))
 
     def pulled(self, nbytes: int, seconds: float, tokens: int) -> None:
-        if nbytes > 0 and seconds > 0:
-            self.link.update(nbytes / seconds)
+        self.link.update(nbytes, seconds)
         if nbytes > 0 and tokens > 0:
             self.kv_bytes_per_token.update(nbytes / tokens)
 
@@ -272,19 +327,25 @@ class PathRates:
     def remote_tokens_per_s(self) -> float:
         return self.remote.value if self.remote.samples else self.local_tokens_per_s
 
-    def link_ms_per_block(self, block_size: int) -> float:
-        """Measured ms to move one block's KV over the KV transport; 0 before any transfer."""
-        link, per_token = self.link.value, self.kv_bytes_per_token.value
-        if not self.link.samples or link <= 0 or per_token <= 0:
-            return 0.0
-        return per_token * block_size / link * 1000.0
+    def link_ms(self, block_size: int, min_samples: int = 3) -> tuple[float, float]:
+        """The measured link as (ms per transfer, ms per block of KV): (0, 0) before
+        `min_samples` transfers (a first connection's setup is not the link)."""
+        per_token = self.kv_bytes_per_token.value
+        if self.link.samples < min_samples or per_token <= 0:
+            return 0.0, 0.0
+        latency, per_byte = self.link.fit()
+        return latency * 1000.0, per_token * block_size * per_byte * 1000.0
 
     def snapshot(self) -> Rates:
         return Rates(
             local_tokens_per_s=self.local_tokens_per_s,
             remote_tokens_per_s=self.remote_tokens_per_s,
             kv_bytes_per_token=self.kv_bytes_per_token.value,
-            link_bytes_per_s=self.link.value if self.link.samples else math.inf,
+            link_latency_s=self.link.fit()[0],
+            link_bytes_per_s=1.0 / self.link.fit()[1]
+            if self.link.samples and self.link.fit()[1] > 0
+            else math.inf,
+            link_samples=self.link.samples,
             tpot_s=self.tpot.value,
             decode_step_s=self.decode_step.value,
             unloaded_tpot_s=self.unloaded_tpot.value or 0.0,

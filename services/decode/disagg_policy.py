@@ -274,7 +274,9 @@ class DisaggregationPolicy:
         cfg = self.config
         stall = uncached / rates.local_tokens_per_s
         transfer = (
-            uncached * rates.kv_bytes_per_token / rates.link_bytes_per_s if rates.link_bytes_per_s else 0.0
+            rates.link_latency_s + uncached * rates.kv_bytes_per_token / rates.link_bytes_per_s
+            if rates.link_bytes_per_s
+            else 0.0
         )
         local = local_wait_s + stall
         remote = best.estimated_wait_s + uncached / rates.remote_tokens_per_s + transfer

@@ -79,9 +79,8 @@ def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
         no_progress_ms=msg.no_progress_ms,
         host_restore_ms_per_block=msg.host_restore_ms_per_block,
         prefill_ms_per_block=msg.prefill_ms_per_block,
-        link_ms_per_block=msg.link_ms_per_block
-        if math.isfinite(msg.link_ms_per_block) and msg.link_ms_per_block > 0
-        else 0.0,
+        link_ms_per_block=_measured(msg.link_ms_per_block),
+        link_latency_ms=_measured(msg.link_latency_ms),
     )
 
 
@@ -99,7 +98,13 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
         host_restore_ms_per_block=load.host_restore_ms_per_block,
         prefill_ms_per_block=load.prefill_ms_per_block,
         link_ms_per_block=load.link_ms_per_block,
+        link_latency_ms=load.link_latency_ms,
     )
+
+
+def _measured(x: float) -> float:
+    """A measured time from the wire: a finite number > 0, else 0 (not measured)."""
+    return x if math.isfinite(x) and x > 0 else 0.0
 
 
 class KvResync(Exception):

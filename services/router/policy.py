@@ -79,8 +79,10 @@ class WorkerLoad:
     # from it and to prefill one block; tier_index.host_weight turns them into credit.
     host_restore_ms_per_block: float = 0.0
     prefill_ms_per_block: float = 0.0
-    # Measured ms to move one block's KV to it (0 = not measured): a pull's price (prefix_pull.py).
+    # Its measured KV link, ms per block and per transfer (0 = not measured): a pull's price
+    # (prefix_pull.py).
     link_ms_per_block: float = 0.0
+    link_latency_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ In predicted time to first token (TTFT), for a target worker w:
 
     local(w) = wait(w) + (P - o(w)) * bs / rate(w)
     pull(w)  = pull_s(w) + wait(w) + (P - o(h)) * bs / rate(w)
-    pull_s(w) = latency + (o(h) - o(w)) * link(w)
+    pull_s(w) = latency(w) + (o(h) - o(w)) * link(w)
 
-with link(w) the seconds per block w measured on its own KV transfers (its load
-report's `link_ms_per_block`: pulls and remote-prefill handoffs, bytes over
-seconds), or block_bytes / the configured bandwidth while it has measured none
-(the issue's "bytes at the measured bandwidth"; a measured rate already holds
-the transfers' fixed costs, so adding `latency` errs towards recomputing)
+with latency(w) and link(w) the fixed time and the time per block that w measured
+on its own KV transfers (its load report's `link_latency_ms` and
+`link_ms_per_block`: pulls and remote-prefill handoffs, fitted as a fixed part
+plus a part per byte, services/common/wait_estimator.py `LinkFit`), or the
+configured latency and block_bytes / the configured bandwidth while it has
+measured fewer than 3 (the issue's "bytes at the measured bandwidth")
 
 with P the prompt's full blocks, o the overlap, h the holder (the worker with
 the longest cached prefix) and bs the block size. A pull is offered to w only
@@ -74,6 +75,7 @@ class WorkerView:
     wait_s: float  # predicted wait before a new prefill starts
     tokens_per_s: float  # its prefill rate (measured; the prior when unknown)
     link_s_per_block: float = 0.0  # measured time to move one block's KV to it (0: the configured link)
+    link_latency_s: float = 0.0  # and the fixed time of a transfer to it (with a measured link)
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,12 @@ class PrefixPullPlanner:
         self.block_size = block_size
         self.block_bytes = config.kv_bytes_per_token * block_size
 
-    def pull_s(self, blocks: int, link_s_per_block: float = 0.0) -> float:
-        """Predicted seconds to pull `blocks` blocks: at a measured link when given, else the configured one."""
-        per_block = link_s_per_block or self.block_bytes / self.config.link_bytes_per_s
-        return self.config.latency_s + blocks * per_block
+    def pull_s(self, blocks: int, link_s_per_block: float = 0.0, link_latency_s: float = 0.0) -> float:
+        """Predicted seconds to pull `blocks` blocks: at a measured link (its time per block and
+        per transfer) when given, else the configured one."""
+        if link_s_per_block > 0:
+            return link_latency_s + blocks * link_s_per_block
+        return self.config.latency_s + blocks * self.block_bytes / self.config.link_bytes_per_s
 
     def _local(self, w: WorkerView, prompt_blocks: int) -> float:
         return w.wait_s + max(prompt_blocks - w.overlap_blocks, 0) * self.block_size / w.tokens_per_s
@@ -115,7 +119,7 @@ class PrefixPullPlanner:
         delta = min(holder.overlap_blocks, prompt_blocks) - w.overlap_blocks
         if delta < self.config.min_pull_blocks:
             return None
-        pull = self.pull_s(delta, w.link_s_per_block)
+        pull = self.pull_s(delta, w.link_s_per_block, w.link_latency_s)
         if pull >= delta * self.block_size / w.tokens_per_s:  # the issue's rule: pull < recompute
             return None
         rest = max(prompt_blocks - holder.overlap_blocks, 0) * self.block_size / w.tokens_per_s
@@ -183,6 +187,7 @@ def plan_for_ranking(
                 c.load.tokens_waiting / rate,
                 rate,
                 c.load.link_ms_per_block / 1000.0,
+                c.load.link_latency_ms / 1000.0,
             )
         )
     if ranked[0].worker_id not in {v.worker_id for v in views}:

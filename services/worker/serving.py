@@ -88,10 +88,10 @@ def load_from_stats(
     s: EngineStats,
     estimated_wait_ms: float,
     health: HealthWatch | None = None,
-    link_ms_per_block: float = 0.0,
+    link_ms: tuple[float, float] = (0.0, 0.0),
 ) -> common_pb2.WorkerLoad:
     """The load report of Stats and heartbeats; with `health`, its not-serving reason too;
-    `link_ms_per_block`: the decode worker's measured KV link (0: none)."""
+    `link_ms`: the decode worker's measured KV link, (ms per transfer, ms per block) (0: none)."""
     load = common_pb2.WorkerLoad(
         running=s.running,
         waiting=s.waiting,
@@ -102,7 +102,8 @@ def load_from_stats(
         active_decode_blocks=s.active_decode_blocks,
         host_restore_ms_per_block=s.host_restore_s_per_block * 1000.0,
         prefill_ms_per_block=s.prefill_s_per_block * 1000.0,
-        link_ms_per_block=link_ms_per_block,
+        link_latency_ms=link_ms[0],
+        link_ms_per_block=link_ms[1],
     )
     return health.fill_load(load) if health is not None else load
 

@@ -190,13 +190,8 @@ async def test_pulled_prefix_is_token_exact_and_only_the_rest_is_prefilled(mesh)
     want = reference_tokens(PROMPT)
     await warm(mesh)
     before = mesh.puller.engine.stats().prompt_tokens_computed
-    stats = await mesh.puller.stub.Stats(worker_pb2.StatsRequest(), timeout=10)
-    assert stats.load.link_ms_per_block == 0.0  # no transfer measured yet
     tokens, final = await mesh.puller.generate("r1", PROMPT, mesh.hint())
     assert tokens == want
-    # The pull measured the link; the load report gives the router its price per block.
-    stats = await mesh.puller.stub.Stats(worker_pb2.StatsRequest(), timeout=10)
-    assert 0.0 < stats.load.link_ms_per_block < 10_000.0
     assert final.pulled_prefix_tokens == len(SHARED)
     assert final.usage.cached_prompt_tokens == len(SHARED)
     # Only the 21 tokens past the pulled 6 blocks were prefilled here.
@@ -321,3 +316,20 @@ async def test_a_holder_with_another_kv_layout_is_refused_and_the_request_prefil
         await settled(m.holder, m.puller)
     finally:
         await m.close()
+
+
+async def test_the_load_reports_the_link_once_three_pulls_measured_it(mesh):
+    """The puller fits its link to its transfers and its load report gives the router the price
+    (WorkerLoad.link_ms_per_block / link_latency_ms); one transfer is not enough (a first
+    connection's setup is not the link), so the router's configured link is used until three."""
+    for i in range(3):
+        prefix = [(7 * j + 13 * i + 1) % 256 for j in range(96)]
+        await mesh.holder.generate(f"warm{i}", [*prefix, 9, 9, 9])
+        stats = await mesh.puller.stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+        assert (stats.load.link_ms_per_block, stats.load.link_latency_ms) == (0.0, 0.0)
+        _, final = await mesh.puller.generate(f"r{i}", [*prefix, 1, 2, 3], mesh.hint())
+        assert final.pulled_prefix_tokens == len(prefix)
+    stats = await mesh.puller.stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+    assert stats.load.link_ms_per_block > 0.0 and stats.load.link_latency_ms >= 0.0
+    assert stats.load.link_ms_per_block * 6 + stats.load.link_latency_ms < 10_000.0  # a 6-block pull
+    await settled(mesh.holder, mesh.puller)

@@ -35,9 +35,10 @@ def test_a_load_time_that_is_no_number_is_unknown():
 def test_a_measured_link_survives_a_round_trip_and_no_number_is_unmeasured():
     from services.router.convert import load_from_proto, load_to_proto
 
-    msg = common_pb2.WorkerLoad(tokens_waiting=7, link_ms_per_block=0.25)
+    msg = common_pb2.WorkerLoad(tokens_waiting=7, link_ms_per_block=0.25, link_latency_ms=3.0)
     load = load_from_proto(msg)
-    assert load.link_ms_per_block == 0.25
+    assert (load.link_ms_per_block, load.link_latency_ms) == (0.25, 3.0)
     assert load_to_proto(load) == msg
     for bad in (math.nan, math.inf, -1.0):
-        assert load_from_proto(common_pb2.WorkerLoad(link_ms_per_block=bad)).link_ms_per_block == 0.0
+        bad_load = load_from_proto(common_pb2.WorkerLoad(link_ms_per_block=bad, link_latency_ms=bad))
+        assert (bad_load.link_ms_per_block, bad_load.link_latency_ms) == (0.0, 0.0)

@@ -46,6 +46,11 @@ def test_a_measured_link_prices_the_pull_not_the_configured_one():
     p = planner().plan([w("a", 50, wait_s=2.0), fast], 60, "c")
     assert (p.source, p.pull_blocks) == ("a", 50)
     assert p.predicted_s == pytest.approx(50 * 0.0005 + 0.1)
+    # A measured fixed part replaces the configured latency: 500 ms of it make the pull lose.
+    late = WorkerView("c", 0, 0.0, 1600.0, link_s_per_block=0.0005, link_latency_s=0.5)
+    assert planner().plan([w("a", 50, wait_s=2.0), late], 60, "c").source == ""
+    configured = PrefixPullPlanner(PrefixPullConfig(latency_s=0.3), BS)
+    assert configured.pull_s(10, 0.001, 0.002) == pytest.approx(0.012)  # measured: no configured 0.3 s
     # And the other way: a configured link too slow to pull, a measured one fast enough.
     cfg = PrefixPullConfig(enabled=True, link_bytes_per_s=5e7, kv_bytes_per_token=1e6 / BS, latency_s=0.0)
     assert PrefixPullPlanner(cfg, BS).plan([w("a", 50, wait_s=2.0), fast], 60, "c").source == "a"
