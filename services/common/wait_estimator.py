@@ -27,9 +27,8 @@ class Rates:
     local_tokens_per_s: float = 1000.0  # local prefill, while prefilling
     remote_tokens_per_s: float = 1000.0  # a prefill worker's compute, queue excluded
     kv_bytes_per_token: float = 0.0  # what one prompt token's KV pull moves
-    link_bytes_per_s: float = math.inf  # KV pull bandwidth (LinkFit: the part per byte)
+    link_bytes_per_s: float = math.inf  # KV pull bandwidth (LinkFit: the part per byte); inf: not measured
     link_latency_s: float = 0.0  # the fixed part of a KV pull (LinkFit)
-    link_samples: int = 0  # transfers measured
     tpot_s: float = 0.0  # recent mean inter-token latency here, stalls included
     decode_step_s: float = 0.0  # recent median inter-token latency: the step when no prefill stalls it
     unloaded_tpot_s: float = 0.0  # decode step here unloaded (a low quantile of it)
@@ -87,6 +86,12 @@ class Ewma:
         # The first sample replaces the prior: a prior is a guess, a sample is not.
         self.value = x if not self.samples else self.value + self.alpha * (x - self.value)
         self.samples += 1
+
+
+# Transfers measured before a worker's link figure is used (by its own rules and in its load
+# report): a first connection's setup is not the link, and a rule that took it for the link
+# could stop using the link and never measure it again.
+LINK_MIN_SAMPLES = 3
 
 
 class LinkFit:
@@ -327,25 +332,23 @@ class PathRates:
     def remote_tokens_per_s(self) -> float:
         return self.remote.value if self.remote.samples else self.local_tokens_per_s
 
-    def link_ms(self, block_size: int, min_samples: int = 3) -> tuple[float, float]:
+    def link_ms(self, block_size: int) -> tuple[float, float]:
         """The measured link as (ms per transfer, ms per block of KV): (0, 0) before
-        `min_samples` transfers (a first connection's setup is not the link)."""
+        LINK_MIN_SAMPLES transfers."""
         per_token = self.kv_bytes_per_token.value
-        if self.link.samples < min_samples or per_token <= 0:
+        if self.link.samples < LINK_MIN_SAMPLES or per_token <= 0:
             return 0.0, 0.0
         latency, per_byte = self.link.fit()
         return latency * 1000.0, per_token * block_size * per_byte * 1000.0
 
     def snapshot(self) -> Rates:
+        measured = self.link.samples >= LINK_MIN_SAMPLES and self.link.fit()[1] > 0
         return Rates(
             local_tokens_per_s=self.local_tokens_per_s,
             remote_tokens_per_s=self.remote_tokens_per_s,
             kv_bytes_per_token=self.kv_bytes_per_token.value,
-            link_latency_s=self.link.fit()[0],
-            link_bytes_per_s=1.0 / self.link.fit()[1]
-            if self.link.samples and self.link.fit()[1] > 0
-            else math.inf,
-            link_samples=self.link.samples,
+            link_latency_s=self.link.fit()[0] if measured else 0.0,
+            link_bytes_per_s=1.0 / self.link.fit()[1] if measured else math.inf,
             tpot_s=self.tpot.value,
             decode_step_s=self.decode_step.value,
             unloaded_tpot_s=self.unloaded_tpot.value or 0.0,

@@ -289,20 +289,14 @@ class PrefixPuller:
         task.add_done_callback(self._release_tasks.discard)
 
 
-MIN_LINK_SAMPLES = 3  # transfers measured before this worker's link figure overrules the router
-
-
 def _check_worth_it(rates: PathRates, tokens: int) -> None:
     """This worker's own measurements against the router's prediction."""
     r = rates.snapshot()
-    if (
-        r.link_samples < MIN_LINK_SAMPLES
-        or not math.isfinite(r.link_bytes_per_s)
-        or r.kv_bytes_per_token <= 0
-    ):
-        # Too few transfers measured: trust the router. One is not enough: the first pull from a
-        # peer pays its connection's setup (55-70 ms against ~5 on NIXL here), and a worker that
-        # took that for its link skipped every later pull and never measured another.
+    if not math.isfinite(r.link_bytes_per_s) or r.kv_bytes_per_token <= 0:
+        # Fewer than LINK_MIN_SAMPLES transfers measured: trust the router. One is not enough:
+        # the first pull from a peer pays its connection's setup (55-70 ms against ~5 on NIXL
+        # here), and a worker that took that for its link skipped every later pull and never
+        # measured another.
         return
     pull_s = r.link_latency_s + tokens * r.kv_bytes_per_token / r.link_bytes_per_s
     recompute_s = tokens / r.local_tokens_per_s

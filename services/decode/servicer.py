@@ -34,7 +34,7 @@ from services.decode.disagg_policy import Candidate, DisaggregationPolicy, Mode
 from services.decode.link import LinkSession
 from services.decode.metrics import DecodeMetrics
 from services.decode.prefill_load import OwnDispatches, PrefillLoadProbe
-from services.decode.prefix_pull import MIN_LINK_SAMPLES, PrefixPuller, PullHint
+from services.decode.prefix_pull import PrefixPuller, PullHint
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.worker import DecodeJob, DecodeWorker, Finished, Tokens
 from services.engine.api import Engine, EngineRequest
@@ -168,7 +168,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def load(self) -> common_pb2.WorkerLoad:
         s = self.engine.stats()
-        link = self.worker.rates.link_ms(self.engine.info.block_size, MIN_LINK_SAMPLES)
+        link = self.worker.rates.link_ms(self.engine.info.block_size)
         return load_from_stats(s, self.worker.local_wait_s(s) * 1000.0, self.health, link)
 
     def stats_response(self) -> worker_pb2.StatsResponse:
