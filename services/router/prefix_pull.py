@@ -50,9 +50,15 @@ from services.router.policy import Candidate, Choice
 @dataclass(frozen=True)
 class PrefixPullConfig:
     enabled: bool = setting(False, "route a request away from a loaded holder and pull its cached prefix")
-    link_bytes_per_s: float = setting(2.5e9, "KV bandwidth between workers (NIXL on CPU: 2.8-5.3 GB/s)")
+    link_bytes_per_s: float = setting(
+        2.5e9,
+        "KV bandwidth between workers (NIXL on CPU: 2.8-5.3 GB/s), until a worker reports the link it measured",
+    )
     kv_bytes_per_token: float = setting(46_080.0, "KV bytes of one token (SmolLM2-135M fp32: 46,080)")
-    latency_s: float = setting(0.002, "fixed cost of one pull: lease call, metadata, completion")
+    latency_s: float = setting(
+        0.002,
+        "fixed cost of one pull (lease call, metadata, completion), until a worker reports its measured one",
+    )
     prior_tokens_per_s: float = setting(2_000.0, "prefill rate of a worker that reported none")
     min_pull_blocks: int = setting(4, "smallest prefix (blocks) worth a pull")
     min_gain: float = setting(0.2, "moving off the holder must save this share of its predicted TTFT")
