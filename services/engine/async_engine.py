@@ -145,25 +145,12 @@ class TorchEngine:
         return self._try_submit(lambda core: core.release(request_id))
 
     async def reserve_external(self, request: EngineRequest) -> ExternalKvReservation:
-        self._check_new(request)
-        rid = request.request_id
-        self._reserved.add(rid)
-        # Off the step thread (LLMEngine.reserve_external takes the core's mutex), as
-        # hold_prefix: a remote prefill's or a prefix pull's blocks are reserved while a
-        # loaded worker's long step runs, not after it (a step of 8,192 prompt tokens on the
-        # sim is ~170 ms of model time that the router's pull price never counted).
-        job = asyncio.ensure_future(asyncio.to_thread(self._started().reserve_external, request))
-        try:
-            reservation = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            self._reserved.discard(rid)
-            # The thread may still reserve: cancel whatever it made once it is done.
-            job.add_done_callback(lambda _: self._try_submit(lambda core: core.cancel_external(rid)))
-            raise
-        except BaseException:
-            self._reserved.discard(rid)
-            self._try_submit(lambda core: core.cancel_external(rid))  # no-op unless it got reserved
-            raise
+        # Off the step thread, as hold_prefix: a remote prefill's or a prefix pull's blocks are
+        # reserved while a loaded worker's long step runs, not after it (a step of 8,192 prompt
+        # tokens on the sim is ~170 ms of model time that the router's pull price never counted).
+        reservation = await self._off_step_thread(
+            request, self._reserved, LLMEngine.reserve_external, LLMEngine.cancel_external
+        )
         # Wake the step loop: the KV events of blocks this evicted go out with its next delivery.
         self._try_submit(_noop)
         return reservation
@@ -185,25 +172,32 @@ class TorchEngine:
     async def hold_prefix(self, request: EngineRequest) -> HeldKv | None:
         """Hold the prompt's cached leading blocks (LLMEngine.hold_prefix) until
         `release(request_id)`; None (nothing held) when none is cached."""
+        # A loaded holder's long step does not delay the lease.
+        held = await self._off_step_thread(request, self._held, LLMEngine.hold_prefix, LLMEngine.release)
+        if held is None:
+            self._held.discard(request.request_id)
+        return held
+
+    async def _off_step_thread(self, request: EngineRequest, ids: set[str], call, undo):
+        """`call(core, request)` on a worker thread: it takes the core's mutex, which the step
+        thread releases during the forward pass, so it does not wait for a step to end. The
+        request's id is in `ids` (loop-side bookkeeping) from now on unless it fails. Cancelled
+        while the thread runs: `undo(core, id)` as a command once the thread is done (it may
+        still make what it was asked to). Refused: nothing was made (the core validates and
+        checks capacity before it changes anything)."""
         self._check_new(request)
         rid = request.request_id
-        self._held.add(rid)
-        # Off the step thread (LLMEngine.hold_prefix takes the core's mutex): a loaded
-        # holder's long step does not delay the lease.
-        hold = asyncio.ensure_future(asyncio.to_thread(self._started().hold_prefix, request))
+        ids.add(rid)
+        job = asyncio.ensure_future(asyncio.to_thread(call, self._started(), request))
         try:
-            held = await asyncio.shield(hold)
+            return await asyncio.shield(job)
         except asyncio.CancelledError:
-            self._held.discard(rid)
-            # The thread may still be holding: free whatever it holds once it is done.
-            hold.add_done_callback(lambda _: self._try_submit(lambda core: core.release(rid)))
+            ids.discard(rid)
+            job.add_done_callback(lambda _: self._try_submit(lambda core: undo(core, rid)))
             raise
-        except BaseException:  # refused before anything was held
-            self._held.discard(rid)
+        except BaseException:
+            ids.discard(rid)
             raise
-        if held is None:
-            self._held.discard(rid)
-        return held
 
     def generate_with_prefix(
         self, request: EngineRequest, prefix_request_id: str

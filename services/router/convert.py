@@ -42,7 +42,7 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         accelerator_generation=msg.accelerator_generation,
         memory_headroom_bytes=msg.memory_headroom_bytes,
         warm_models=tuple(msg.warm_models),
-        model_load_s=msg.model_load_s if math.isfinite(msg.model_load_s) and msg.model_load_s > 0 else 0.0,
+        model_load_s=_measured(msg.model_load_s),
     )
 
 
@@ -103,7 +103,7 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
 
 
 def _measured(x: float) -> float:
-    """A measured time from the wire: a finite number > 0, else 0 (not measured)."""
+    """A measured time from the wire: a finite number > 0, else 0 (not measured or not a number)."""
     return x if math.isfinite(x) and x > 0 else 0.0
 
 
