@@ -201,10 +201,12 @@ async def test_a_slow_worker_stays_in_while_its_peers_report_queues(mesh, sims):
     and goes out at the first evaluation after the reports say the queues are gone. The
     reports are written into the registry (where the Stats poll puts them: the poll is set
     not to come round again in the test) by the test, as two busy workers would report."""
+    # Slow at speedup 0.1 (ITL ~60 ms): ejection needs its ITL 3x its peers', and a full suite on
+    # two busy cores has put the peers' at over 10 ms, which 0.2 (~30 ms) did not clear once.
     fast, other, slow = (
         await sims("fast", speedup=50.0),
         await sims("other", speedup=50.0),
-        await sims("slow", speedup=0.2),
+        await sims("slow", speedup=0.1),
     )
     cfg = OutlierConfig(min_samples=3, eval_interval_s=0.0, base_ejection_s=100.0)
     h = await mesh.router(
