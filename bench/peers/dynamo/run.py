@@ -32,7 +32,10 @@ prefix-cache hit there; each system's own counters are printed next to it),
 CPU seconds of each system's processes (Dynamo: frontend, mockers; pdmesh:
 router, workers), the request balance over workers, and the mean
 TTFT at each hop from the systems' own metrics (Dynamo: engines, frontend;
-pdmesh: router flow, HTTP door) next to the client's. Counters are read before and
+pdmesh: router flow, HTTP door, and of the door's the wait from a request's
+parsed head to its handler running, with the share of requests waiting at most
+1 / 5 / 25 ms: the trace's arrivals come in bursts of 3-16 at one instant, whose
+set-ups run one after another on the router's one loop) next to the client's. Counters are read before and
 after the load, so probes do not count. Before each load, a near-zero-load
 probe (sequential requests with fresh 64-token prompts, 2 output tokens)
 gives the TTFT beyond the modeled prefill time: each system's own overhead
@@ -66,6 +69,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -590,6 +594,10 @@ def counters(dep: Deployment) -> dict[str, float]:
     else:
         hist("front_ttft", front, "pdmesh_router_ttft_seconds")
         hist("gateway_ttft", gateway, "pdmesh_gateway_ttft_seconds")
+        # The door's wait from a request's parsed head to its handler running (the loop's queue).
+        hist("gateway_queue", gateway, "pdmesh_gateway_queue_seconds")
+        for le in ("0.001", "0.005", "0.025"):
+            out[f"gateway_queue_le{le}"] = metric(gateway, "pdmesh_gateway_queue_seconds_bucket", le=le)
         hist("engine_ttft", [s for w in workers for s in w], "pdmesh_decode_ttft_seconds")
         # How late each loop ran its 50 ms timer: the router's, and the workers' together.
         for name, samples, base in (
@@ -617,6 +625,8 @@ def load_metrics(before: dict[str, float], after: dict[str, float], workers: int
         front_ttft_ms=mean("front_ttft"),
         engine_ttft_ms=mean("engine_ttft"),
         gateway_ttft_ms=mean("gateway_ttft"),
+        gateway_queue_ms=mean("gateway_queue"),
+        gateway_queue_n=d.get("gateway_queue_count", math.nan),
         router_decision_ms=mean("router_decision", 1.0),
         router_lag_ms=mean("router_lag"),
         worker_lag_ms=mean("worker_lag"),
@@ -690,6 +700,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     return a
+
+
+def bursts(arrivals: Sequence[float]) -> str:
+    """How the arrivals bunch: the trace's timestamps are in whole seconds, so requests come
+    several at one instant, and a front that sets requests up one at a time queues them."""
+    at = Counter(round(t, 6) for t in arrivals)
+    per_request = sum(n * n for n in at.values()) / max(len(arrivals), 1)
+    return (
+        f"arrivals at {len(at)} instants, {min(at.values())}-{max(at.values())} at once "
+        f"({per_request:.1f} on average for a request)"
+    )
 
 
 def machine() -> str:
@@ -779,7 +800,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  rate {rate_labels[rate]}: {len(items)} requests over {span:.1f}s, prompt mean "
             f"{np.mean([len(i.prompt_ids) for i in items]):.0f} max {max(len(i.prompt_ids) for i in items)} tokens, "
             f"output mean {np.mean([i.max_tokens for i in items]):.0f}; ideal prefix reuse "
-            f"{ideal_prefix_reuse([i.prompt_ids for i in items], setup.block_size):.1%}"
+            f"{ideal_prefix_reuse([i.prompt_ids for i in items], setup.block_size):.1%}; "
+            + bursts([i.arrival_s for i in items])
         )
 
     plan = []
@@ -829,7 +851,13 @@ def report(results: list[RunResult], setup: Setup, profile, args: argparse.Names
             parts.append(
                 f"TTFT mean at the decode workers {m.get('engine_ttft_ms', math.nan):.1f}, "
                 f"at the router {m.get('front_ttft_ms', math.nan):.1f}, at the HTTP door "
-                f"{m.get('gateway_ttft_ms', math.nan):.1f}, at the client {r.row.ttft_mean:.1f}"
+                f"{m.get('gateway_ttft_ms', math.nan):.1f} (of which waiting for the loop "
+                f"{m.get('gateway_queue_ms', math.nan):.2f}; "
+                + "/".join(
+                    f"{m.get(f'gateway_queue_le{le}', math.nan) / m.get('gateway_queue_n', math.nan):.0%}"
+                    for le in ("0.001", "0.005", "0.025")
+                )
+                + f" within 1/5/25 ms), at the client {r.row.ttft_mean:.1f}"
             )
             parts.append(
                 f"event-loop lag mean router {m.get('router_lag_ms', math.nan):.2f} ms "

@@ -22,7 +22,7 @@ from bench.peers.dynamo.compare import (
     summary_line,
 )
 from bench.peers.dynamo.make_model_folder import DEFAULT_VOCAB, EOS_ID, FIRST_WORD_ID, write_folder
-from bench.peers.dynamo.run import pin_threads
+from bench.peers.dynamo.run import bursts, pin_threads
 from bench.stats import RequestRecord
 
 METRICS = """\
@@ -261,3 +261,9 @@ def test_cpu_split_recovers_the_background_per_request_and_per_token_costs():
     assert (w.per_request_ms, w.per_token_us) == pytest.approx((6.0, 300.0))
     with pytest.raises(ValueError):
         split(idle, full, one, "front_s")
+
+
+def test_bursts_count_the_instants_and_how_many_arrive_at_once():
+    # 3 at 0 s, 1 at 0.75 s, 2 at 1.5 s: a request is in a burst of (9 + 1 + 4) / 6 on average
+    line = bursts([0.0, 0.0, 0.0, 0.75, 1.5, 1.5])
+    assert line == "arrivals at 3 instants, 1-3 at once (2.3 on average for a request)"
