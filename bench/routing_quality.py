@@ -203,7 +203,7 @@ def limits(study: Study) -> dict[str, int]:
 
 def start_workers(launcher: Launcher, study: Study) -> list[RunningService]:
     kv: tuple[str, ...] = ()
-    if any("@pull" in p for p in study.policies):  # pulls move KV: a transport, its registry
+    if any(_pulls(p) for p in study.policies):  # pulls move KV: a transport, its registry
         svc = launcher.start_ready(
             ServiceSpec("kvtransfer", "services.kvtransfer.main", ready_service="pdmesh.v1.KvTransferService")
         )
@@ -264,6 +264,8 @@ VARIANTS = {
     "opt": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0},  # + optimistic prefixes
     # + prefixes pulled instead of recomputed (the link and rates: pull_flags)
     "pull": {"load_view": "true", "optimistic_prefix_ttl_s": 10.0, "prefix_pull_enabled": "true"},
+    # the default (own load view, no optimistic prefixes) + pulls: the routing model's kv@lv:pull=1
+    "lvpull": {"load_view": "true", "optimistic_prefix_ttl_s": 0, "prefix_pull_enabled": "true"},
     # the same, but never moving a request off the holder the policy chose (pulls only to the choice)
     "pullkeep": {
         "load_view": "true",
@@ -276,6 +278,12 @@ VARIANTS = {
     "nospeed": {"speed_route": "false"},  # every worker weighs the same (auto with one kind of worker)
     "plain": {"speed_route": "false", "outlier_enabled": "false"},  # nor slowness seen as a fault
 }
+
+
+def _pulls(policy: str) -> bool:
+    """Does "<policy>@<variant>" pull prefixes (a variant with prefix_pull_enabled)?"""
+    _, _, variant = policy.partition("@")
+    return VARIANTS.get(variant, {}).get("prefix_pull_enabled") == "true"
 
 
 def pull_flags(study: Study) -> dict[str, float]:
@@ -303,7 +311,7 @@ def start_router(launcher: Launcher, study: Study, policy: str, workers: list[Ru
         policy=name,
         prefill_weight=float(weight) if weight else None,
         **VARIANTS.get(variant, {}),
-        **(pull_flags(study) if variant.startswith("pull") else {}),
+        **(pull_flags(study) if _pulls(policy + "@" + variant) else {}),
         preset="tiny",
         block_size=study.block_size,
         max_model_len=study.num_blocks * study.block_size,
@@ -343,6 +351,8 @@ def worker_counters(workers: list[RunningService]) -> dict[str, dict[str, int]]:
             "host_rejected": c.host_rejected,
             "preemptions": c.preemptions,
             "prefix_pulls_ok": s.prefix_pulls.get("ok", 0),
+            "prefix_pulls_fallback": s.prefix_pulls.get("fallback", 0),  # tried, failed: recomputed
+            "prefix_pulls_skipped": s.prefix_pulls.get("skipped", 0),  # the worker's own check said no
             "prefix_pull_tokens": s.prefix_pull_tokens_saved,
         }
     return out
@@ -517,9 +527,16 @@ def print_study(study: Study, results: list[PolicyResult], ideal: float) -> None
     for line in table(results):
         print(line)
     for r in results:
-        if "@pull" in r.policy:
+        if _pulls(r.policy):
             tokens = sum(d.get("prefix_pull_tokens", 0) for d in r.worker_delta.values())
-            print(f"  {r.policy}: pull_share {r.pull_share:.3f} of requests, {tokens:,} prompt tokens pulled")
+            fell, skipped = (
+                sum(d.get(k, 0) for d in r.worker_delta.values())
+                for k in ("prefix_pulls_fallback", "prefix_pulls_skipped")
+            )
+            print(
+                f"  {r.policy}: pull_share {r.pull_share:.3f} of requests, {tokens:,} prompt tokens pulled; "
+                f"hints that fell back to a local prefill {fell}, skipped by the worker's check {skipped}"
+            )
     p = by_policy(results)
     rr = p.get("round_robin")
     for name, kv in p.items():
@@ -567,6 +584,33 @@ def scale_study(workers: int, base: Study = FULL) -> Study:
         workers=workers,
         time_factor=base.time_factor / k,
         speedup=base.speedup / k,
+    )
+
+
+def paired_by_request(a: PolicyResult, b: PolicyResult) -> str:
+    """B against A request by request (the same trace, paired by position): the TTFT change
+    (model ms) of the requests B served with more of the prompt cached than A did (a prefix
+    pulled there, or routed to a holder) and of the rest, so a mechanism's own requests and
+    what it did to the others are told apart."""
+
+    def key(x: RequestRecord) -> str:  # bench.loadgen's ids: lg-<run>-<position in the trace>
+        return x.request_id.rsplit("-", 1)[-1]
+
+    ttft_a = {key(x): (x.ttft_s, x.cached_tokens) for x in a.records if x.ok and x.ttft_s is not None}
+    gained, rest = [], []
+    for x in b.records:
+        if not x.ok or x.ttft_s is None or key(x) not in ttft_a:
+            continue
+        t0, c0 = ttft_a[key(x)]
+        (gained if x.cached_tokens > c0 else rest).append((x.ttft_s - t0) * 1000.0 * b.study.speedup)
+
+    def part(name: str, d: list[float]) -> str:
+        if not d:
+            return f"{name} 0"
+        return f"{name} {len(d)}: TTFT change mean {statistics.mean(d):+.0f} ms, median {statistics.median(d):+.0f}"
+
+    return f"per request, {b.policy} - {a.policy}: " + "; ".join(
+        (part("more cached", gained), part("the rest", rest))
     )
 
 
@@ -624,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 x{r.ttft_ms['p99'] / f.ttft_ms['p99']:.2f}, goodput x{r.goodput_rps / max(f.goodput_rps, 1e-9):.2f}, "
                 f"tpot p50 x{r.tpot_p50_ms / max(f.tpot_p50_ms, 1e-9):.2f}"
             )
+            print("    " + paired_by_request(f, r))
         if repeat > 1:
             ratios = sorted(got[name].ttft_ms["mean"] / got[first].ttft_ms["mean"] for got in reps)
             print(

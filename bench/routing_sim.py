@@ -670,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         ideal = ideal_cached / sum(r.prompt for r in base)
         rows = {}
+        ran: dict[str, list[Req]] = {}  # each variant's requests, in trace order
         e2es: dict[str, float] = {}
         for spec in args.variants.split(","):
             v = parse_variant(spec)
@@ -678,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             a.workers = n
             cluster = Cluster(a, v, reqs, prof, args.seed)
             cluster.run()
+            ran[spec] = reqs
             ttft = [(r.first_token - r.arrival) * 1000 for r in reqs]
             hit = sum(r.cached for r in reqs) / sum(r.prompt for r in reqs)
             span = max(r.done for r in reqs) - reqs[0].arrival
@@ -702,6 +704,22 @@ def main(argv: list[str] | None = None) -> int:
                     f"them {h - pulled:.3f}), {cluster.pulls_failed} failed for room; hit / ideal {h / ideal:.2f}"
                 )
                 summary.append(f"pull_share_{tag}={share:.3f}")
+                base_spec = next((x for x in ran if x != "rr"), None)
+                if base_spec is not None:  # as bench/routing_quality.py's paired_by_request
+                    gained, rest = [], []
+                    for r0, r1 in zip(ran[base_spec], reqs, strict=True):
+                        d = (r1.first_token - r1.arrival - (r0.first_token - r0.arrival)) * 1000
+                        (gained if r1.cached > r0.cached else rest).append(d)
+                    print(
+                        f"    per request, {spec} - {base_spec}: "
+                        + "; ".join(
+                            f"{name} {len(d)}: TTFT change mean {statistics.mean(d):+.0f} ms, "
+                            f"median {statistics.median(d):+.0f}"
+                            if d
+                            else f"{name} 0"
+                            for name, d in (("more cached", gained), ("the rest", rest))
+                        )
+                    )
             if args.speeds:  # heterogeneous: the whole request, and decode speed
                 e2e = statistics.mean((r.done - r.arrival) * 1000 for r in reqs)
                 tpot = [(r.done - r.first_token) * 1000 / (r.out - 1) for r in reqs if r.out > 1]

@@ -7,7 +7,19 @@ from dataclasses import replace
 import pytest
 
 from bench.loadgen import WorkItem
-from bench.routing_quality import FULL, QUICK, ideal_hit, repeat_order, scale_study, workload
+from bench.routing_quality import (
+    FULL,
+    QUICK,
+    VARIANTS,
+    PolicyResult,
+    _pulls,
+    ideal_hit,
+    paired_by_request,
+    repeat_order,
+    scale_study,
+    workload,
+)
+from bench.stats import RequestRecord, summarize
 
 
 def test_ideal_hit_counts_full_blocks_of_prefixes_seen_before():
@@ -44,3 +56,29 @@ def test_repeated_policies_alternate_their_order():
     assert repeat_order(("a", "b"), 4) == ("a", "b", "b", "a", "a", "b", "b", "a")
     firsts = repeat_order(("a", "b", "c"), 2)[::3]
     assert firsts == ("a", "c")  # each policy's place in the run moves
+
+
+def _record(run: str, i: int, ttft_s: float, cached: int) -> RequestRecord:
+    r = RequestRecord(f"lg-{run}-{i}", 0.0, 0.0, 100, 2, cached_tokens=cached)
+    r.add_message(ttft_s, 1)
+    r.ok = True
+    return r
+
+
+def test_a_paired_comparison_splits_the_requests_that_gained_cached_tokens_from_the_rest():
+    """Paired by trace position (the run ids differ); times in model ms (wall x speedup)."""
+    study = replace(QUICK, speedup=2.0)
+    a = [_record("a", 0, 0.100, 0), _record("a", 1, 0.050, 16), _record("a", 2, 0.040, 0)]
+    b = [_record("b", 0, 0.060, 64), _record("b", 1, 0.055, 16), _record("b", 2, 0.040, 0)]
+    pa = PolicyResult("kv_aware@lv", study, summarize(a), a)
+    pb = PolicyResult("kv_aware@lvpull", study, summarize(b), b)
+    line = paired_by_request(pa, pb)
+    # request 0 had more cached in B: (0.060 - 0.100) s x 2 = -80 ms; 1 and 2 are the rest: +10 and 0
+    assert "more cached 1: TTFT change mean -80 ms, median -80" in line
+    assert "the rest 2: TTFT change mean +5 ms, median +5" in line
+
+
+def test_pull_variants_are_recognised_by_their_flag_not_their_name():
+    assert _pulls("kv_aware@pull") and _pulls("kv_aware@lvpull") and _pulls("kv_aware@pullkeep")
+    assert not _pulls("kv_aware@lv") and not _pulls("kv_aware") and not _pulls("kv_aware@opt")
+    assert VARIANTS["lvpull"]["optimistic_prefix_ttl_s"] == 0  # the default router's index, plus pulls
