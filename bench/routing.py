@@ -568,6 +568,7 @@ def part2(quick: bool) -> dict[str, str]:
 
 
 def run_scale() -> int:
+    print(f"cpu: {cpu_model()} x{os.cpu_count()}; load average {os.getloadavg()[0]:.1f}")
     runs = []
     for n in SCALE_WORKERS:
         study = scale_study(n)
