@@ -497,6 +497,7 @@ def part1(studies: list[Study], sizes: tuple[int, ...] = ()) -> dict[str, str]:
     """Each study (one per offered load); the last line's fields come from the heaviest
     load at which round_robin still achieved >= 95% of kv_aware's throughput. Then the
     headline study at each of `sizes` workers (offered load per worker fixed)."""
+    print(f"cpu: {cpu_model()} x{os.cpu_count()}; load average {os.getloadavg()[0]:.1f}")
     runs = []
     ideals = {}
     for study in studies:
