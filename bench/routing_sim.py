@@ -704,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"them {h - pulled:.3f}), {cluster.pulls_failed} failed for room; hit / ideal {h / ideal:.2f}"
                 )
                 summary.append(f"pull_share_{tag}={share:.3f}")
-                base_spec = next((x for x in ran if x != "rr"), None)
+                base_spec = next((x for x in ran if x not in ("rr", spec)), None)
                 if base_spec is not None:  # as bench/routing_quality.py's paired_by_request
                     gained, rest = [], []
                     for r0, r1 in zip(ran[base_spec], reqs, strict=True):
