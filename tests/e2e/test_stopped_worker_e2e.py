@@ -35,6 +35,10 @@ pytestmark = pytest.mark.e2e
 
 ROUTER = flags(
     policy="round_robin",
+    # Not the outlier detector's test: on a loaded machine it can steer round robin away from a
+    # healthy worker on noise (BENCHMARKS.md, session 30), and the precondition below needs streams
+    # on both workers.
+    outlier_enabled=False,
     health_interval_s=0.2,
     health_timeout_s=0.5,
     stats_interval_s=0.2,

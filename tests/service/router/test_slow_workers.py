@@ -202,11 +202,13 @@ async def test_a_slow_worker_stays_in_while_its_peers_report_queues(mesh, sims):
     reports are written into the registry (where the Stats poll puts them: the poll is set
     not to come round again in the test) by the test, as two busy workers would report."""
     # Slow at speedup 0.03 (ITL ~200 ms): ejection needs its ITL 3x its peers', and a full suite on
-    # two busy cores has put the peers' at over 10 ms, which 0.2 (~30 ms) did not clear once, and
-    # with a CPU hog beside the suite 0.1 (~60 ms) did not either (session 30).
+    # two busy cores has put the peers' at over 10 ms, which 0.2 (~30 ms) did not clear once. The
+    # peers at speedup 1 (~6 ms a token), not 50: an ITL sample needs a token after the first
+    # message, and with a CPU hog beside the suite a 50x peer's 6 tokens (~1 ms) could all reach
+    # the router in its first message, leaving the peers without the samples a comparison needs.
     fast, other, slow = (
-        await sims("fast", speedup=50.0),
-        await sims("other", speedup=50.0),
+        await sims("fast", speedup=1.0),
+        await sims("other", speedup=1.0),
         await sims("slow", speedup=0.03),
     )
     cfg = OutlierConfig(min_samples=3, eval_interval_s=0.0, base_ejection_s=100.0)
