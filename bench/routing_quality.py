@@ -280,10 +280,14 @@ VARIANTS = {
 }
 
 
-def _pulls(policy: str) -> bool:
-    """Does "<policy>@<variant>" pull prefixes (a variant with prefix_pull_enabled)?"""
-    _, _, variant = policy.partition("@")
+def _pulling(variant: str) -> bool:
+    """Does the variant pull prefixes (prefix_pull_enabled among its flags)?"""
     return VARIANTS.get(variant, {}).get("prefix_pull_enabled") == "true"
+
+
+def _pulls(policy: str) -> bool:
+    """Does "<policy>@<variant>" pull prefixes?"""
+    return _pulling(policy.partition("@")[2])
 
 
 def pull_flags(study: Study) -> dict[str, float]:
@@ -311,7 +315,7 @@ def start_router(launcher: Launcher, study: Study, policy: str, workers: list[Ru
         policy=name,
         prefill_weight=float(weight) if weight else None,
         **VARIANTS.get(variant, {}),
-        **(pull_flags(study) if _pulls(policy + "@" + variant) else {}),
+        **(pull_flags(study) if _pulling(variant) else {}),
         preset="tiny",
         block_size=study.block_size,
         max_model_len=study.num_blocks * study.block_size,
